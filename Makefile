@@ -1,0 +1,31 @@
+# The two commands of the README: `make train` (the main job) and `make test` (the suite).
+# Each creates the virtualenv on first use. TORCH_SPEC pins the CPU wheel that is on our
+# machines; on a CUDA machine pass e.g. TORCH_SPEC='torch==2.13.0' with a CUDA index.
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: train test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q '$(TORCH_SPEC)'
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+train: $(VENV)/.installed
+	$(VENV)/bin/dataparallel train $(ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+test: lint
+	$(VENV)/bin/python -m pytest -q tests
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/python benchmarks/bench_step.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,47 @@
+"""dataparallel: a readable data-parallel training engine for PyTorch.
+
+    import dataparallel as dp
+    world = dp.init()                                   # torchrun's env, or a world of one
+    model = dp.parallelize(model, strategy="ddp")       # or dp.DDP(bucket_mb=25)
+    optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=3e-4)
+    with dp.no_sync(model):                             # accumulate without communication
+        ...
+"""
+
+from .api import (
+    build_optimizer,
+    clip_grad_norm_,
+    full_state_dict,
+    join,
+    load_full_state_dict,
+    load_optimizer_state_dict,
+    memory_report,
+    no_sync,
+    optimizer_state_dict,
+    parallelize,
+    strategy_of,
+)
+from .comm import Tracer
+from .data import DistributedSampler
+from .runtime import World, destroy, init
+from .strategies import DDP
+
+__all__ = [
+    "DDP",
+    "DistributedSampler",
+    "Tracer",
+    "World",
+    "build_optimizer",
+    "clip_grad_norm_",
+    "destroy",
+    "full_state_dict",
+    "init",
+    "join",
+    "load_full_state_dict",
+    "load_optimizer_state_dict",
+    "memory_report",
+    "no_sync",
+    "optimizer_state_dict",
+    "parallelize",
+    "strategy_of",
+]

@@ -1,0 +1,144 @@
+"""The public calls: `parallelize` a model, `build_optimizer` for it, and what follows.
+
+Each call after `parallelize` finds the strategy attached to the model and forwards to it, so
+user code reads the same whatever the strategy (DDP, ZeRO-1/2/3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Comm, Tracer
+from .strategies import Strategy, resolve_policy
+
+_ATTR = "_dataparallel_strategy"
+
+
+def parallelize(
+    model: nn.Module,
+    strategy="ddp",
+    *,
+    group: dist.ProcessGroup | None = None,
+    tracer: Tracer | None = None,
+) -> nn.Module:
+    """Apply a data-parallel strategy to `model` in place and return it.
+
+    strategy: a name ("ddp", "zero1", "zero2", "zero3") or a policy object such as
+        `DDP(bucket_mb=25)`.
+    group: the process group to train over; None is every rank (call `dataparallel.init()`).
+    tracer: records when collectives start and finish (see `comm.Tracer`).
+
+    Collective: every rank of the group must call it, with the same model.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize: model must be an nn.Module, got {type(model).__name__}")
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("parallelize: this model is already parallelized; wrap it only once")
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize: no process group; call dataparallel.init() first")
+    policy = resolve_policy(strategy)
+    instance = policy.apply(model, Comm(group, tracer))
+    object.__setattr__(model, _ATTR, instance)
+    return model
+
+
+def strategy_of(model: nn.Module) -> Strategy:
+    """The strategy `parallelize` attached to `model` (an error if there is none)."""
+    instance = getattr(model, _ATTR, None)
+    if instance is None:
+        raise ValueError(
+            "this model was not parallelized; call dataparallel.parallelize(model) first"
+        )
+    return instance
+
+
+def build_optimizer(model: nn.Module, optimizer, params=None, **kwargs) -> torch.optim.Optimizer:
+    """Build the optimizer for a parallelized model.
+
+    optimizer: a `torch.optim.Optimizer` class (built here, on shards for sharded strategies)
+        or, for DDP, an optimizer already built on this model's parameters (checked).
+    params: optional parameters or param-group dicts of this model (default: all trainable).
+    kwargs: passed to the optimizer class (lr, weight_decay, ...).
+    """
+    strategy = strategy_of(model)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if params is not None or kwargs:
+            raise ValueError(
+                "build_optimizer: pass an optimizer class with its arguments, or a built "
+                "optimizer alone"
+            )
+        return strategy.adopt_optimizer(optimizer)
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise TypeError(
+            f"build_optimizer: optimizer must be a torch.optim.Optimizer class, got {optimizer!r}"
+        )
+    return strategy.build_optimizer(optimizer, params, **kwargs)
+
+
+def no_sync(model: nn.Module):
+    """Context manager: backward passes inside it accumulate locally, with no communication."""
+    return strategy_of(model).no_sync()
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by their global norm across ranks and shards; return that norm."""
+    return strategy_of(model).clip_grad_norm_(max_norm, norm_type)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole, unsharded model state on CPU, on every rank (collective for sharded ones).
+
+    Its keys are those of the plain model, so `nn.Module.load_state_dict` takes it as is.
+    """
+    return strategy_of(model).full_state_dict()
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a whole-model state dict (as `full_state_dict` returns) into a parallelized model."""
+    strategy_of(model).load_full_state_dict(state_dict)
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state in the form of a plain optimizer over `model.parameters()`."""
+    return strategy_of(model).optimizer_state_dict(optimizer)
+
+
+def load_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
+    """Load what `optimizer_state_dict` returned (from any strategy) into `optimizer`."""
+    strategy_of(model).load_optimizer_state_dict(optimizer, state)
+
+
+def memory_report(model: nn.Module, optimizer=None) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state."""
+    return strategy_of(model).memory_report(optimizer)
+
+
+def join(batches: Iterable, group: dist.ProcessGroup | None = None) -> Iterator:
+    """Yield from `batches` while every rank still has a batch; stop all ranks together.
+
+    For uneven inputs: a rank that runs out early would otherwise leave the others waiting
+    forever in their next gradient all-reduce. Before each batch the ranks agree (one tiny
+    all-reduce) whether all of them have one; when any rank is out, all stop at that step, and
+    the longer ranks' extra batches are not trained on. `DistributedSampler` avoids the case
+    altogether by giving every rank the same number of samples.
+    """
+    comm = Comm(group)
+    iterator = iter(batches)
+    flag = torch.zeros(1, dtype=torch.int32, device=comm.device)
+    while True:
+        try:
+            batch, has_batch = next(iterator), 1
+        except StopIteration:
+            batch, has_batch = None, 0
+        flag.fill_(has_batch)
+        if comm.world_size > 1:
+            comm.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if int(flag.item()) == 0:
+            return
+        yield batch

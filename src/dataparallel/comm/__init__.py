@@ -1,0 +1,23 @@
+"""Collectives with byte accounting, traces, and gradient communication hooks."""
+
+from .collectives import Comm, TraceEvent, Tracer
+from .hooks import (
+    GradBucket,
+    HookState,
+    allreduce_hook,
+    bf16_compress_hook,
+    compressed_allreduce_hook,
+    fp16_compress_hook,
+)
+
+__all__ = [
+    "Comm",
+    "GradBucket",
+    "HookState",
+    "TraceEvent",
+    "Tracer",
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "compressed_allreduce_hook",
+    "fp16_compress_hook",
+]

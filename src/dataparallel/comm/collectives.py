@@ -1,0 +1,132 @@
+"""A thin layer over torch.distributed collectives: explicit group, byte accounting, a trace.
+
+Every strategy talks to other ranks through a `Comm`, never through `torch.distributed`
+directly, so that bytes moved per step can be reported and a trace can show when each
+collective started and finished relative to compute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TraceEvent:
+    """One instant in a trace: `name` at `t_ns` (time.perf_counter_ns), with free-form args."""
+
+    name: str
+    t_ns: int
+    args: dict = field(default_factory=dict)
+
+
+class Tracer:
+    """Records instants (`mark`) while enabled; `events` keeps them in order of recording.
+
+    Off by default; recording costs one list append per event. Work callbacks run on the
+    communication thread, and list.append is atomic under the GIL, so no lock is needed.
+    """
+
+    def __init__(self, enabled: bool = False):
+        self.enabled = enabled
+        self.events: list[TraceEvent] = []
+
+    def mark(self, name: str, **args) -> None:
+        if self.enabled:
+            self.events.append(TraceEvent(name, time.perf_counter_ns(), args))
+
+    def first(self, name: str, **match) -> TraceEvent | None:
+        for event in self.events:
+            if event.name == name and all(event.args.get(k) == v for k, v in match.items()):
+                return event
+        return None
+
+    def clear(self) -> None:
+        self.events.clear()
+
+    def to_chrome(self, pid: int = 0) -> list[dict]:
+        """The events as Chrome-trace instants (load the JSON list in chrome://tracing)."""
+        return [
+            {"name": e.name, "ph": "i", "s": "p", "ts": e.t_ns / 1000, "pid": pid, "args": e.args}
+            for e in self.events
+        ]
+
+
+class Comm:
+    """Collectives on one process group, counting the bytes each kind of collective moved.
+
+    `bytes_sent[kind]` counts the payload handed to each collective (the tensor's size, not the
+    algorithm's wire traffic, which depends on the backend's ring or tree).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, tracer: Tracer | None = None):
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.backend = dist.get_backend(self.group)
+        # Small control tensors (flags, counts) live where the backend can send them.
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
+        self.tracer = tracer if tracer is not None else Tracer()
+        self.bytes_sent: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+
+    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+        self.bytes_sent[kind] += tensor.numel() * tensor.element_size()
+        self.calls[kind] += 1
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        self._count("all_reduce", tensor)
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        self._count("broadcast", tensor)
+        global_src = dist.get_global_rank(self.group, src)
+        return dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, async_op=False
+    ):
+        """Sum `input` (world_size * output.numel() elements) across ranks; keep this rank's part."""
+        self._count("reduce_scatter", input)
+        return dist.reduce_scatter_tensor(
+            output, input, op=op, group=self.group, async_op=async_op
+        )
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Concatenate every rank's `input` into `output` (world_size * input.numel() elements)."""
+        self._count("all_gather", input)
+        return dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+
+    def all_gather_object(self, obj) -> list:
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        self.calls["all_gather_object"] += 1
+        return out
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Broadcast many tensors as one flat message per dtype (one collective, not one each)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self.broadcast(flat, src=src)
+            if self.rank == src:
+                continue
+            offset = 0
+            with torch.no_grad():
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def reset_counters(self) -> None:
+        self.bytes_sent.clear()
+        self.calls.clear()

@@ -1,0 +1,88 @@
+"""Process-group set-up: `init()` reads torchrun's environment, or makes a world of one.
+
+`init()` returns a `World` that callers pass on; nothing here is a module-level process-group
+global that strategies read. A plain `python script.py` (no torchrun) gets a world of one on a
+private in-memory store, so every code path is the same with one rank or many.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands in the job.
+
+    rank: this process' index in the group, 0..world_size-1.
+    world_size: number of processes that train together.
+    local_rank: index among the processes of this machine (picks the GPU on CUDA).
+    device: the device this rank computes on (`cuda:<local_rank>` when CUDA is there, else cpu).
+    backend: "nccl" on CUDA, "gloo" on CPU.
+    group: the process group of all ranks (torch's default group once initialised).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    group: dist.ProcessGroup
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init(
+    backend: str | None = None, timeout: timedelta = timedelta(minutes=10), threads: int | None = None
+) -> World:
+    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
+
+    backend: "gloo", "nccl", or None to choose nccl when CUDA is available, else gloo.
+    timeout: how long a collective may wait for a missing rank before it fails (not hangs).
+    threads: torch intra-op threads for this rank; None leaves torch's setting (torchrun and our
+        launcher set OMP_NUM_THREADS to a fair share of the cores).
+
+    Calling it again returns the same world. Without torchrun's variables it makes a world of one.
+    """
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"init: threads={threads} must be >= 1")
+        torch.set_num_threads(threads)
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    if backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"init: backend={backend!r} is not supported; use 'gloo' or 'nccl'")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+    group = dist.group.WORLD
+    return World(
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+        local_rank=local_rank,
+        device=device,
+        backend=dist.get_backend(group),
+        group=group,
+    )
+
+
+def destroy() -> None:
+    """Tear down the default process group (safe to call when none exists)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

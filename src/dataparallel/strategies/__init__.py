@@ -1,0 +1,24 @@
+"""Strategies: one module each, chosen by name or by a policy object."""
+
+from .base import Strategy
+from .ddp import DDP, DDPStrategy
+
+# Registry: strategy name -> policy class (called with no arguments for the defaults).
+POLICIES: dict[str, type] = {"ddp": DDP}
+
+
+def resolve_policy(strategy):
+    """A policy object from a name ("ddp", ...) or a policy object (returned as is)."""
+    if isinstance(strategy, str):
+        if strategy not in POLICIES:
+            known = ", ".join(sorted(POLICIES))
+            raise ValueError(f"parallelize: unknown strategy {strategy!r}; choose one of {known}")
+        return POLICIES[strategy]()
+    if not hasattr(strategy, "apply"):
+        raise TypeError(
+            f"parallelize: strategy must be a name or a policy such as DDP(), got {strategy!r}"
+        )
+    return strategy
+
+
+__all__ = ["DDP", "DDPStrategy", "POLICIES", "Strategy", "resolve_policy"]

@@ -1,0 +1,162 @@
+"""What every strategy shares: the model check at wrap time, optimizer validation, the protocol.
+
+A strategy is attached to the model by `dataparallel.parallelize` and reached through the
+module-level functions of `dataparallel.api`; the trainer never sees strategy internals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+
+
+def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every parameter and buffer, in registration order."""
+    entries = [("param:" + n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    entries += [("buffer:" + n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    return entries
+
+
+def first_mismatch(signatures: list[list[tuple]]) -> str | None:
+    """Describe the first entry where some rank's signature differs from rank 0's, or None."""
+    reference = signatures[0]
+    for rank, sig in enumerate(signatures[1:], start=1):
+        for position in range(max(len(reference), len(sig))):
+            mine = reference[position] if position < len(reference) else None
+            theirs = sig[position] if position < len(sig) else None
+            if mine != theirs:
+                where = (mine or theirs)[0]
+                return (
+                    f"{where.split(':', 1)[0]} '{where.split(':', 1)[1]}' differs across ranks: "
+                    f"rank 0 has {_describe(mine)}, rank {rank} has {_describe(theirs)}"
+                )
+    return None
+
+
+def _describe(entry) -> str:
+    if entry is None:
+        return "nothing at that position"
+    name, shape, dtype = entry
+    return f"{name.split(':', 1)[1]} shape {list(shape)} {dtype.removeprefix('torch.')}"
+
+
+def verify_same_model(model: nn.Module, comm: Comm) -> None:
+    """Fail on every rank, with one clear error, when the ranks hold different models.
+
+    Signatures are all-gathered (one small collective), so every rank sees the same mismatch
+    and raises the same error, instead of some ranks hanging in the broadcast that follows.
+    """
+    if comm.world_size == 1:
+        return
+    problem = first_mismatch(comm.all_gather_object(model_signature(model)))
+    if problem:
+        raise ValueError(
+            f"parallelize: {problem}; build the same model (same config and dtype) on every rank"
+        )
+
+
+def check_optimizer_params(model: nn.Module, param_groups) -> None:
+    """Raise if any optimizer parameter is not a parameter of `model`."""
+    owned = {id(p) for p in model.parameters()}
+    for group in param_groups:
+        params = group["params"] if isinstance(group, dict) else [group]
+        for p in params:
+            if id(p) not in owned:
+                raise ValueError(
+                    f"build_optimizer: a parameter of shape {list(p.shape)} does not belong to "
+                    "the parallelized model; build the optimizer from this model's parameters"
+                )
+
+
+def normalize_param_groups(model: nn.Module, params) -> list[dict]:
+    """The optimizer's param groups: `params` (tensors or dicts) or every trainable parameter."""
+    if params is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        groups = [dict(g, params=list(g["params"])) for g in params]
+    else:
+        groups = [{"params": params}]
+    check_optimizer_params(model, groups)
+    return groups
+
+
+class Strategy:
+    """The protocol every strategy implements (a base with the shared pieces).
+
+    name: the strategy's registry name ("ddp", "zero1", ...).
+    """
+
+    name = "base"
+
+    def __init__(self, model: nn.Module, comm: Comm):
+        self.model = model
+        self.comm = comm
+        self.sync_enabled = True
+
+    # -- the calls the public API forwards ---------------------------------------------------
+    def build_optimizer(self, optimizer_cls, params=None, **kwargs) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Accept an optimizer the user built; strategies that shard it refuse."""
+        raise ValueError(
+            f"build_optimizer: strategy {self.name!r} builds its own sharded optimizer; pass the "
+            "optimizer class and its arguments instead of a built optimizer"
+        )
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: no communication until the context exits."""
+        previous = self.sync_enabled
+        self._set_sync(False)
+        try:
+            yield
+        finally:
+            self._set_sync(previous)
+
+    def _set_sync(self, enabled: bool) -> None:
+        self.sync_enabled = enabled
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        raise NotImplementedError
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        raise NotImplementedError
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        raise NotImplementedError
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        raise NotImplementedError
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes held by distinct storages among `tensors` (views of one buffer count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [
+        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+    ]

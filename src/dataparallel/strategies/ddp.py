@@ -1,0 +1,148 @@
+"""DDP: every rank holds the whole model; gradients are all-reduced bucket by bucket in backward.
+
+The contract (what `parallelize(model, DDP(...))` guarantees):
+- At wrap time every rank checks it holds the same parameter names, shapes and dtypes (one
+  clear error on all ranks otherwise), then takes rank 0's parameters and buffers.
+- After `loss.backward()` returns, every `.grad` holds the mean (or sum) across ranks, reduced
+  in buckets that overlap backward ([Note: overlap] in reducer.py); grads are views into the
+  flat buckets ([Note: gradient views] in buckets.py), so no copy is made per step.
+- Inside `no_sync()` gradients accumulate locally; the first backward outside it reduces the
+  accumulated sum, so k micro-steps equal one step on the k-times batch.
+- Unused parameters are detected automatically ([Note: unused parameters] in reducer.py).
+- With `broadcast_buffers`, buffers (BatchNorm statistics) are broadcast from rank 0 at the
+  start of each training forward (only in `train()` mode with grad enabled, so an evaluation
+  that runs on one rank alone never waits for the others).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..comm import Comm, HookState, allreduce_hook
+from .base import (
+    Strategy,
+    check_optimizer_params,
+    normalize_param_groups,
+    optimizer_state_tensors,
+    tensor_bytes,
+    verify_same_model,
+)
+from .buckets import plan_buckets
+from .reducer import GradientReducer
+
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDP:
+    """Policy for replicated data parallelism.
+
+    bucket_mb: gradient bucket size in MiB; larger buckets mean fewer, bigger collectives and
+        less overlap. Must be > 0.
+    first_bucket_mb: size of the first bucket (the last layers' gradients), kept small so the
+        first all-reduce starts early in backward. Must be > 0.
+    reduce_op: "mean" averages gradients across ranks (N-rank training equals one rank on the
+        N-times batch); "sum" adds them.
+    broadcast_buffers: broadcast buffers from rank 0 at each training forward.
+    comm_hook: `hook(state, bucket) -> Future` that reduces one bucket (see comm/hooks.py);
+        None is the plain all-reduce. `dataparallel.comm.bf16_compress_hook` halves the bytes.
+    hook_state: the state passed to `comm_hook`; None builds a `HookState` for the group.
+    """
+
+    name: ClassVar[str] = "ddp"
+    bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    reduce_op: str = "mean"
+    broadcast_buffers: bool = True
+    comm_hook: Callable | None = None
+    hook_state: object | None = None
+
+    def __post_init__(self):
+        if not self.bucket_mb > 0:
+            raise ValueError(f"DDP: bucket_mb={self.bucket_mb} must be > 0 (MiB per bucket)")
+        if not self.first_bucket_mb > 0:
+            raise ValueError(f"DDP: first_bucket_mb={self.first_bucket_mb} must be > 0")
+        if self.reduce_op not in ("mean", "sum"):
+            raise ValueError(f"DDP: reduce_op={self.reduce_op!r} must be 'mean' or 'sum'")
+
+    def apply(self, model: nn.Module, comm: Comm) -> DDPStrategy:
+        return DDPStrategy(model, comm, self)
+
+
+def broadcast_model(model: nn.Module, comm: Comm) -> None:
+    """Give every rank rank 0's parameters and buffers (one collective per dtype)."""
+    tensors = [p.data for p in model.parameters()] + list(model.buffers())
+    if comm.world_size > 1 and tensors:
+        comm.broadcast_tensors(tensors, src=0)
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def __init__(self, model: nn.Module, comm: Comm, policy: DDP):
+        super().__init__(model, comm)
+        self.policy = policy
+        verify_same_model(model, comm)
+        broadcast_model(model, comm)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        planned = list(reversed(trainable))  # [Note: bucket order]
+        specs = plan_buckets(
+            [(p.numel(), p.dtype, p.device) for p in planned],
+            bucket_bytes=int(policy.bucket_mb * MB),
+            first_bucket_bytes=int(policy.first_bucket_mb * MB),
+        )
+        state = policy.hook_state or HookState(comm, mean=policy.reduce_op == "mean")
+        self.reducer = GradientReducer(
+            planned, specs, comm, policy.comm_hook or allreduce_hook, state
+        )
+        self.buffers = [b for b in model.buffers()]
+        self._pre_hook = model.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self.reducer.prepare()
+            if self.policy.broadcast_buffers and module.training and self.buffers:
+                if self.comm.world_size > 1:
+                    self.comm.broadcast_tensors(self.buffers, src=0)
+
+    def _set_sync(self, enabled: bool) -> None:
+        self.sync_enabled = enabled
+        self.reducer.sync_enabled = enabled
+
+    def build_optimizer(self, optimizer_cls, params=None, **kwargs) -> torch.optim.Optimizer:
+        return optimizer_cls(normalize_param_groups(self.model, params), **kwargs)
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        check_optimizer_params(self.model, optimizer.param_groups)
+        return optimizer
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        # After backward every rank holds the same reduced gradients: the local norm is global.
+        grads = [p for p in self.model.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        return {
+            "params": tensor_bytes(p.data for p in self.model.parameters()),
+            "grads": tensor_bytes(b.buffer for b in self.reducer.buckets),
+            "optimizer_state": tensor_bytes(optimizer_state_tensors(optimizer))
+            if optimizer
+            else 0,
+        }

@@ -1,0 +1,123 @@
+"""The gradient reducer: launches each bucket's reduction the moment autograd fills it.
+
+[Note: overlap] A post-accumulate-grad hook on every parameter counts it ready; when a bucket
+is full (and every bucket before it has launched, see [Note: bucket order] in buckets.py) its
+hook starts an asynchronous collective, which runs on the backend's thread while autograd goes
+on computing earlier layers. The first hook of a backward queues a callback that autograd runs
+when the whole backward is done: it launches what is left, waits for everything in flight, and
+only then does `loss.backward()` return, so `.grad` is always the reduced gradient afterwards.
+
+[Note: unused parameters] Detection is automatic, no flag. A parameter that gets no gradient
+in a step (a branch not taken, a frozen path) never fires its hook, so its bucket cannot fill
+during backward; the end-of-backward callback launches such buckets, in order, with zeros for
+the missing gradients (bucket views were zeroed when the round began), which is exactly that
+rank's contribution. One small all-reduce of a used-flag per parameter tells every rank which
+parameters no rank used; those get `.grad = None` back if they had none when the round began,
+so optimizers skip them just as they would in single-process training.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.autograd.variable import Variable
+
+from ..comm import Comm, HookState
+from .buckets import Bucket, BucketSpec
+
+
+class GradientReducer:
+    """Bucketed, overlapped reduction of the gradients of `params` (given in planned order)."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        specs: list[BucketSpec],
+        comm: Comm,
+        hook,
+        hook_state: HookState,
+    ):
+        self.params = params
+        self.comm = comm
+        self.hook = hook
+        self.hook_state = hook_state
+        self.buckets = [Bucket(s, [params[i] for i in s.param_indices]) for s in specs]
+        self.location: dict[int, tuple[Bucket, int]] = {}
+        for bucket in self.buckets:
+            for position, i in enumerate(bucket.spec.param_indices):
+                self.location[i] = (bucket, position)
+        self.sync_enabled = True
+        self.used = torch.zeros(len(params), dtype=torch.int32, device=comm.device)
+        self.was_none = [True] * len(params)
+        self.round_open = False
+        self.next_launch = 0
+        self.callback_queued = False
+        self.planned_order = [i for b in self.buckets for i in b.spec.param_indices]
+        self.handles = [
+            p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i))
+            for i, p in enumerate(params)
+        ]
+
+    def prepare(self) -> None:
+        """Before a forward: make every .grad a bucket view; remember which had none."""
+        was_none = [flag for bucket in self.buckets for flag in bucket.attach_grads()]
+        if not self.round_open:
+            for i, flag in zip(self.planned_order, was_none, strict=True):
+                self.was_none[i] = flag
+            self.round_open = True
+
+    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        bucket, position = self.location[i]
+        bucket.adopt_grad(position)
+        if not self.round_open:
+            self.was_none[i] = False  # a backward with no forward through the root module
+            self.round_open = True
+        self.used[i] = 1
+        if not self.sync_enabled:
+            return
+        if not self.callback_queued:
+            Variable._execution_engine.queue_callback(self._finish)
+            self.callback_queued = True
+        self.comm.tracer.mark("grad_ready", param=i)
+        if bucket.mark_ready():
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self.next_launch < len(self.buckets):
+            bucket = self.buckets[self.next_launch]
+            if bucket.pending:
+                return
+            self.comm.tracer.mark("bucket_launch", bucket=bucket.index)
+            bucket.launch(self.hook, self.hook_state)
+            self.next_launch += 1
+
+    def _finish(self) -> None:
+        self.comm.tracer.mark("backward_end")
+        for bucket in self.buckets[self.next_launch :]:
+            self.comm.tracer.mark("bucket_launch", bucket=bucket.index, late=True)
+            bucket.launch(self.hook, self.hook_state)
+        used_work = None
+        if self.comm.world_size > 1:
+            used_work = self.comm.all_reduce(self.used, async_op=True)
+        for bucket in self.buckets:
+            bucket.wait()
+        if used_work is not None:
+            used_work.wait()
+        self.comm.tracer.mark("reduce_end")
+        for i in torch.nonzero(self.used == 0).flatten().tolist():
+            if self.was_none[i]:
+                self.params[i].grad = None
+        self._reset()
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.reset()
+        self.used.zero_()
+        self.next_launch = 0
+        self.callback_queued = False
+        self.round_open = False
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
