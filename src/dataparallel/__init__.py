@@ -1,13 +1,14 @@
 """dataparallel: a readable data-parallel training engine for PyTorch.
 
-    import dataparallel as dp
-    world = dp.init()                                   # torchrun's env, or a world of one
-    model = dp.parallelize(model, strategy="ddp")       # or dp.DDP(bucket_mb=25)
-    optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=3e-4)
-    with dp.no_sync(model):                             # accumulate without communication
-        ...
+import dataparallel as dp
+world = dp.init()                                   # torchrun's env, or a world of one
+model = dp.parallelize(model, strategy="ddp")       # or dp.DDP(bucket_mb=25)
+optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=3e-4)
+with dp.no_sync(model):                             # accumulate without communication
+    ...
 """
 
+from . import comm
 from .api import (
     build_optimizer,
     clip_grad_norm_,
@@ -25,14 +26,18 @@ from .comm import Tracer
 from .data import DistributedSampler
 from .runtime import World, destroy, init
 from .strategies import DDP
+from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
     "DDP",
     "DistributedSampler",
+    "SyncBatchNorm",
     "Tracer",
     "World",
     "build_optimizer",
     "clip_grad_norm_",
+    "comm",
+    "convert_sync_batchnorm",
     "destroy",
     "full_state_dict",
     "init",

@@ -40,7 +40,9 @@ class World:
 
 
 def init(
-    backend: str | None = None, timeout: timedelta = timedelta(minutes=10), threads: int | None = None
+    backend: str | None = None,
+    timeout: timedelta = timedelta(minutes=10),
+    threads: int | None = None,
 ) -> World:
     """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
 

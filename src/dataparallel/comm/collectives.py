@@ -96,9 +96,7 @@ class Comm:
     ):
         """Sum `input` (world_size * output.numel() elements) across ranks; keep this rank's part."""
         self._count("reduce_scatter", input)
-        return dist.reduce_scatter_tensor(
-            output, input, op=op, group=self.group, async_op=async_op
-        )
+        return dist.reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `input` into `output` (world_size * input.numel() elements)."""

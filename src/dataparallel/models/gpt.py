@@ -25,6 +25,8 @@ class GPTConfig:
     n_embd: width of the residual stream.
     dropout: dropout probability (0 keeps runs bit-for-bit deterministic).
     tie_weights: share the output head's weight with the token embedding.
+    bias: give the linear layers biases (GPT-2 does). Note that the attention's key bias has an
+        exactly zero true gradient (softmax ignores a constant added to every score).
     """
 
     vocab_size: int = 256
@@ -34,6 +36,7 @@ class GPTConfig:
     n_embd: int = 256
     dropout: float = 0.0
     tie_weights: bool = True
+    bias: bool = True
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -46,8 +49,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,9 +71,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.n_embd)
         self.mlp = nn.Sequential(
-            nn.Linear(config.n_embd, 4 * config.n_embd),
+            nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias),
             nn.GELU(),
-            nn.Linear(4 * config.n_embd, config.n_embd),
+            nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias),
             nn.Dropout(config.dropout),
         )
 

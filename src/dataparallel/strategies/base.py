@@ -17,7 +17,7 @@ from ..comm import Comm
 
 def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of every parameter and buffer, in registration order."""
-    entries = [("param:" + n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    entries = [("parameter:" + n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     entries += [("buffer:" + n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
     return entries
 
@@ -157,6 +157,4 @@ def tensor_bytes(tensors) -> int:
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [
-        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
-    ]
+    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]

@@ -79,7 +79,9 @@ def plan_buckets(
             offsets.append(total)
             total += params[i][0]
         specs.append(
-            BucketSpec(index, tuple(members), tuple(offsets), _round_up(total, pad_to), dtype, device)
+            BucketSpec(
+                index, tuple(members), tuple(offsets), _round_up(total, pad_to), dtype, device
+            )
         )
     return specs
 

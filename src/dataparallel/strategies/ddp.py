@@ -142,7 +142,5 @@ class DDPStrategy(Strategy):
         return {
             "params": tensor_bytes(p.data for p in self.model.parameters()),
             "grads": tensor_bytes(b.buffer for b in self.reducer.buckets),
-            "optimizer_state": tensor_bytes(optimizer_state_tensors(optimizer))
-            if optimizer
-            else 0,
+            "optimizer_state": tensor_bytes(optimizer_state_tensors(optimizer)) if optimizer else 0,
         }

@@ -1,0 +1,84 @@
+"""Spawn a real world of N ranks (gloo on 127.0.0.1) once and run a function in every rank.
+
+`run_world(n, fn, *args)` starts n processes, each of which calls `dataparallel.init()` from
+torchrun-style environment variables and then `fn(world, *args)`; it returns the list of the
+ranks' return values, in rank order. A rank that raises makes `run_world` raise with that
+rank's traceback; a world that does not finish within `timeout` seconds is killed and the call
+raises, so a hang in the code under test fails the test instead of stalling the suite.
+Run a grid of sub-cases inside one `fn` to pay for the start-up (about 2 s) once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    import dataparallel as dp
+
+    try:
+        world = dp.init()
+        queue.put((rank, "ok", fn(world, *args)))
+    except BaseException:  # report everything, including our own clear errors
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        dp.destroy()
+
+
+def run_world(world_size: int, fn, *args, timeout: float = 180.0) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, object]] = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            results[rank] = (status, value)
+    except Exception as exc:  # queue.Empty: some rank hung
+        missing = sorted(set(range(world_size)) - set(results))
+        raise TimeoutError(f"ranks {missing} did not finish within {timeout}s") from exc
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, (s, v) in results.items() if s == "error"}
+    if errors:
+        raise RankError(errors)
+    return [results[r][1] for r in range(world_size)]
+
+
+class RankError(Exception):
+    """One or more ranks raised; `.errors` maps rank -> traceback text."""
+
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        super().__init__(text)
