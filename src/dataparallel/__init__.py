@@ -25,7 +25,7 @@ from .api import (
 from .comm import Tracer
 from .data import DistributedSampler
 from .runtime import World, destroy, init
-from .strategies import DDP
+from .strategies import DDP, ZeRO1, ZeRO2, ZeRO3
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
@@ -34,6 +34,9 @@ __all__ = [
     "SyncBatchNorm",
     "Tracer",
     "World",
+    "ZeRO1",
+    "ZeRO2",
+    "ZeRO3",
     "build_optimizer",
     "clip_grad_norm_",
     "comm",

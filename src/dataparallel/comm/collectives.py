@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch has only those.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class TraceEvent:
@@ -96,12 +100,12 @@ class Comm:
     ):
         """Sum `input` (world_size * output.numel() elements) across ranks; keep this rank's part."""
         self._count("reduce_scatter", input)
-        return dist.reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
+        return _reduce_scatter(output, input, op=op, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `input` into `output` (world_size * input.numel() elements)."""
         self._count("all_gather", input)
-        return dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+        return _all_gather(output, input, group=self.group, async_op=async_op)
 
     def all_gather_object(self, obj) -> list:
         out: list = [None] * self.world_size

@@ -2,9 +2,11 @@
 
 from .base import Strategy
 from .ddp import DDP, DDPStrategy
+from .fsdp import ZeRO3, ZeRO3Strategy
+from .zero import ZeRO1, ZeRO2, ZeROStrategy
 
 # Registry: strategy name -> policy class (called with no arguments for the defaults).
-POLICIES: dict[str, type] = {"ddp": DDP}
+POLICIES: dict[str, type] = {"ddp": DDP, "zero1": ZeRO1, "zero2": ZeRO2, "zero3": ZeRO3}
 
 
 def resolve_policy(strategy):
@@ -21,4 +23,15 @@ def resolve_policy(strategy):
     return strategy
 
 
-__all__ = ["DDP", "DDPStrategy", "POLICIES", "Strategy", "resolve_policy"]
+__all__ = [
+    "DDP",
+    "DDPStrategy",
+    "POLICIES",
+    "Strategy",
+    "ZeRO1",
+    "ZeRO2",
+    "ZeRO3",
+    "ZeRO3Strategy",
+    "ZeROStrategy",
+    "resolve_policy",
+]

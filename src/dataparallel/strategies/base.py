@@ -17,7 +17,9 @@ from ..comm import Comm
 
 def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of every parameter and buffer, in registration order."""
-    entries = [("parameter:" + n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    entries = [
+        ("parameter:" + n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()
+    ]
     entries += [("buffer:" + n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
     return entries
 

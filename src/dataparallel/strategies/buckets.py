@@ -10,6 +10,10 @@ launched in readiness order could pair its bucket 2 with another rank's bucket 1
 Autograd accumulates into an existing `.grad` in place, so backward writes straight into the
 buffer and the all-reduce runs on it with no copy in or out. `zero_grad(set_to_none=True)`
 drops the views; the reducer re-attaches them (zeroed) at the next forward.
+
+[Note: lazy buckets] A lazy bucket (ZeRO-2) holds no buffer between rounds: it allocates one
+when its first gradient arrives in backward and `release`s it once the reduced shard has been
+kept, so full gradients live only while their bucket is being filled and reduced.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class BucketSpec:
     numel: elements in the flat buffer, including padding.
     dtype: gradient dtype shared by all its parameters.
     device: device shared by all its parameters.
+    group: the group (e.g. optimizer param group) shared by all its parameters.
     """
 
     index: int
@@ -37,6 +42,7 @@ class BucketSpec:
     numel: int
     dtype: torch.dtype
     device: torch.device
+    group: int = 0
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -44,17 +50,18 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def plan_buckets(
-    params: list[tuple[int, torch.dtype, torch.device]],
+    params: list[tuple],
     bucket_bytes: int,
     first_bucket_bytes: int | None = None,
     pad_to: int = 1,
 ) -> list[BucketSpec]:
-    """Group parameters, given as (numel, dtype, device) in backward order, into buckets.
+    """Group parameters, given as (numel, dtype, device[, group]) in backward order, into buckets.
 
     A bucket closes once it holds at least `bucket_bytes` (the first one at
     `first_bucket_bytes`, so that communication starts early in backward). Parameters of
-    different dtype or device never share a bucket. Each bucket's numel is padded up to a
-    multiple of `pad_to` (the world size, for strategies that shard a bucket evenly).
+    different dtype, device or group (default 0; sharded strategies pass the optimizer param
+    group, so a shard never mixes groups) never share a bucket. Each bucket's numel is padded
+    up to a multiple of `pad_to` (the world size, for strategies that shard a bucket evenly).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"plan_buckets: bucket_bytes={bucket_bytes} must be > 0")
@@ -63,8 +70,8 @@ def plan_buckets(
     open_buckets: dict[tuple, list[int]] = {}
     open_bytes: dict[tuple, int] = {}
     closed: list[tuple[tuple, list[int]]] = []
-    for i, (numel, dtype, device) in enumerate(params):
-        key = (dtype, torch.device(device))
+    for i, (numel, dtype, device, *group) in enumerate(params):
+        key = (dtype, torch.device(device), group[0] if group else 0)
         open_buckets.setdefault(key, []).append(i)
         open_bytes[key] = open_bytes.get(key, 0) + numel * dtype.itemsize
         cap = bucket_bytes if closed or first_bucket_bytes is None else first_bucket_bytes
@@ -73,14 +80,20 @@ def plan_buckets(
             open_bytes.pop(key)
     closed.extend(open_buckets.items())
     specs = []
-    for index, ((dtype, device), members) in enumerate(closed):
+    for index, ((dtype, device, group), members) in enumerate(closed):
         offsets, total = [], 0
         for i in members:
             offsets.append(total)
             total += params[i][0]
         specs.append(
             BucketSpec(
-                index, tuple(members), tuple(offsets), _round_up(total, pad_to), dtype, device
+                index,
+                tuple(members),
+                tuple(offsets),
+                _round_up(total, pad_to),
+                dtype,
+                device,
+                group,
             )
         )
     return specs
@@ -94,23 +107,42 @@ class Bucket:
     `wait` before the optimizer reads the gradients, `reset` for the next round.
     """
 
-    def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter]):
+    def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter], lazy: bool = False):
         self.spec = spec
         self.index = spec.index
         self.params = params
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        if not lazy:  # [Note: lazy buckets]
+            self.allocate()
+        self.pending = len(params)
+        self.future: torch.futures.Future | None = None
+
+    def allocate(self) -> None:
+        """Create the zeroed flat buffer and the per-parameter views into it."""
+        spec = self.spec
         self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
         self.views = [
             self.buffer[off : off + p.numel()].view_as(p)
-            for off, p in zip(spec.offsets, params, strict=True)
+            for off, p in zip(spec.offsets, self.params, strict=True)
         ]
-        self.pending = len(params)
-        self.future: torch.futures.Future | None = None
+
+    def release(self) -> None:
+        """Drop the buffer and the parameters' .grad views ([Note: lazy buckets])."""
+        for param in self.params:
+            param.grad = None
+        self.buffer, self.views = None, []
 
     def attach_grads(self) -> list[bool]:
         """Point every parameter's .grad at its view; zero the views that had no grad.
 
         Returns, per parameter, whether its grad was None before (see [Note: unused parameters]).
+        A lazy bucket with no buffer and no gradients stays empty.
         """
+        if self.buffer is None:
+            if all(p.grad is None for p in self.params):
+                return [True] * len(self.params)
+            self.allocate()
         was_none = []
         for param, view in zip(self.params, self.views, strict=True):
             grad = param.grad
@@ -125,6 +157,9 @@ class Bucket:
 
     def adopt_grad(self, position: int) -> None:
         """Bring a grad that autograd replaced (create_graph, or no view yet) into the buffer."""
+        if self.buffer is None:  # a lazy bucket's first gradient; later ones land in views
+            self.allocate()
+            self.attach_grads()
         param, view = self.params[position], self.views[position]
         if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)
@@ -136,6 +171,8 @@ class Bucket:
         return self.pending == 0
 
     def launch(self, hook, state) -> None:
+        if self.buffer is None:
+            self.allocate()  # nothing reached it on this rank: contribute zeros
         self.future = hook(state, self)
 
     def wait(self) -> None:

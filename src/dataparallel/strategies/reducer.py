@@ -14,10 +14,16 @@ the missing gradients (bucket views were zeroed when the round began), which is 
 rank's contribution. One small all-reduce of a used-flag per parameter tells every rank which
 parameters no rank used; those get `.grad = None` back if they had none when the round began,
 so optimizers skip them just as they would in single-process training.
+
+Sharded strategies extend the reducer without branching it: `on_bucket_reduced(bucket)` is
+called on the training thread for each bucket once its reduction has arrived, in launch order
+(during backward for those already done, the rest at the end), and `on_round_end(unused)` after
+each synchronised round with the positions of the parameters no rank used.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -37,12 +43,20 @@ class GradientReducer:
         comm: Comm,
         hook,
         hook_state: HookState,
+        *,
+        lazy_buffers: bool = False,
+        on_bucket_reduced: Callable[[Bucket], None] | None = None,
+        on_round_end: Callable[[list[int]], None] | None = None,
     ):
         self.params = params
         self.comm = comm
         self.hook = hook
         self.hook_state = hook_state
-        self.buckets = [Bucket(s, [params[i] for i in s.param_indices]) for s in specs]
+        self.on_bucket_reduced = on_bucket_reduced
+        self.on_round_end = on_round_end
+        self.buckets = [
+            Bucket(s, [params[i] for i in s.param_indices], lazy=lazy_buffers) for s in specs
+        ]
         self.location: dict[int, tuple[Bucket, int]] = {}
         for bucket in self.buckets:
             for position, i in enumerate(bucket.spec.param_indices):
@@ -52,6 +66,7 @@ class GradientReducer:
         self.was_none = [True] * len(params)
         self.round_open = False
         self.next_launch = 0
+        self.next_collect = 0
         self.callback_queued = False
         self.planned_order = [i for b in self.buckets for i in b.spec.param_indices]
         self.handles = [
@@ -91,6 +106,21 @@ class GradientReducer:
             self.comm.tracer.mark("bucket_launch", bucket=bucket.index)
             bucket.launch(self.hook, self.hook_state)
             self.next_launch += 1
+        if self.on_bucket_reduced is not None:
+            self._collect_arrived()
+
+    def _collect_arrived(self) -> None:
+        """Hand over, in order, the buckets whose reduction has already arrived."""
+        while self.next_collect < self.next_launch:
+            if not self.buckets[self.next_collect].future.done():
+                return
+            self._collect(self.buckets[self.next_collect])
+
+    def _collect(self, bucket: Bucket) -> None:
+        bucket.wait()
+        self.next_collect += 1
+        if self.on_bucket_reduced is not None:
+            self.on_bucket_reduced(bucket)
 
     def _finish(self) -> None:
         self.comm.tracer.mark("backward_end")
@@ -100,14 +130,17 @@ class GradientReducer:
         used_work = None
         if self.comm.world_size > 1:
             used_work = self.comm.all_reduce(self.used, async_op=True)
-        for bucket in self.buckets:
-            bucket.wait()
+        for bucket in self.buckets[self.next_collect :]:
+            self._collect(bucket)
         if used_work is not None:
             used_work.wait()
         self.comm.tracer.mark("reduce_end")
-        for i in torch.nonzero(self.used == 0).flatten().tolist():
+        unused = torch.nonzero(self.used == 0).flatten().tolist()
+        for i in unused:
             if self.was_none[i]:
                 self.params[i].grad = None
+        if self.on_round_end is not None:
+            self.on_round_end(unused)
         self._reset()
 
     def _reset(self) -> None:
@@ -115,6 +148,7 @@ class GradientReducer:
             bucket.reset()
         self.used.zero_()
         self.next_launch = 0
+        self.next_collect = 0
         self.callback_queued = False
         self.round_open = False
 

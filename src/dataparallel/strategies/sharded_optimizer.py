@@ -1,0 +1,362 @@
+"""ZeRO-1/2's shards, and the plain torch.optim optimizer built over this rank's shards.
+
+[Note: sharded step] Each bucket's slice that this rank owns is one `Shard`. The optimizer is
+the user's optimizer class built over the shards' tensors (`Shard.param`), one param group per
+user param group, so LR schedulers and param-group hyperparameters work unchanged. A step
+pre-hook hands each shard its reduced gradient (`Shard.grad`, kept by the strategy, see
+zero.py), a post-hook writes the updated slice into the flat parameter buffer and all-gathers
+the buffers, so every rank's model holds the new full parameters when `step()` returns.
+An elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...) computes on a slice exactly
+what it computes on the whole parameter; one that looks across a tensor (per-parameter norms,
+factored moments, closures over the full model) sees a flat slice instead (docs/zero.md).
+
+[Note: skipped parameters] In single-process training a parameter whose .grad is None is
+skipped by the step: no weight decay, no momentum. A shard cannot skip part of itself, so the
+slices of parameters that no rank used since the last zero_grad are saved before the step and
+written back after it, together with their slices of the elementwise state. That is exact for
+optimizers without per-parameter counters (SGD with momentum); Adam's `step` counter is one per
+shard, so a parameter skipped in some steps gets the shard's bias correction afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from .buckets import Bucket, BucketSpec
+from .sharding import Piece, ShardLayout
+
+# State keys that torch optimizers keep as one number per parameter, not one per element.
+SCALAR_STATE_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
+
+
+class Shard:
+    """This rank's slice of one bucket: parameters, reduced gradient, the optimizer's tensor.
+
+    bucket: the gradient bucket (its buffer may be absent between rounds, [Note: lazy buckets]).
+    flat: the flat parameter buffer, in the compute dtype; the model's parameters are views.
+    own: this rank's slice of `flat`.
+    param: what the optimizer updates: `own` itself, or an fp32 master copy of it in mixed
+        precision.
+    grad: the reduced gradient of this slice (compute dtype), None when there is none.
+    optimized: whether the optimizer steps it (False for parameters outside every group).
+    """
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        flat: torch.Tensor,
+        layout: ShardLayout,
+        rank: int,
+        master: torch.Tensor | None,
+        optimized: bool,
+    ):
+        self.bucket = bucket
+        self.flat = flat
+        self.layout = layout
+        self.start, self.stop = layout.shard_range(rank)
+        self.own = flat[self.start : self.stop]
+        self.param = self.own if master is None else master
+        self.grad: torch.Tensor | None = None
+        self.optimized = optimized
+        self.pieces: list[Piece] = layout.pieces(rank)
+        # planned positions (the reducer's parameter indices) of the pieces' parameters
+        self.piece_params = [bucket.spec.param_indices[p.param] for p in self.pieces]
+
+    def reduced_slice(self) -> torch.Tensor:
+        """This rank's slice of the bucket's gradient buffer (valid after its reduction)."""
+        return self.bucket.buffer[self.start : self.stop]
+
+    def skipped_pieces(self, has_grad: list[bool]) -> list[Piece]:
+        return [p for p, i in zip(self.pieces, self.piece_params, strict=True) if not has_grad[i]]
+
+
+@torch.no_grad()
+def flatten_bucket(
+    spec: BucketSpec,
+    params: list[torch.nn.Parameter],
+    values: dict[int, torch.Tensor],
+    rank: int,
+    world_size: int,
+    master_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, ShardLayout, torch.Tensor | None]:
+    """Lay `params` end to end in a new flat buffer and make them views into it.
+
+    Returns the buffer, its layout and, with `master_dtype`, this rank's master slice. `values`
+    (id(param) -> tensor) replaces a parameter's current value: the fp32 masters when the
+    parameters themselves are bf16.
+    """
+    layout = ShardLayout(tuple(p.numel() for p in params), spec.offsets, spec.numel, world_size)
+    flat = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
+    full = [values.get(id(p), p.detach()).reshape(-1) for p in params]
+    master = None
+    if master_dtype is not None:
+        master = torch.zeros(layout.shard_numel, dtype=master_dtype, device=spec.device)
+        for piece in layout.pieces(rank):
+            part = full[piece.param][piece.start : piece.stop]
+            master[piece.shard_start : piece.shard_start + piece.numel].copy_(part)
+    for p, offset, value in zip(params, spec.offsets, full, strict=True):
+        flat[offset : offset + p.numel()].copy_(value)
+        p.data = flat[offset : offset + p.numel()].view_as(p)
+    return flat, layout, master
+
+
+def gather_full_params(
+    shards: list[Shard], comm: Comm, master_dtype: torch.dtype | None
+) -> dict[int, torch.Tensor]:
+    """id(param) -> its full value from the masters; {} without masters. Collective."""
+    if master_dtype is None:
+        return {}  # the model's parameters are the exact values, whole on every rank
+    out = {}
+    for shard in shards:
+        full = torch.empty(shard.layout.numel, dtype=master_dtype, device=shard.own.device)
+        if comm.world_size > 1:
+            comm.all_gather(full, shard.param)
+        else:
+            full.copy_(shard.param)
+        for p, offset in zip(shard.bucket.params, shard.bucket.spec.offsets, strict=True):
+            out[id(p)] = full[offset : offset + p.numel()].view_as(p)
+    return out
+
+
+@torch.no_grad()
+def load_masters(shards: list[Shard], values: dict[int, torch.Tensor]) -> None:
+    """Set every master slice from full values (id(param) -> tensor)."""
+    for shard in shards:
+        for piece in shard.pieces:
+            value = values[id(shard.bucket.params[piece.param])]
+            part = value.reshape(-1)[piece.start : piece.stop]
+            shard.param[piece.shard_start : piece.shard_start + piece.numel].copy_(part)
+
+
+def sharded_optimizer_class(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """`base` with a zero_grad that also clears the gradients the strategy keeps per shard.
+
+    The shards' gradients live outside the optimizer's tensors between backward and step
+    (mixed precision keeps them in bf16, the optimizer wants fp32), so `zero_grad` must reach
+    them; torch offers no zero_grad hook, hence a subclass (cached: one per base class).
+    """
+    if base not in _CLASSES:
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            base.zero_grad(self, set_to_none)
+            self.zero_shard_grads(set_to_none)
+
+        name = f"Sharded{base.__name__}"
+        _CLASSES[base] = type(
+            name,
+            (base,),
+            {"zero_grad": zero_grad, "__doc__": base.__doc__, "__qualname__": name},
+        )
+    return _CLASSES[base]
+
+
+_CLASSES: dict[type, type] = {}
+
+
+class ShardedStep:
+    """The step hooks of [Note: sharded step] and [Note: skipped parameters]."""
+
+    def __init__(self, shards: list[Shard], comm: Comm, has_grad: list[bool]):
+        self.shards = [s for s in shards if s.optimized]
+        self.comm = comm
+        self.has_grad = has_grad  # the strategy's list, updated in place each round
+        self.saved: list[tuple[Shard, list[Piece], dict]] = []
+
+    def before(self, optimizer, args, kwargs) -> None:
+        if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
+            # The closure's backward would refill the shards after their gradients were handed
+            # to the optimizer, which would then read stale ones.
+            raise ValueError(
+                "step(closure) is not supported with ZeRO-1/2: run forward and backward, "
+                "then call step() without a closure"
+            )
+        self.saved = []
+        for shard in self.shards:
+            skipped = shard.skipped_pieces(self.has_grad)
+            if shard.grad is None or (shard.pieces and len(skipped) == len(shard.pieces)):
+                shard.param.grad = None  # nothing to learn here: the optimizer skips it
+                continue
+            shard.param.grad = shard.grad.to(shard.param.dtype)  # no copy when dtypes agree
+            if skipped:
+                self.saved.append((shard, skipped, _save_slices(optimizer, shard, skipped)))
+
+    def after(self, optimizer, args, kwargs) -> None:
+        for shard, skipped, saved in self.saved:
+            _restore_slices(optimizer, shard, skipped, saved)
+        self.saved = []
+        for shard in self.shards:
+            shard.param.grad = None
+            if shard.param is not shard.own:
+                shard.own.copy_(shard.param)  # fp32 master -> compute dtype
+        self.all_gather_params()
+
+    def all_gather_params(self) -> None:
+        """Every rank's updated slices into every rank's flat buffers (in place)."""
+        if self.comm.world_size == 1:
+            return
+        works = [self.comm.all_gather(s.flat, s.own, async_op=True) for s in self.shards]
+        for work in works:
+            work.wait()
+
+
+def _elementwise(state: dict, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {
+        k: v
+        for k, v in state.items()
+        if torch.is_tensor(v) and v.shape == param.shape and k not in SCALAR_STATE_KEYS
+    }
+
+
+def _save_slices(optimizer, shard: Shard, pieces: list[Piece]) -> dict:
+    state = _elementwise(optimizer.state.get(shard.param, {}), shard.param)
+    out = {}
+    for key, tensor in [("param", shard.param), *state.items()]:
+        out[key] = [tensor[p.shard_start : p.shard_start + p.numel].clone() for p in pieces]
+    return out
+
+
+def _restore_slices(optimizer, shard: Shard, pieces: list[Piece], saved: dict) -> None:
+    # State that did not exist before the step was created from zero gradients in these
+    # slices, which is what a fresh state holds for SGD momentum and Adam's moments.
+    state = _elementwise(optimizer.state.get(shard.param, {}), shard.param)
+    with torch.no_grad():
+        for key, tensor in [("param", shard.param), *state.items()]:
+            for piece, value in zip(pieces, saved.get(key, ()), strict=False):
+                tensor[piece.shard_start : piece.shard_start + piece.numel].copy_(value)
+
+
+# -- optimizer state in the form of a plain optimizer over the model's parameters ------------
+
+
+def _describe(state: dict, param: torch.Tensor) -> dict:
+    """What a shard's state holds, small enough to all-gather as an object."""
+    elementwise = _elementwise(state, param)
+    scalars = {}
+    for key, value in state.items():
+        if key in elementwise:
+            continue
+        if torch.is_tensor(value):
+            if value.dim() > 0 and key not in SCALAR_STATE_KEYS:
+                raise ValueError(
+                    f"optimizer_state_dict: state {key!r} of shape {list(value.shape)} is not "
+                    "elementwise; sharded checkpoints hold elementwise state only (docs/zero.md)"
+                )
+            value = value.detach().cpu().clone()
+        scalars[key] = value
+    return {
+        "has_state": bool(state),
+        "elementwise": {k: v.dtype for k, v in elementwise.items()},
+        "scalars": scalars,
+    }
+
+
+def gather_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    shards: list[Shard],
+    comm: Comm,
+    user_groups: list[list[torch.nn.Parameter]],
+) -> dict:
+    """The state_dict a plain optimizer over `user_groups` would return. Collective.
+
+    Elementwise state is all-gathered per bucket and cut back into parameters; scalars (Adam's
+    `step`) come from the rank that owns each parameter's first element. CPU tensors.
+    """
+    plain_index = {id(p): i for i, p in enumerate(p for g in user_groups for p in g)}
+    local = [_describe(optimizer.state.get(s.param, {}), s.param) for s in shards]
+    everyone = comm.all_gather_object(local) if comm.world_size > 1 else [local]
+    state: dict[int, dict] = {}
+    for k, shard in enumerate(shards):
+        infos = [everyone[rank][k] for rank in range(comm.world_size)]
+        dtypes = {key: dtype for info in infos for key, dtype in info["elementwise"].items()}
+        mine = optimizer.state.get(shard.param, {})
+        full = {}
+        for key, dtype in sorted(dtypes.items()):
+            local_part = mine.get(key)
+            if local_part is None:  # this rank's shard was never stepped
+                local_part = torch.zeros(shard.own.numel(), dtype=dtype, device=shard.own.device)
+            full[key] = torch.empty(shard.layout.numel, dtype=dtype, device=shard.own.device)
+            if comm.world_size > 1:
+                comm.all_gather(full[key], local_part.to(dtype).contiguous())
+            else:
+                full[key].copy_(local_part)
+        spec = shard.bucket.spec
+        for position, (param, offset) in enumerate(
+            zip(shard.bucket.params, spec.offsets, strict=True)
+        ):
+            info = infos[shard.layout.owner(position)]
+            if not info["has_state"]:
+                continue
+            entry = {k: v.clone() if torch.is_tensor(v) else v for k, v in info["scalars"].items()}
+            for key in info["elementwise"]:
+                entry[key] = (
+                    full[key][offset : offset + param.numel()].view_as(param).to("cpu", copy=True)
+                )
+            state[plain_index[id(param)]] = entry
+    param_groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": []}
+        for group in optimizer.param_groups
+    ]
+    for group, params in zip(param_groups, user_groups, strict=True):
+        group["params"] = [plain_index[id(p)] for p in params]
+    return {"state": state, "param_groups": param_groups}
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    shards: list[Shard],
+    user_groups: list[list[torch.nn.Parameter]],
+    state: dict,
+) -> None:
+    """Load a plain optimizer's state_dict (as `gather_optimizer_state` returns) into shards."""
+    groups = state["param_groups"]
+    sizes = [len(g) for g in user_groups]
+    if [len(g["params"]) for g in groups] != sizes:
+        raise ValueError(
+            f"load_optimizer_state_dict: the state has param groups of sizes "
+            f"{[len(g['params']) for g in groups]}, this optimizer {sizes}; build it with the "
+            "same param groups"
+        )
+    saved = {
+        id(param): state["state"][index]
+        for group, params in zip(groups, user_groups, strict=True)
+        for index, param in zip(group["params"], params, strict=True)
+        if index in state["state"]
+    }
+    shard_of = {id(s.param): s for s in shards}
+    ours: dict = {"state": {}, "param_groups": []}
+    index = 0
+    for g, group in enumerate(optimizer.param_groups):
+        hyper = {k: v for k, v in groups[g].items() if k != "params"}
+        indices = []
+        for tensor in group["params"]:
+            entry = _shard_state(shard_of[id(tensor)], saved)
+            if entry:
+                ours["state"][index] = entry
+            indices.append(index)
+            index += 1
+        ours["param_groups"].append({**hyper, "params": indices})
+    optimizer.load_state_dict(ours)
+
+
+def _shard_state(shard: Shard, saved: dict) -> dict:
+    """A shard's state cut from its pieces' parameters (scalars from the first that has any)."""
+    entry: dict = {}
+    for piece in shard.pieces:
+        param = shard.bucket.params[piece.param]
+        param_state = saved.get(id(param))
+        if not param_state:
+            continue
+        elementwise = _elementwise(param_state, param)
+        if not entry:  # copies: a shared `step` tensor would be incremented once per shard
+            entry = {
+                k: v.clone() if torch.is_tensor(v) else v
+                for k, v in param_state.items()
+                if k not in elementwise
+            }
+        for key, value in elementwise.items():
+            if key not in entry:
+                entry[key] = torch.zeros(shard.own.numel(), dtype=value.dtype)
+            part = value.detach().reshape(-1)[piece.start : piece.stop]
+            entry[key][piece.shard_start : piece.shard_start + piece.numel].copy_(part)
+    return entry

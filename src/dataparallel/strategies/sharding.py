@@ -1,0 +1,95 @@
+"""Shard layouts: which rank owns which slice of a flat bucket, and which parameters it touches.
+
+Pure arithmetic, no process group, so it is tested on its own (tests/unit/test_sharding.py).
+
+[Note: shard layout] A bucket is a flat buffer of parameters laid end to end (offsets from the
+bucket plan), padded with zeros to a multiple of the world size so it splits evenly: rank r
+owns elements [r * s, (r + 1) * s) with s = numel / world_size. A parameter may straddle two
+ranks' slices; a `Piece` is the part of one parameter inside one rank's slice. Padding is
+never part of any piece: it stays zero (zero gradient, zero value) and is never read back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """`numel` rounded up to a multiple of `world_size` (the size of an evenly shardable buffer)."""
+    if world_size < 1:
+        raise ValueError(f"padded_numel: world_size={world_size} must be >= 1")
+    return -(-numel // world_size) * world_size
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter that lies in one rank's shard.
+
+    param: position of the parameter in the bucket.
+    start: first element of the part, in the parameter's flattened elements.
+    stop: one past its last element.
+    shard_start: where the part begins inside the shard.
+    """
+
+    param: int
+    start: int
+    stop: int
+    shard_start: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one flat bucket splits evenly over the ranks ([Note: shard layout]).
+
+    sizes: elements of each parameter, in bucket order.
+    offsets: where each parameter starts in the flat bucket (same order).
+    numel: elements in the flat bucket, padding included; a multiple of `world_size`.
+    world_size: number of ranks sharing the bucket.
+    """
+
+    sizes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    world_size: int
+
+    def __post_init__(self):
+        if len(self.sizes) != len(self.offsets):
+            raise ValueError("ShardLayout: sizes and offsets must have the same length")
+        if self.world_size < 1 or self.numel % self.world_size:
+            raise ValueError(
+                f"ShardLayout: numel={self.numel} must be a multiple of "
+                f"world_size={self.world_size}; pad it with padded_numel"
+            )
+        end = max((o + n for o, n in zip(self.offsets, self.sizes, strict=True)), default=0)
+        if end > self.numel:
+            raise ValueError(f"ShardLayout: parameters end at {end}, past numel={self.numel}")
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, stop) of `rank`'s slice in the flat bucket."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"ShardLayout: rank={rank} is outside 0..{self.world_size - 1}")
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The parts of parameters inside `rank`'s slice, in bucket order."""
+        lo, hi = self.shard_range(rank)
+        out = []
+        for position, (offset, size) in enumerate(zip(self.offsets, self.sizes, strict=True)):
+            start, stop = max(offset, lo), min(offset + size, hi)
+            if start < stop:
+                out.append(Piece(position, start - offset, stop - offset, start - lo))
+        return out
+
+    def owner(self, param: int) -> int:
+        """The rank whose slice holds the first element of parameter `param`."""
+        if self.shard_numel == 0:
+            return 0
+        return min(self.offsets[param] // self.shard_numel, self.world_size - 1)

@@ -1,0 +1,175 @@
+"""Shard layouts (pure), the bucket pieces sharding relies on, and ZeRO-1/2 in a world of one."""
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import dataparallel as dp
+from dataparallel.strategies.buckets import Bucket, plan_buckets
+from dataparallel.strategies.sharding import Piece, ShardLayout, padded_numel
+
+F32, CPU = torch.float32, torch.device("cpu")
+
+
+# -- ShardLayout: pure arithmetic ------------------------------------------------------------
+def test_padding_rounds_up_to_the_world_size():
+    assert [padded_numel(n, 3) for n in (0, 1, 3, 13)] == [0, 3, 3, 15]
+    assert padded_numel(13, 1) == 13
+
+
+def test_pieces_of_a_bucket_that_does_not_divide():
+    # parameters of 7, 5 and 1 elements: 13, padded to 15 for 3 ranks, 5 elements each
+    layout = ShardLayout(sizes=(7, 5, 1), offsets=(0, 7, 12), numel=15, world_size=3)
+    assert [layout.shard_range(r) for r in range(3)] == [(0, 5), (5, 10), (10, 15)]
+    assert layout.pieces(0) == [Piece(0, 0, 5, 0)]
+    assert layout.pieces(1) == [Piece(0, 5, 7, 0), Piece(1, 0, 3, 2)]
+    assert layout.pieces(2) == [Piece(1, 3, 5, 0), Piece(2, 0, 1, 2)]  # then 2 of padding
+    assert [layout.owner(p) for p in range(3)] == [0, 1, 2]
+
+
+def test_every_element_belongs_to_exactly_one_piece():
+    rng = random.Random(0)
+    for _ in range(50):
+        sizes = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        world = rng.randint(1, 5)
+        layout = ShardLayout(tuple(sizes), tuple(offsets), padded_numel(sum(sizes), world), world)
+        seen = [[0] * n for n in sizes]
+        for rank in range(world):
+            lo, _ = layout.shard_range(rank)
+            for piece in layout.pieces(rank):
+                assert offsets[piece.param] + piece.start == lo + piece.shard_start
+                for i in range(piece.start, piece.stop):
+                    seen[piece.param][i] += 1
+        assert all(count == 1 for counts in seen for count in counts)
+
+
+def test_layout_refuses_what_cannot_shard_evenly():
+    with pytest.raises(ValueError, match="numel=13 must be a multiple of world_size=3"):
+        ShardLayout(sizes=(13,), offsets=(0,), numel=13, world_size=3)
+    with pytest.raises(ValueError, match="rank=3 is outside 0..2"):
+        ShardLayout(sizes=(3,), offsets=(0,), numel=3, world_size=3).shard_range(3)
+
+
+# -- bucket pieces: groups, lazy buffers -----------------------------------------------------
+def test_param_groups_never_share_a_bucket():
+    params = [(10, F32, CPU, 0), (10, F32, CPU, 1), (10, F32, CPU, 0), (10, F32, CPU, 1)]
+    specs = plan_buckets(params, bucket_bytes=1 << 20, pad_to=3)
+    assert sorted((s.group, s.param_indices) for s in specs) == [(0, (0, 2)), (1, (1, 3))]
+    assert all(s.numel == 21 for s in specs)
+
+
+def test_a_lazy_bucket_holds_memory_only_between_first_grad_and_release():
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    (spec,) = plan_buckets([(3, F32, CPU), (2, F32, CPU)], bucket_bytes=1 << 20)
+    bucket = Bucket(spec, [a, b], lazy=True)
+    assert bucket.attach_grads() == [True, True] and bucket.buffer is None
+    (a * 2).sum().backward()
+    bucket.adopt_grad(0)  # what the reducer does when a's gradient is ready
+    assert bucket.buffer.tolist() == [2, 2, 2, 0, 0]
+    assert a.grad.data_ptr() == bucket.buffer.data_ptr() and b.grad.abs().sum() == 0
+    bucket.release()
+    assert bucket.buffer is None and a.grad is None and b.grad is None
+
+
+# -- ZeRO-1/2 in a world of one: the code paths without a second process --------------------
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    return dp.init()
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(6, 7, generator=g), torch.randn(6, 5, generator=g)
+
+
+POLICIES = [
+    dp.ZeRO1(bucket_mb=0.0002, first_bucket_mb=0.0001),
+    dp.ZeRO1(grad_reduce="reduce_scatter", bucket_mb=0.0002),
+    dp.ZeRO2(bucket_mb=0.0002, first_bucket_mb=0.0001),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["zero1", "zero1-rs", "zero2"])
+def test_training_equals_plain_adamw_including_accumulation_across_backwards(policy):
+    plain, ours = _model(), dp.parallelize(_model(), policy)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt = dp.build_optimizer(ours, torch.optim.AdamW, lr=1e-2)
+    clips = {
+        plain: lambda: nn.utils.clip_grad_norm_(plain.parameters(), 0.5),
+        ours: lambda: dp.clip_grad_norm_(ours, 0.5),
+    }
+    for step in range(4):
+        for model, optimizer in ((plain, plain_opt), (ours, opt)):
+            # two synchronised backwards add up before the step, as in plain PyTorch
+            for half in _data(step)[0].chunk(2):
+                (model(half) ** 2).mean().backward()
+            clips[model]()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=step % 2 == 0)  # both kinds of zero_grad
+    for a, b in zip(plain.parameters(), ours.parameters(), strict=True):
+        assert (a - b).abs().max().item() < 1e-6
+    state = dp.optimizer_state_dict(ours, opt)
+    reference = plain_opt.state_dict()
+    assert state["param_groups"] == reference["param_groups"]
+    for index, entry in reference["state"].items():
+        for key, value in entry.items():
+            assert (state["state"][index][key] - value).abs().max().item() < 1e-6, key
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_model_zero_grad_also_clears_zero1_gradients(set_to_none):
+    plain, ours = _model(), dp.parallelize(_model(), dp.ZeRO1(bucket_mb=0.0002))
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt = dp.build_optimizer(ours, torch.optim.SGD, lr=0.1, momentum=0.9)
+    for step in range(3):
+        for model, optimizer in ((plain, plain_opt), (ours, opt)):
+            (model(_data(step)[0]) ** 2).mean().backward()
+            optimizer.step()
+            model.zero_grad(set_to_none=set_to_none)
+    for a, b in zip(plain.parameters(), ours.parameters(), strict=True):
+        assert (a - b).abs().max().item() < 1e-6
+
+
+def test_step_without_gradients_changes_nothing():
+    model = dp.parallelize(_model(), dp.ZeRO2())
+    opt = dp.build_optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_mixed_precision_casts_inputs_and_keeps_fp32_masters():
+    model = dp.parallelize(_model(), dp.ZeRO2(param_dtype=torch.bfloat16))
+    opt = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2)
+    out = model(_data(0)[0])  # an fp32 input, cast to bf16 by the strategy
+    out.float().pow(2).mean().backward()
+    opt.step()
+    assert out.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {t.dtype for g in opt.param_groups for t in g["params"]} == {torch.float32}
+    assert {v.dtype for v in dp.full_state_dict(model).values()} == {torch.float32}
+
+
+def test_one_sharded_optimizer_per_model():
+    model = dp.parallelize(_model(), "zero1")
+    dp.build_optimizer(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="already built this model's sharded optimizer"):
+        dp.build_optimizer(model, torch.optim.SGD, lr=0.1)
+    other = dp.parallelize(_model(), "zero2")
+    with pytest.raises(ValueError, match="builds its own sharded optimizer"):
+        dp.build_optimizer(other, torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_step_with_a_closure_is_refused():
+    model = dp.parallelize(_model(), "zero2")
+    opt = dp.build_optimizer(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"step\(closure\) is not supported with ZeRO-1/2"):
+        opt.step(lambda: model(_data(0)[0]).sum())
