@@ -1,0 +1,16 @@
+"""`dataparallel train`: the configuration, the loop, and what is written around it.
+
+    config.py        the run's configuration (five frozen dataclasses, TOML, flags)
+    checks.py        validation of a config before anything starts
+    launch.py        starting the workers through torch.distributed.run
+    worker.py        one worker: prepare, fit, report
+    trainer.py       setup(), train_step(), evaluate(), fit() and the Callback protocol
+    schedule.py      warm-up + cosine learning rate, linear scaling
+    progress.py      rank 0's header and progress bar
+    metrics.py       metrics.jsonl and TensorBoard
+    checkpointing.py resumable checkpoints and final weights
+    report.py        PNG plots and the summary
+    sampling.py      text from trained weights
+
+See docs/train.md.
+"""

@@ -1,0 +1,235 @@
+"""The `dataparallel` command: `train` a model with several workers, `sample` from the result.
+
+    dataparallel train                                  # 2 workers, built-in corpus, gpt-tiny
+    dataparallel train --nproc 4 --model gpt-small --steps 1000 --out runs/small
+    dataparallel train --config examples/train.toml --lr 1e-3
+    dataparallel train --resume runs/small --steps 2000
+    dataparallel sample runs/small --prompt "def "
+    torchrun --nproc-per-node 2 -m dataparallel.cli train --steps 50   # under torchrun itself
+
+Every `train` flag is a field of the config (train/config.py; `--print-config` shows them all
+with their documentation). Bad input is reported on one line, `dataparallel train: error:
+<field>: <problem>; <fix>`, with exit status 2, before anything is started or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from .train.config import (
+    SECTIONS,
+    ConfigError,
+    RunConfig,
+    field_docs,
+    flag_name,
+    load_toml,
+    to_toml,
+)
+
+TYPES = {"int": int, "float": float, "str": str}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (with the same exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def add_train_parser(commands) -> None:
+    parser = commands.add_parser(
+        "train",
+        help="train a model with data-parallel workers",
+        description="Train a model with data-parallel workers. Flags override --config.",
+    )
+    parser.add_argument("--config", metavar="FILE.toml", help="a TOML config file")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as TOML and exit"
+    )
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"[{section}]")
+        docs = field_docs(cls)
+        for f in fields(cls):
+            extra = {"nargs": "+"} if f.type.startswith("tuple") else {"type": TYPES[f.type]}
+            group.add_argument(
+                flag_name(section, f.name),
+                dest=f"{section}.{f.name}",
+                metavar={"name": "MODEL", "paths": "PATH"}.get(f.name, f.name.upper()),
+                default=None,
+                help=docs[f.name].replace("%", "%%"),
+                **extra,
+            )
+
+
+def add_sample_parser(commands) -> None:
+    parser = commands.add_parser("sample", help="sample text from trained weights")
+    parser.add_argument("run", help="a run directory, or its model.safetensors")
+    parser.add_argument("--prompt", default="", help="text to continue (default: a new line)")
+    parser.add_argument("--tokens", type=int, default=300, help="bytes to generate")
+    parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="dataparallel", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    add_train_parser(commands)
+    add_sample_parser(commands)
+    # `bench` (benchmarks/) will be registered here as a third command.
+    return parser
+
+
+def _flags(args: argparse.Namespace) -> dict[str, dict]:
+    """The config fields given on the command line, as {section: {field: value}}."""
+    given: dict[str, dict] = {}
+    for key, value in vars(args).items():
+        if "." in key and value is not None:
+            section, name = key.split(".", 1)
+            given.setdefault(section, {})[name] = tuple(value) if isinstance(value, list) else value
+    return given
+
+
+def _torchrun_world() -> dict | None:
+    """nproc/nnodes/node_rank from torchrun's environment, or None when not under torchrun."""
+    if "LOCAL_WORLD_SIZE" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    return {
+        "nproc": local,
+        "nnodes": int(os.environ["WORLD_SIZE"]) // local,
+        "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+    }
+
+
+def default_out(config: RunConfig) -> str:
+    """runs/<date>-<time>-<model>, with a suffix if that exists already."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / f"{stamp}-{config.model.name}"
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return str(candidate)
+
+
+def resolve_config(args: argparse.Namespace, torchrun: dict | None) -> RunConfig:
+    """Defaults < the TOML file (or the resumed run's config.toml) < flags < torchrun's world."""
+    from .train.checks import resolve_batch
+
+    given = _flags(args)
+    train_flags = given.get("train", {})
+    if "batch" in train_flags and "global_batch" in train_flags:
+        raise ConfigError(
+            "--batch / --global-batch", "both given", "give the per-rank batch or the global one"
+        )
+    if "batch" in train_flags:  # a --batch flag overrides a global_batch from the file
+        given["train"]["global_batch"] = 0
+    if args.resume:
+        run_dir = Path(args.resume)
+        if args.config:
+            raise ConfigError(
+                "--config", "cannot be combined with --resume", "the run's config.toml is used"
+            )
+        if not (run_dir / "config.toml").is_file():
+            raise ConfigError(
+                "--resume", f"{run_dir} holds no run (no config.toml)", "give a run directory"
+            )
+        out = given.get("launch", {}).get("out")
+        if out and Path(out).resolve() != run_dir.resolve():
+            raise ConfigError("--out", f"differs from --resume {run_dir}", "leave --out out")
+        base = load_toml(run_dir / "config.toml").replace(launch={"out": str(run_dir)})
+        # The interruption that ended the first session is not part of the run: resume to the end
+        # unless --stop-after is given again.
+        base = base.replace(train={"stop_after": 0})
+    else:
+        base = load_toml(args.config) if args.config else RunConfig()
+    config = base.replace(**given)
+    if torchrun:
+        config = config.replace(launch=torchrun)
+    if args.resume and config.world_size != base.world_size:
+        raise ConfigError(
+            "--nproc (launch.nproc)",
+            f"the run was trained by {base.world_size} ranks, not {config.world_size}",
+            f"resume with --nproc {base.launch.nproc} --nnodes {base.launch.nnodes}",
+        )
+    if not config.launch.out:
+        config = config.replace(launch={"out": default_out(config)})
+    return resolve_batch(config)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .train.checks import check_values, preflight
+
+    torchrun = _torchrun_world()
+    resume = bool(args.resume)
+    try:
+        config = resolve_config(args, torchrun)
+        if args.print_config:
+            check_values(config)
+            print(to_toml(config), end="")
+            return 0
+        preflight(config, resume=resume)
+    except ConfigError as error:
+        print(f"dataparallel train: error: {error}", file=sys.stderr)
+        return 2
+    if torchrun:  # started by torchrun: this process is a worker
+        from .train.worker import run_worker
+
+        run_worker(config, resume=resume)
+        return 0
+    from .train.launch import launch
+
+    return launch(config, resume=resume)
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from .train.sampling import generate, load_trained_model, weights_path
+
+    path = weights_path(args.run)
+    if not path.is_file():
+        print(
+            f"dataparallel sample: error: run: {path} does not exist; give a run directory "
+            "or a .safetensors file written by dataparallel train",
+            file=sys.stderr,
+        )
+        return 2
+    # One sequence, one token at a time: small matrices that more threads barely speed up, and
+    # threads that wait for busy cores slow down a lot.
+    torch.set_num_threads(args.threads)
+    try:
+        model, metadata = load_trained_model(path)
+    except Exception as error:  # not a safetensors file, or not one of ours
+        print(f"dataparallel sample: error: run: {error}", file=sys.stderr)
+        return 2
+    torch.manual_seed(args.seed)
+    block = metadata.get("model_config", {}).get("block_size", 128)
+    text = generate(
+        model,
+        args.prompt.encode(),
+        args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        block_size=block,
+    )
+    sys.stdout.write(text.decode("utf-8", errors="replace") + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"train": cmd_train, "sample": cmd_sample}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

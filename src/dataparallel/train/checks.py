@@ -1,0 +1,197 @@
+"""Checks of a run's configuration, done before any worker starts and before anything is written.
+
+Each problem raises a `ConfigError` naming the field (flag and TOML key), the problem and the
+fix; the CLI prints it on one line and exits with status 2. The checks only read: config values,
+file names and sizes, and the output directory's listing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..checkpoint import latest_checkpoint
+from ..data.corpus import corpus_files, corpus_size, num_windows
+from ..models import MODEL_CONFIGS
+from ..strategies import POLICIES
+from .checkpointing import CHECKPOINTS
+from .config import ConfigError, RunConfig, field_label
+
+# Files that mark a directory as holding a run (see docs/train.md, "The run directory").
+RUN_MARKERS = ("config.toml", "metrics.jsonl", "checkpoint", "model.safetensors")
+
+
+def _choose(label: str, value: str, known) -> None:
+    if value not in known:
+        raise ConfigError(label, f"unknown value {value!r}", f"choose one of {', '.join(known)}")
+
+
+def _at_least(config: RunConfig, section: str, name: str, minimum: float) -> None:
+    value = getattr(getattr(config, section), name)
+    if value < minimum:
+        raise ConfigError(
+            field_label(section, name), f"{value} is below {minimum}", f"use {minimum} or more"
+        )
+
+
+def resolve_batch(config: RunConfig) -> RunConfig:
+    """Derive the per-rank batch from train.global_batch when it is set (> 0).
+
+    The result records the derived batch and global_batch = 0, so that a resumed run (or one
+    started from the written config.toml) with other flags derives nothing stale.
+    """
+    train, world = config.train, config.world_size
+    if train.global_batch <= 0:
+        return config
+    parts = train.accum * world
+    if train.global_batch % parts:
+        lower = max(parts, train.global_batch // parts * parts)
+        raise ConfigError(
+            field_label("train", "global_batch"),
+            f"{train.global_batch} windows do not split into accum {train.accum} x "
+            f"{world} ranks = {parts} equal micro-batches",
+            f"use a multiple of {parts}, e.g. {lower} or {lower + parts}",
+        )
+    return config.replace(train={"batch": train.global_batch // parts, "global_batch": 0})
+
+
+def check_values(config: RunConfig) -> None:
+    """Check every value on its own and against the others (no I/O)."""
+    _choose(field_label("model", "name"), config.model.name, sorted(MODEL_CONFIGS))
+    _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(POLICIES))
+    _choose(field_label("train", "precision"), config.train.precision, ["fp32", "bf16"])
+    _choose(field_label("optim", "lr_scaling"), config.optim.lr_scaling, ["none", "linear"])
+    for section, name, minimum in [
+        ("train", "steps", 1),
+        ("train", "batch", 1),
+        ("train", "accum", 1),
+        ("train", "log_every", 1),
+        ("launch", "nproc", 1),
+        ("launch", "nnodes", 1),
+        ("data", "block_size", 1),
+        ("optim", "lr_base_batch", 1),
+    ] + [
+        (s, n, 0)
+        for s, n in [
+            ("train", "global_batch"),
+            ("train", "eval_every"),
+            ("train", "checkpoint_every"),
+            ("train", "stop_after"),
+            ("data", "eval_windows"),
+            ("optim", "warmup_steps"),
+            ("optim", "weight_decay"),
+            ("optim", "grad_clip"),
+            ("launch", "threads"),
+            ("launch", "node_rank"),
+        ]
+    ]:
+        _at_least(config, section, name, minimum)
+    optim, train, launch = config.optim, config.train, config.launch
+    if not optim.lr > 0:
+        raise ConfigError(
+            field_label("optim", "lr"), f"{optim.lr} is not positive", "use e.g. 1e-3"
+        )
+    ranges = [
+        ("data", "val_fraction", 0.0 < config.data.val_fraction < 1.0, "(0, 1)"),
+        ("optim", "min_lr_ratio", 0.0 <= optim.min_lr_ratio <= 1.0, "[0, 1]"),
+        ("optim", "beta1", 0.0 <= optim.beta1 < 1.0, "[0, 1)"),
+        ("optim", "beta2", 0.0 <= optim.beta2 < 1.0, "[0, 1)"),
+    ]
+    for section, name, ok, bounds in ranges:
+        if not ok:
+            value = getattr(getattr(config, section), name)
+            raise ConfigError(
+                field_label(section, name),
+                f"{value} is outside {bounds}",
+                f"use a value in {bounds}",
+            )
+    if train.stop_after > train.steps:
+        raise ConfigError(
+            field_label("train", "stop_after"),
+            f"{train.stop_after} is after the last step ({train.steps})",
+            f"use at most {train.steps}, or 0 to run all steps",
+        )
+    model_block = getattr(MODEL_CONFIGS[config.model.name], "block_size", None)
+    if model_block and config.data.block_size > model_block:
+        raise ConfigError(
+            field_label("data", "block_size"),
+            f"{config.data.block_size} exceeds {config.model.name}'s context of {model_block}",
+            f"use at most {model_block}",
+        )
+    if launch.nnodes > 1:
+        host, _, port = launch.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(
+                field_label("launch", "rdzv_endpoint"),
+                f"{launch.rdzv_endpoint!r} is not host:port",
+                "give node 0's address and a free port, e.g. --rdzv-endpoint 10.0.0.1:29500",
+            )
+    if launch.node_rank >= launch.nnodes:
+        raise ConfigError(
+            field_label("launch", "node_rank"),
+            f"{launch.node_rank} is not below nnodes={launch.nnodes}",
+            f"use 0..{launch.nnodes - 1}",
+        )
+
+
+def check_data(config: RunConfig) -> None:
+    """The data exists, is readable, and gives every rank at least one window."""
+    label = field_label("data", "paths")
+    try:
+        files = corpus_files(list(config.data.paths))
+    except (OSError, ValueError) as error:
+        raise ConfigError(label, str(error), "give readable text files or folders") from None
+    total = corpus_size(files)
+    block = config.data.block_size
+    val_tokens = int(total * config.data.val_fraction)
+    train_windows = num_windows(total - val_tokens, block)
+    val_windows = num_windows(val_tokens, block)
+    if train_windows < config.world_size:
+        raise ConfigError(
+            field_label("launch", "nproc"),
+            f"{config.world_size} ranks but only {train_windows} training windows of {block} "
+            f"tokens in {total} bytes of text",
+            "use fewer workers, a smaller --block-size, or more text",
+        )
+    if val_windows < 1:
+        raise ConfigError(
+            field_label("data", "val_fraction"),
+            f"the validation split ({val_tokens} bytes) holds no window of {block + 1} tokens",
+            "raise --val-fraction, lower --block-size, or give more text",
+        )
+
+
+def check_run_dir(path: Path, *, resume: bool) -> None:
+    """A new run needs an empty or missing directory; --resume needs a run with a checkpoint."""
+    label = field_label("launch", "out")
+    if path.exists() and not path.is_dir():
+        raise ConfigError(label, f"{path} is a file", "choose a directory")
+    entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if resume:
+        if "config.toml" not in entries or latest_checkpoint(path / CHECKPOINTS) is None:
+            raise ConfigError(
+                "--resume",
+                f"{path} holds no run with a checkpoint",
+                "give the directory of a run that saved one",
+            )
+        return
+    existing = next(p for p in [path.absolute(), *path.absolute().parents] if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(label, f"cannot write in {existing}", "choose a writable directory")
+    markers = [m for m in RUN_MARKERS if m in entries]
+    if markers:
+        raise ConfigError(
+            label,
+            f"{path} holds another run ({', '.join(markers)})",
+            f"choose a new --out, or continue that run with --resume {path}",
+        )
+    if entries:
+        raise ConfigError(label, f"{path} is not empty", "choose a new or empty directory")
+
+
+def preflight(config: RunConfig, *, resume: bool) -> None:
+    """Every check, cheapest first."""
+    check_values(config)
+    if config.launch.node_rank == 0:  # only node 0 writes the run directory
+        check_run_dir(Path(config.launch.out), resume=resume)
+    check_data(config)

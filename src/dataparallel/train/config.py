@@ -1,0 +1,317 @@
+"""The configuration of a training run: five small sections, each a frozen dataclass.
+
+Precedence, lowest first: the defaults below, a TOML file (`--config FILE.toml`), command-line
+flags. Every field is documented in its class docstring ("name: text"); those texts are also
+the `--help` of the flags and the comments of the resolved `config.toml` in the run directory,
+so the three can never disagree.
+
+A TOML file has one table per section, named as the attributes of `RunConfig`:
+
+    [train]
+    steps = 600
+    batch = 16
+
+Unknown sections or keys are errors (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import textwrap
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as the `tomli` package
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """Bad input, reported on one line as `<field>: <problem>; <fix>` (the CLI exits 2)."""
+
+    def __init__(self, field: str, problem: str, fix: str):
+        super().__init__(f"{field}: {problem}; {fix}")
+        self.field, self.problem, self.fix = field, problem, fix
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to train.
+
+    name: a reference model: gpt-tiny (~1M parameters), gpt-small (~3.3M), gpt-medium (~32M)
+        or mlp. Other models go through the Python API (see docs/train.md).
+    """
+
+    name: str = "gpt-tiny"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What to train on.
+
+    paths: text files or folders to train on (folders are searched recursively); empty means
+        the built-in corpus, the .py sources of this Python's standard library.
+    block_size: tokens (bytes) per training window, the context length; at most the model's
+        block_size (128 for gpt-tiny, 256 for gpt-small and gpt-medium).
+    val_fraction: fraction of the corpus (its tail, in sorted file order) held out for
+        validation.
+    eval_windows: validation windows scored at each evaluation, spread evenly over the
+        validation split; 0 scores all of them.
+    """
+
+    paths: tuple[str, ...] = ()
+    block_size: int = 128
+    val_fraction: float = 0.05
+    eval_windows: int = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule.
+
+    lr: peak learning rate (before linear scaling, if any).
+    lr_scaling: "none", or "linear": the peak becomes lr x global_batch / lr_base_batch (the
+        linear scaling rule of Goyal et al., 2017, for growing the batch with the world size).
+    lr_base_batch: the global batch, in windows, at which `lr` was tuned (linear scaling only).
+    warmup_steps: steps of linear warm-up from 0 to the peak learning rate.
+    min_lr_ratio: the cosine decay ends at this fraction of the peak, at the last step.
+    weight_decay: AdamW decoupled weight decay, applied to matrices and embeddings only (not to
+        biases and norm weights).
+    beta1: AdamW's first-moment decay.
+    beta2: AdamW's second-moment decay.
+    grad_clip: clip gradients to this global L2 norm (over all ranks); 0 turns clipping off.
+    """
+
+    lr: float = 2e-3
+    lr_scaling: str = "none"
+    lr_base_batch: int = 32
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The training loop.
+
+    steps: optimizer steps of the whole run (the LR schedule spans them).
+    batch: windows per rank per micro-step (the micro-batch).
+    global_batch: windows per optimizer step over all ranks; when set (> 0), batch is derived
+        as global_batch / (accum x world size), which must divide exactly, and the resolved
+        config records that batch (and 0 here). 0: batch decides.
+    accum: micro-steps accumulated per optimizer step (gradient accumulation).
+    precision: "fp32", or "bf16" for bfloat16 autocast (on CPU and CUDA; weights, gradients
+        and optimizer state stay fp32).
+    seed: seeds the model's initialisation and the data order; the same seed and world size
+        give the same loss curve.
+    eval_every: steps between validation passes (also at step 0 and at the end); 0: only at
+        the end.
+    log_every: steps between progress lines when the output is not a terminal.
+    checkpoint_every: steps between checkpoints for --resume (one is always written at the
+        end); 0: only at the end.
+    stop_after: stop after this step, as if interrupted, with a checkpoint to --resume from;
+        the schedule still spans `steps`. 0: run all `steps`.
+    """
+
+    steps: int = 500
+    batch: int = 16
+    global_batch: int = 0
+    accum: int = 1
+    precision: str = "fp32"
+    seed: int = 1337
+    eval_every: int = 100
+    log_every: int = 25
+    checkpoint_every: int = 200
+    stop_after: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """Where and how the workers run.
+
+    nproc: worker processes on this machine (started through torch.distributed.run).
+    strategy: data-parallel strategy, a name from dataparallel.strategies.POLICIES ("ddp"...).
+    out: run directory for metrics, checkpoints and the report; empty: runs/<time>-<model>.
+    threads: torch threads per worker; 0: a fair share, max(1, cores // nproc).
+    nnodes: machines in the job; more than 1 needs node_rank and rdzv_endpoint.
+    node_rank: this machine's index, 0..nnodes-1 (node 0 hosts rank 0 and writes the run).
+    rdzv_endpoint: host:port of node 0 where the machines meet (multi-node only).
+    """
+
+    nproc: int = 2
+    strategy: str = "ddp"
+    out: str = ""
+    threads: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A whole run; each attribute is one section (one TOML table).
+
+    model: which model.
+    data: what text.
+    optim: optimizer and LR schedule.
+    train: the loop.
+    launch: the processes.
+    """
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    launch: LaunchConfig = LaunchConfig()
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.nproc * self.launch.nnodes
+
+    @property
+    def global_batch(self) -> int:
+        """Windows per optimizer step: batch x accum x world size."""
+        return self.train.batch * self.train.accum * self.world_size
+
+    def replace(self, **changes: dict) -> RunConfig:
+        """A copy with some fields of some sections changed: replace(train={"steps": 5})."""
+        sections = {
+            name: dataclasses.replace(getattr(self, name), **values)
+            for name, values in changes.items()
+        }
+        return dataclasses.replace(self, **sections)
+
+    def to_dict(self) -> dict[str, dict]:
+        return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in fields(self)}
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "launch": LaunchConfig,
+}
+# Flags whose name is not the field's name with dashes.
+FLAG_NAMES = {"model.name": "--model", "data.paths": "--data"}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The "name: text" entries of a dataclass docstring, continuation lines joined."""
+    docs: dict[str, str] = {}
+    names = {f.name for f in fields(cls)}
+    current = None
+    for line in (cls.__doc__ or "").splitlines():
+        head, sep, rest = line.strip().partition(": ")
+        if sep and head in names and line.startswith(" " * 4) and not line.startswith(" " * 8):
+            current = head
+            docs[head] = rest.strip()
+        elif current and line.startswith(" " * 8):
+            docs[current] += " " + line.strip()
+        else:
+            current = None
+    return docs
+
+
+def flag_name(section: str, name: str) -> str:
+    return FLAG_NAMES.get(f"{section}.{name}", "--" + name.replace("_", "-"))
+
+
+def field_label(section: str, name: str) -> str:
+    """How errors name a field: the flag and the TOML key."""
+    return f"{flag_name(section, name)} ({section}.{name})"
+
+
+def _coerce(section: str, name: str, kind, value, where: str):
+    """Check a TOML value's type against the field; ints are accepted for floats."""
+    label = f"{section}.{name}"
+    ok = {
+        "str": isinstance(value, str),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, int | float) and not isinstance(value, bool),
+        "tuple[str, ...]": isinstance(value, list | tuple)
+        and all(isinstance(v, str) for v in value),
+    }[kind]
+    if not ok:
+        expected = {"tuple[str, ...]": "a list of strings"}.get(kind, f"a {kind}")
+        raise ConfigError(
+            label, f"{value!r} in {where} is not {expected}", f"write {label} as {expected}"
+        )
+    if kind == "float":
+        return float(value)
+    if kind == "tuple[str, ...]":
+        return tuple(value)
+    return value
+
+
+def apply_mapping(config: RunConfig, mapping: dict, where: str) -> RunConfig:
+    """Override `config` with a {section: {field: value}} mapping (from TOML), checking names
+    and types."""
+    changes: dict[str, dict] = {}
+    for section, values in mapping.items():
+        if section not in SECTIONS or not isinstance(values, dict):
+            close = difflib.get_close_matches(str(section), SECTIONS, n=1)
+            hint = f"did you mean [{close[0]}]?" if close else f"sections are {', '.join(SECTIONS)}"
+            raise ConfigError(f"[{section}]", f"unknown section in {where}", hint)
+        known = {f.name: f.type for f in fields(SECTIONS[section])}
+        for name, value in values.items():
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = (
+                    f"did you mean {section}.{close[0]}?"
+                    if close
+                    else f"keys are {', '.join(known)}"
+                )
+                raise ConfigError(f"{section}.{name}", f"unknown key in {where}", hint)
+            changes.setdefault(section, {})[name] = _coerce(
+                section, name, known[name], value, where
+            )
+    return config.replace(**changes)
+
+
+def load_toml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
+    """`base` (default: the defaults) overridden by the TOML file at `path`."""
+    label = "--config"
+    try:
+        with open(path, "rb") as handle:
+            mapping = tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(label, f"{path} does not exist", "give the path of a TOML file") from None
+    except OSError as error:
+        raise ConfigError(
+            label, f"cannot read {path} ({error.strerror})", "check the path"
+        ) from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(label, f"{path} is not valid TOML ({error})", "fix the file") from None
+    return apply_mapping(base or RunConfig(), mapping, str(path))
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, str):
+        # JSON's string escapes (\\, \", \n, \uXXXX...) are all valid in a TOML basic string.
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def to_toml(config: RunConfig, header: str = "") -> str:
+    """The config as TOML text, each field preceded by its documentation as a comment."""
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    for section, cls in SECTIONS.items():
+        values = getattr(config, section)
+        docs = field_docs(cls)
+        lines += ["", f"[{section}]"]
+        for f in fields(cls):
+            doc = f"{docs.get(f.name, '')} ({flag_name(section, f.name)})"
+            lines += textwrap.wrap(
+                doc, 98, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False
+            )
+            lines.append(f"{f.name} = {_toml_value(getattr(values, f.name))}")
+    return "\n".join(lines).lstrip("\n") + "\n"

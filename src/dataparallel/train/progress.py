@@ -1,0 +1,128 @@
+"""What rank 0 prints: the run's header (global batch composition) and a progress bar.
+
+On a terminal the bar redraws one line in place; otherwise (a log file, a CI job, a test) it
+prints a plain line every `log_every` steps, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from .trainer import Callback, EvalRecord, StepRecord, TrainState
+
+
+def format_duration(seconds: float) -> str:
+    """1h02m, 3m05s, 42s, 0.8s."""
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def plural(n: int, word: str) -> str:
+    """1 file, 2 files."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def format_count(n: float) -> str:
+    """12.3k, 4.56M, 789."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def describe_run(state: TrainState, threads: int) -> list[str]:
+    """The header lines: model, data, processes, global batch and LR schedule."""
+    config, world, corpus = state.config, state.world, state.corpus
+    train, optim = config.train, config.optim
+    params = sum(p.numel() for p in state.model.parameters())
+    block = config.data.block_size
+    global_batch = train.batch * train.accum * world.world_size
+    source = "built-in corpus (stdlib .py)" if not config.data.paths else corpus.source
+    scaling = (
+        f"linear scaling {optim.lr:g} x {global_batch}/{optim.lr_base_batch}"
+        if optim.lr_scaling == "linear"
+        else "no scaling"
+    )
+    return [
+        f"model   {config.model.name}, {params / 1e6:.2f}M parameters, {train.precision}",
+        f"data    {source}: {format_count(len(corpus.tokens))}B in {plural(corpus.num_files, 'file')}, "
+        f"sha256 {corpus.sha256[:12]}; {len(state.train_windows)} train / "
+        f"{len(state.val_windows)} val windows of {block} tokens",
+        f"world   {world.world_size} ranks ({config.launch.strategy}, {world.backend}, "
+        f"{world.device.type}, {plural(threads, 'thread')} each)",
+        f"batch   global batch = {train.batch} per rank x {train.accum} accum x "
+        f"{world.world_size} ranks = {global_batch} windows = {global_batch * block} tokens/step",
+        f"lr      peak {state.peak_lr:.3g} ({scaling}), {optim.warmup_steps} warm-up steps, "
+        f"cosine to {state.peak_lr * optim.min_lr_ratio:.3g} at step {train.steps}",
+    ]
+
+
+class ProgressBar(Callback):
+    """Rank 0's progress: step, loss, tokens/s and ETA.
+
+    stream: where to print (stdout).
+    log_every: steps between lines when not on a terminal.
+    interactive: redraw in place; None asks the stream whether it is a terminal.
+    """
+
+    def __init__(self, stream=None, *, log_every: int = 25, threads: int = 1, interactive=None):
+        self.stream = stream or sys.stdout
+        self.log_every = max(1, log_every)
+        self.threads = threads
+        self.interactive = self.stream.isatty() if interactive is None else interactive
+        self.step_time = None  # exponential moving average, for the ETA
+        self.on_line = False
+
+    def _print(self, text: str) -> None:
+        if self.on_line:
+            self.stream.write("\n")
+            self.on_line = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def on_start(self, state: TrainState) -> None:
+        self.started = time.perf_counter()
+        for line in describe_run(state, self.threads):
+            self._print(line)
+        if state.step:
+            self._print(f"resumed at step {state.step} of {state.config.train.steps}")
+
+    def on_step(self, state: TrainState, record: StepRecord) -> None:
+        if self.step_time is None or record.step <= 2:
+            self.step_time = record.step_time_s  # the first steps include warm-up costs
+        else:
+            self.step_time = 0.9 * self.step_time + 0.1 * record.step_time_s
+        total, last = state.config.train.steps, state.last_step
+        eta = format_duration(self.step_time * (last - record.step))
+        text = (
+            f"step {record.step:>{len(str(total))}}/{total} | loss {record.loss:.4f} | "
+            f"lr {record.lr:.2e} | {format_count(record.tokens_per_s)} tok/s | ETA {eta}"
+        )
+        if self.interactive:
+            width = 20
+            filled = int(width * record.step / total)
+            bar = "#" * filled + "." * (width - filled)
+            self.stream.write(f"\r[{bar}] {text}  ")
+            self.stream.flush()
+            self.on_line = True
+        elif record.step % self.log_every == 0 or record.step in (1, last):
+            self._print(text)
+
+    def on_eval(self, state: TrainState, record: EvalRecord) -> None:
+        self._print(
+            f"step {record.step}: val loss {record.val_loss:.4f} "
+            f"({format_count(record.tokens)} tokens, {format_duration(record.eval_time_s)})"
+        )
+
+    def on_end(self, state: TrainState) -> None:
+        if self.on_line:
+            self.stream.write("\n")
+            self.on_line = False
+        self.stream.flush()

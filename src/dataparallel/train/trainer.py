@@ -1,0 +1,337 @@
+"""The training loop: build the pieces, step, evaluate, and call back. Runs on every rank.
+
+    state = setup(config, world)                 # data, model, optimizer, sampler
+    fit(state, callbacks)                        # the loop; callbacks log and checkpoint
+
+[Note: loss normalisation] The loss of a step is the summed token cross-entropy of the whole
+global batch (every rank, every micro-step) divided by the number of target tokens in it, so the
+result does not depend on how the batch is split into ranks and micro-steps. The strategy
+*averages* gradients over ranks (DDP's "mean"), so each rank backpropagates
+    sum of its micro-batch's token losses x world_size / global target tokens,
+and after the averaging the gradient is exactly d(global sum / global tokens). Averaging each
+micro-batch's mean loss instead would weight tokens unequally as soon as micro-batches hold
+different numbers of targets. The global token count is one small all-reduce per step (with
+fixed-length windows it is also batch x block x accum x world size, which the header prints).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+import dataparallel as dp
+
+from ..data.corpus import Corpus, TokenWindows, evenly_spaced, load_corpus
+from ..models import build_model
+from .config import RunConfig
+from .schedule import WarmupCosine, scaled_lr
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """What one optimizer step produced; callbacks get it on every rank.
+
+    step: optimizer steps done, counting this one (1 after the first update).
+    loss: the step's training loss (see [Note: loss normalisation]), the same on every rank.
+    lr: learning rate of this update.
+    grad_norm: global L2 norm of the gradient before clipping.
+    tokens: target tokens in the global batch.
+    step_time_s: wall time of the step (data, forward, backward, communication, update).
+    elapsed_s: wall time since `fit` began.
+    """
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    step_time_s: float
+    elapsed_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalRecord:
+    """One validation pass.
+
+    step: optimizer steps done when it ran (0 is the untrained model).
+    val_loss: mean token cross-entropy over all scored validation windows, across all ranks.
+    tokens: target tokens scored.
+    eval_time_s: wall time of the pass.
+    """
+
+    step: int
+    val_loss: float
+    tokens: int
+    eval_time_s: float
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """The live objects of a run and how far it has got (mutable, unlike the configs)."""
+
+    config: RunConfig
+    world: dp.World
+    model: torch.nn.Module
+    model_name: str  # a reference model's name, or the class name of the user's model
+    optimizer: torch.optim.Optimizer
+    schedule: WarmupCosine
+    peak_lr: float
+    sampler: dp.DistributedSampler
+    train_windows: TokenWindows
+    val_windows: TokenWindows
+    corpus: Corpus
+    step: int = 0
+    history: list = field(default_factory=list)  # the StepRecords of this session
+    evals: list = field(default_factory=list)  # the EvalRecords of this session
+
+    @property
+    def last_step(self) -> int:
+        """The step this session ends at (stop_after, or the end of the schedule)."""
+        return self.config.train.stop_after or self.config.train.steps
+
+
+class Callback:
+    """Hooks the loop calls on every rank; override what you need (all default to nothing).
+
+    Callbacks run in the order given. Collective work (a checkpoint gathers shards) must be done
+    by a callback present on every rank; logging callbacks are usually given to rank 0 only.
+    """
+
+    def on_start(self, state: TrainState) -> None: ...
+
+    def on_step(self, state: TrainState, record: StepRecord) -> None: ...
+
+    def on_eval(self, state: TrainState, record: EvalRecord) -> None: ...
+
+    def on_end(self, state: TrainState) -> None: ...
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices and embeddings; leave biases and norm weights (1-D) undecayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+def setup(
+    config: RunConfig,
+    world: dp.World,
+    corpus: Corpus | None = None,
+    model: torch.nn.Module | None = None,
+) -> TrainState:
+    """Read the data, build and parallelize the model, build the optimizer and the sampler.
+
+    corpus: the text (default: read what config.data names).
+    model: your own model, mapping token ids (batch, time) to logits (batch, time, vocab) over
+        the 256 byte values; default: the reference model config.model.name, built here.
+        Build yours after `torch.manual_seed(config.train.seed)` for reproducible runs.
+    """
+    if corpus is None:
+        corpus = load_corpus(list(config.data.paths))
+    train_tokens, val_tokens = corpus.split(config.data.val_fraction)
+    block = config.data.block_size
+    train_windows, val_windows = TokenWindows(train_tokens, block), TokenWindows(val_tokens, block)
+    model_name = config.model.name if model is None else type(model).__name__
+    if model is None:
+        torch.manual_seed(config.train.seed)  # the same initial weights on every rank and run
+        model = build_model(config.model.name)
+    model = model.to(world.device)
+    dp.parallelize(model, config.launch.strategy, group=world.group)
+    optim = config.optim
+    peak_lr = scaled_lr(
+        optim.lr,
+        config.train.batch * config.train.accum * world.world_size,
+        scaling=optim.lr_scaling,
+        base_batch=optim.lr_base_batch,
+    )
+    optimizer = dp.build_optimizer(
+        model,
+        torch.optim.AdamW,
+        params=param_groups(model, optim.weight_decay),
+        lr=peak_lr,
+        betas=(optim.beta1, optim.beta2),
+    )
+    schedule = WarmupCosine(
+        warmup_steps=optim.warmup_steps,
+        total_steps=config.train.steps,
+        min_ratio=optim.min_lr_ratio,
+    )
+    sampler = dp.DistributedSampler(
+        len(train_windows),
+        rank=world.rank,
+        world_size=world.world_size,
+        seed=config.train.seed,
+        shuffle=True,
+    )
+    return TrainState(
+        config=config,
+        world=world,
+        model=model,
+        model_name=model_name,
+        optimizer=optimizer,
+        schedule=schedule,
+        peak_lr=peak_lr,
+        sampler=sampler,
+        train_windows=train_windows,
+        val_windows=val_windows,
+        corpus=corpus,
+    )
+
+
+def next_indices(sampler: dp.DistributedSampler, count: int) -> list[int]:
+    """The next `count` indices of this rank's shard, running on into the next epoch(s).
+
+    The sampler's `position` then counts exactly the samples trained on, so its state_dict is
+    the resume point with no prefetch to correct for.
+    """
+    taken: list[int] = []
+    while len(taken) < count:
+        for index in sampler:
+            taken.append(index)
+            if len(taken) == count:
+                break
+        else:
+            sampler.set_epoch(sampler.epoch + 1)
+    return taken
+
+
+def _all_reduce_sum(values: list[float], world: dp.World) -> list[float]:
+    """Sum a few numbers over all ranks (float64, so token counts stay exact)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=world.device)  # NCCL: on the GPU
+    if world.world_size > 1:
+        dist.all_reduce(tensor, group=world.group)
+    return tensor.tolist()
+
+
+def _autocast(state: TrainState):
+    enabled = state.config.train.precision == "bf16"
+    return torch.autocast(state.world.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def _token_loss_sum(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor):
+    with _autocast(state):
+        logits = state.model(inputs)
+    # The loss in fp32 even under bf16 autocast: a sum over thousands of tokens.
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def train_step(state: TrainState) -> StepRecord:
+    """One optimizer step over `accum` micro-batches of this rank's data."""
+    started = time.perf_counter()
+    config, world, model = state.config, state.world, state.model
+    batch, accum = config.train.batch, config.train.accum
+    indices = next_indices(state.sampler, batch * accum)
+    micro = [state.train_windows.batch(indices[k * batch : (k + 1) * batch]) for k in range(accum)]
+    local_tokens = sum(int(targets.numel()) for _, targets in micro)
+    (global_tokens,) = _all_reduce_sum([local_tokens], world)
+    scale = world.world_size / global_tokens  # [Note: loss normalisation]
+    lr = state.peak_lr * state.schedule(state.step)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
+    for k, (inputs, targets) in enumerate(micro):
+        # Every micro-step but the last accumulates locally; the last one's backward reduces.
+        sync = contextlib.nullcontext() if k == accum - 1 else dp.no_sync(model)
+        with sync:
+            summed = _token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
+            (summed * scale).backward()
+        loss_sum += summed.detach().double()
+    max_norm = config.optim.grad_clip if config.optim.grad_clip > 0 else math.inf
+    grad_norm = float(dp.clip_grad_norm_(model, max_norm))
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    (total_loss,) = _all_reduce_sum([float(loss_sum)], world)
+    state.step += 1
+    return StepRecord(
+        step=state.step,
+        loss=total_loss / global_tokens,
+        lr=lr,
+        grad_norm=grad_norm,
+        tokens=int(global_tokens),
+        step_time_s=time.perf_counter() - started,
+        elapsed_s=0.0,
+    )
+
+
+@torch.no_grad()
+def evaluate(state: TrainState) -> EvalRecord:
+    """Mean token loss over the scored validation windows, exact for any world size.
+
+    Rank r scores windows r, r + world_size, ... of the chosen set, so shards may differ in
+    length by one and no window is scored twice (a padded sampler would count some twice).
+    Each rank sums its token losses and counts its tokens; one all-reduce of the two sums gives
+    the exact mean. No collective runs per batch, so uneven shards cannot deadlock.
+    """
+    started = time.perf_counter()
+    config, world = state.config, state.world
+    chosen = evenly_spaced(config.data.eval_windows, len(state.val_windows))
+    mine = chosen[world.rank :: world.world_size]
+    state.model.eval()
+    loss_sum, tokens = 0.0, 0
+    try:
+        for first in range(0, len(mine), config.train.batch):
+            inputs, targets = state.val_windows.batch(mine[first : first + config.train.batch])
+            summed = _token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
+            loss_sum += float(summed)
+            tokens += int(targets.numel())
+    finally:
+        state.model.train()
+    total_loss, total_tokens = _all_reduce_sum([loss_sum, tokens], world)
+    return EvalRecord(
+        step=state.step,
+        val_loss=total_loss / max(total_tokens, 1),
+        tokens=int(total_tokens),
+        eval_time_s=time.perf_counter() - started,
+    )
+
+
+def should_evaluate(config: RunConfig, step: int) -> bool:
+    """Whether step `step` ends with a validation pass (step 0 always has one)."""
+    every = config.train.eval_every
+    return step == config.train.steps or bool(every and step % every == 0)
+
+
+def fit(state: TrainState, callbacks: list[Callback]) -> TrainState:
+    """Train from `state.step` to `state.last_step`, evaluating and calling back on the way."""
+    for callback in callbacks:
+        callback.on_start(state)
+    if state.step == 0:
+        _evaluate_and_report(state, callbacks)
+    started = time.perf_counter()
+    while state.step < state.last_step:
+        record = train_step(state)
+        record = dataclasses.replace(record, elapsed_s=time.perf_counter() - started)
+        state.history.append(record)
+        if not math.isfinite(record.loss):
+            raise FloatingPointError(
+                f"step {record.step}: the loss is {record.loss}; lower --lr or use --precision fp32"
+            )
+        if should_evaluate(state.config, state.step):
+            _evaluate_and_report(state, callbacks)
+        # After the evaluation, so that a checkpoint written here follows the step's metrics.
+        for callback in callbacks:
+            callback.on_step(state, record)
+    for callback in callbacks:
+        callback.on_end(state)
+    return state
+
+
+def _evaluate_and_report(state: TrainState, callbacks: list[Callback]) -> None:
+    evaluation = evaluate(state)
+    state.evals.append(evaluation)
+    for callback in callbacks:
+        callback.on_eval(state, evaluation)

@@ -1,0 +1,191 @@
+"""One worker of `dataparallel train`: joins the process group, trains, and (rank 0) reports.
+
+The launcher (train/launch.py) starts the workers through torch.distributed.run with the
+resolved, already validated config in the environment variable DATAPARALLEL_RUN. Started by
+`torchrun -m dataparallel.cli train ...` directly, each worker resolves and validates the flags
+itself (cli.py) and then comes here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+import dataparallel as dp
+
+from ..checkpoint import latest_checkpoint
+from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
+from .config import RunConfig, apply_mapping, to_toml
+from .metrics import MetricsLogger
+from .progress import ProgressBar
+from .report import RUN_INFO, make_report
+from .trainer import Callback, TrainState, fit, setup
+
+ENV_RUN = "DATAPARALLEL_RUN"
+CONFIG_FILE = "config.toml"
+
+
+def encode_run(config: RunConfig, resume: bool) -> str:
+    return json.dumps({"config": config.to_dict(), "resume": resume})
+
+
+def decode_run(text: str) -> tuple[RunConfig, bool]:
+    data = json.loads(text)
+    return apply_mapping(RunConfig(), data["config"], ENV_RUN), bool(data["resume"])
+
+
+def agree_on_config(config: RunConfig, world: dp.World) -> RunConfig:
+    """Rank 0's config, after checking that every rank was given the same one.
+
+    Only the run directory may differ (its default name holds the time, which differs from
+    machine to machine); rank 0 decides it. Every rank sees every config, so all of them raise
+    the same error together rather than some hanging in a later collective.
+    """
+    if world.world_size == 1:
+        return config
+    everyone = [None] * world.world_size
+    torch.distributed.all_gather_object(everyone, config.to_dict(), group=world.group)
+
+    def comparable(d: dict) -> dict:
+        return {**d, "launch": {**d["launch"], "out": "", "node_rank": 0}}
+
+    for rank, theirs in enumerate(everyone):
+        if comparable(theirs) != comparable(everyone[0]):
+            raise ValueError(
+                f"rank {rank} was started with a different configuration than rank 0; "
+                "give every node the same flags and config file"
+            )
+    chosen = everyone[0]["launch"]["out"]
+    return config.replace(launch={"out": chosen})
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dataparallel")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        return "unknown"
+
+
+def run_info(state: TrainState, threads: int, previous: dict | None) -> dict:
+    """run.json: what ran, on what data, with which software (and when it was resumed)."""
+    config, corpus = state.config, state.corpus
+    block = config.data.block_size
+    global_batch = config.train.batch * config.train.accum * state.world.world_size
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    info = {
+        "model": config.model.name,
+        "parameters": sum(p.numel() for p in state.model.parameters()),
+        "strategy": config.launch.strategy,
+        "world_size": state.world.world_size,
+        "threads": threads,
+        "device": state.world.device.type,
+        "backend": state.world.backend,
+        "global_batch": global_batch,
+        "tokens_per_step": global_batch * block,
+        "steps": config.train.steps,
+        "peak_lr": state.peak_lr,
+        "corpus": {
+            "description": "built-in corpus (stdlib .py)"
+            if not config.data.paths
+            else corpus.source,
+            "source": corpus.source,
+            "sha256": corpus.sha256,
+            "files": corpus.num_files,
+            "tokens": len(corpus.tokens),
+            "train_windows": len(state.train_windows),
+            "val_windows": len(state.val_windows),
+            "block_size": block,
+        },
+        "software": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "dataparallel": _package_version(),
+        },
+        "started_at": now,
+        "resumed_at": [],
+    }
+    if previous:
+        info["started_at"] = previous.get("started_at", now)
+        info["resumed_at"] = previous.get("resumed_at", []) + [{"step": state.step, "at": now}]
+    return info
+
+
+def prepare(config: RunConfig, world: dp.World, *, resume: bool) -> tuple[TrainState, list]:
+    """Build (or restore) the run's state and this rank's callbacks; rank 0 writes config.toml
+    and run.json."""
+    run_dir = Path(config.launch.out)
+    threads = torch.get_num_threads()
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        header = "The resolved configuration of this run (dataparallel train --resume reads it)."
+        (run_dir / CONFIG_FILE).write_text(to_toml(config, header=header))
+    state = setup(config, world)
+    if resume:
+        restore(state, run_dir)
+    callbacks: list[Callback] = []
+    if world.is_main:
+        previous = None
+        if resume and (run_dir / RUN_INFO).exists():
+            previous = json.loads((run_dir / RUN_INFO).read_text())
+            if previous.get("corpus", {}).get("sha256") != state.corpus.sha256:
+                print("warning: the corpus changed since this run began (sha256 differs)")
+        info = run_info(state, threads, previous)
+        (run_dir / RUN_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        callbacks += [
+            ProgressBar(log_every=config.train.log_every, threads=threads),
+            MetricsLogger(run_dir),
+        ]
+    # Last, so that a checkpoint follows the metrics of its step.
+    callbacks.append(CheckpointSaver(run_dir, config.train.checkpoint_every))
+    return state, callbacks
+
+
+def run_worker(config: RunConfig, *, resume: bool) -> None:
+    """Train one rank of the run `config` describes; rank 0 writes the run directory.
+
+    Exits (SystemExit) with 130 on Ctrl-C and 1 when the loss diverges, with one short note
+    from rank 0 instead of a traceback from every rank.
+    """
+    world = dp.init(threads=config.launch.threads or None)
+    state = None
+    try:
+        config = agree_on_config(config, world)
+        run_dir = Path(config.launch.out)
+        state, callbacks = prepare(config, world, resume=resume)
+        fit(state, callbacks)
+        if world.is_main:
+            print(make_report(run_dir), flush=True)
+    except KeyboardInterrupt:
+        if world.is_main:
+            latest = latest_checkpoint(Path(config.launch.out) / CHECKPOINTS)
+            where = f"the last checkpoint is {latest.name}" if latest else "no checkpoint yet"
+            step = state.step if state else 0
+            print(f"\ninterrupted at step {step}; {where}", flush=True)
+            if latest:
+                print(f"continue with: dataparallel train --resume {config.launch.out}", flush=True)
+        raise SystemExit(130) from None
+    except FloatingPointError as error:  # a diverged run: the user's to fix, not a bug
+        if world.is_main:
+            print(f"dataparallel train: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    finally:
+        dp.destroy()
+
+
+def main() -> int:
+    """Entry point of a worker started by the launcher (`python -m dataparallel.train.worker`)."""
+    config, resume = decode_run(os.environ[ENV_RUN])
+    run_worker(config, resume=resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

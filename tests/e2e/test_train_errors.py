@@ -1,0 +1,140 @@
+"""Bad input to `dataparallel train`: one line naming the field and the fix, exit 2, nothing
+written, no worker started.
+
+The cases run `cli.main` in this process (the checks happen before any launch, so this is the
+code path of the real command, and it takes milliseconds); one case runs the real command in a
+subprocess to check the exit status and stderr as a shell sees them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dataparallel.cli import main
+
+CORPUS = Path(__file__).parent / "data" / "corpus"
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _folder(path: Path) -> Path:
+    path.mkdir(parents=True)
+    return path
+
+
+CASES = {
+    # name: (extra args, a setup function of tmp_path returning more args, expected fragments)
+    "global batch does not divide": (
+        ["--global-batch", "10", "--accum", "2"],
+        None,
+        [
+            "--global-batch (train.global_batch)",
+            "accum 2 x 2 ranks = 4",
+            "multiple of 4, e.g. 8 or 12",
+        ],
+    ),
+    "more ranks than samples": (
+        ["--nproc", "4", "--block-size", "32"],
+        lambda tmp: ["--data", str(_write(tmp / "small.txt", "x" * 100))],
+        ["--nproc (launch.nproc)", "4 ranks but only 2 training windows", "use fewer workers"],
+    ),
+    "unknown model": (
+        ["--model", "gpt-huge"],
+        None,
+        [
+            "--model (model.name)",
+            "unknown value 'gpt-huge'",
+            "gpt-medium, gpt-small, gpt-tiny, mlp",
+        ],
+    ),
+    "unknown strategy": (
+        ["--strategy", "zero9"],
+        None,
+        ["--strategy (launch.strategy)", "unknown value 'zero9'", "choose one of ddp"],
+    ),
+    "unreadable data path": (
+        [],
+        lambda tmp: ["--data", str(tmp / "missing")],
+        ["--data (data.paths)", "missing does not exist", "give readable text files or folders"],
+    ),
+    "data folder without text": (
+        [],
+        lambda tmp: ["--data", str(_folder(tmp / "empty"))],
+        ["--data (data.paths)", "holds no readable text file"],
+    ),
+    "output directory holds another run": (
+        [],
+        lambda tmp: ["--out", str(_write(tmp / "old" / "config.toml", "").parent)],
+        [
+            "--out (launch.out)",
+            "holds another run (config.toml)",
+            "continue that run with --resume",
+        ],
+    ),
+    "unknown precision": (
+        ["--precision", "fp16"],
+        None,
+        ["--precision (train.precision)", "unknown value 'fp16'", "choose one of fp32, bf16"],
+    ),
+    "window longer than the model's context": (
+        ["--block-size", "512"],
+        None,
+        ["--block-size (data.block_size)", "exceeds gpt-tiny's context of 128", "at most 128"],
+    ),
+    "typo in the config file": (
+        [],
+        lambda tmp: ["--config", str(_write(tmp / "c.toml", "[train]\nstpes = 3\n"))],
+        ["train.stpes", "unknown key", "did you mean train.steps?"],
+    ),
+    "resume of a directory without a run": (
+        [],
+        lambda tmp: ["--resume", str(tmp)],
+        ["--resume", "holds no run (no config.toml)"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_is_one_line_exit_2_nothing_written(name, tmp_path, monkeypatch, capsys):
+    args, setup, fragments = CASES[name]
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # the default run directory would appear under work/runs
+    args = args + (setup(tmp_path) if setup else [])
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    if "--data" not in args:
+        args = ["--data", str(CORPUS), *args]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dataparallel train: error: "), err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_the_real_command_exits_2_with_one_line(tmp_path):
+    command = [sys.executable, "-m", "dataparallel.cli", "train", "--model", "gpt-huge"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "dataparallel train: error: --model (model.name): unknown value 'gpt-huge'; choose one "
+        "of gpt-medium, gpt-small, gpt-tiny, mlp"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_flag_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--stpes", "3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments: --stpes 3" in err
