@@ -1,0 +1,314 @@
+"""Side-by-side training step time: our strategies, their PyTorch/DeepSpeed peers, the bound.
+
+    python benchmarks/bench_step.py --model gpt-small --contenders ddp,torch-ddp,bound \
+        --rounds 7 --steps 10 --warmup 3 --nproc 2
+    python benchmarks/bench_step.py --model gpt-small            # every available contender
+    python benchmarks/bench_step.py --model gpt-medium --json medium.json
+
+One invocation starts `--nproc` ranks (gloo on 127.0.0.1, one thread each) and, inside that
+one world, runs the contenders interleaved: round 1 runs A, B, C, round 2 runs B, C, A, and so
+on, each for `--warmup` untimed then `--steps` timed steps on a freshly built model. Machine
+drift (other jobs, frequency, caches) then lands on every contender alike. See README.md here
+for the method and how to read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from contenders import CONTENDERS, PEERS, unavailable
+
+import dataparallel as dp
+from dataparallel.models import MODEL_CONFIGS, GPTConfig, build_model
+
+MIB = 1024 * 1024
+# The memory the table adds up; reports may carry more (e.g. master_params, a part of the
+# optimizer state, or a transient peak), which the JSON keeps.
+HELD = ("params", "grads", "optimizer_state")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    gpts = [name for name, config in MODEL_CONFIGS.items() if isinstance(config, GPTConfig)]
+    parser.add_argument("--model", default="gpt-small", choices=gpts)
+    parser.add_argument(
+        "--contenders",
+        default="all",
+        help=f"comma-separated, or 'all' (unavailable ones are skipped): {', '.join(CONTENDERS)}",
+    )
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (one thread each)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the raw numbers to this file")
+    args = parser.parse_args(argv)
+    names = list(CONTENDERS) if args.contenders == "all" else args.contenders.split(",")
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        parser.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+    if min(args.rounds, args.steps, args.nproc, args.batch, args.seq) < 1 or args.warmup < 0:
+        parser.error("--rounds, --steps, --nproc, --batch and --seq must be >= 1, --warmup >= 0")
+    if args.seq > MODEL_CONFIGS[args.model].block_size:
+        parser.error(f"--seq {args.seq} exceeds {args.model}'s block_size")
+    args.contenders = names
+    return args
+
+
+# -- inside each rank -------------------------------------------------------------------------
+def make_batches(args, vocab_size: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random token batches, this rank's own, the same for every contender and round."""
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    batches = []
+    for _ in range(args.warmup + args.steps):
+        tokens = torch.randint(0, vocab_size, (args.batch, args.seq + 1), generator=generator)
+        batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return batches
+
+
+def time_steps(prepared, batches, warmup: int, group) -> tuple[list[float], list[float], float]:
+    """Run every batch; return the timed steps' wall and CPU seconds, and the last loss.
+
+    A barrier before each step makes every rank start together, so a step's time is that of
+    the rank that finished last (max across ranks), as a synchronous job sees it. CPU time is
+    the whole process' (the backend's threads included): the work done, which other jobs on
+    the machine disturb less than the wall time. The garbage collector is off while timing, so
+    that a collection pause cannot land on one contender only.
+    """
+    wall, cpu, loss = [], [], torch.zeros(())
+    gc.collect()
+    gc.disable()
+    try:
+        for i, (x, y) in enumerate(batches):
+            dist.barrier(group=group)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            loss = prepared.step(x, y)
+            if i >= warmup:
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
+    finally:
+        gc.enable()
+    slowest = torch.tensor([wall, cpu], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return *slowest.tolist(), float(loss)
+
+
+def setup_everywhere(name: str, args, world):
+    """Build the model and set contender `name` up; (prepared, None) or (None, error) on all ranks.
+
+    A setup that fails the same way on every rank (an unsupported feature, say) is reported
+    and the contender dropped, instead of ending the run.
+    """
+    torch.manual_seed(args.seed)
+    model = build_model(args.model)
+    try:
+        prepared, error = CONTENDERS[name](model, world), None
+    except Exception as exc:  # reported, then skipped on every rank alike
+        prepared, error = None, f"{type(exc).__name__}: {exc}"
+    errors = [None] * world.world_size
+    dist.all_gather_object(errors, error, group=world.group)
+    first = next((e for e in errors if e), None)
+    return (None, first) if first else (prepared, None)
+
+
+def run_rank(rank: int, args, port: int, out_path: str) -> None:
+    """One rank: every round runs every contender in a rotated order; rank 0 saves results."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(args.nproc),
+    )
+    # DeepSpeed (and our comm layer) call collectives that torch 2.13 deprecates, with a
+    # warning at every call: keep the output readable.
+    warnings.filterwarnings(
+        "ignore", message=r".* is deprecated\. Please use", category=FutureWarning
+    )
+    world = dp.init(backend="gloo", threads=1)
+    vocab_size = build_model(args.model).config.vocab_size
+    batches = make_batches(args, vocab_size, rank)
+    names = list(args.contenders)
+    results = {n: {"times": [], "cpu_times": [], "memory": {}, "loss": None} for n in names}
+    for round_index in range(args.rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            if results[name].get("error"):
+                continue
+            prepared, error = setup_everywhere(name, args, world)
+            if error:
+                results[name]["error"] = error
+                continue
+            wall, cpu, loss = time_steps(prepared, batches, args.warmup, world.group)
+            results[name].update(memory=prepared.memory(), loss=loss)
+            results[name]["times"] += wall
+            results[name]["cpu_times"] += cpu
+            del prepared
+    memories = [None] * world.world_size
+    dist.all_gather_object(memories, {n: r["memory"] for n, r in results.items()}, world.group)
+    if rank == 0:
+        for name in names:
+            results[name]["memory_per_rank"] = [m[name] for m in memories]
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier(group=world.group)
+    dp.destroy()
+    # [Note: teardown] About one run in fifteen, a rank aborted *after* this point, in the
+    # interpreter's exit ("terminate called without an active exception", no Python frame:
+    # a C++ static destructor racing a thread), which made mp.spawn fail a finished run. The
+    # results are on disk and the group is gone, so leave without the interpreter's teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# -- in the launching process -----------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_info() -> dict:
+    return {
+        "command": "python " + shlex.join(sys.argv),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "load_average_start": os.getloadavg(),
+    }
+
+
+def summarize(results: dict, args) -> dict:
+    """Per contender: median step time, spread, tokens/s, memory (max over ranks), ratios."""
+    tokens = args.nproc * args.batch * args.seq
+    rows = {}
+    for name, r in results.items():
+        if r.get("error") or not r["times"]:
+            continue
+        times = r["times"]
+        median = statistics.median(times)
+        q1, _, q3 = (
+            statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [median] * 3
+        )
+        memory = {k: max(m[k] for m in r["memory_per_rank"]) for k in r["memory_per_rank"][0]}
+        rows[name] = {
+            "median_s": median,
+            "p25_s": q1,
+            "p75_s": q3,
+            "cpu_median_s": statistics.median(r["cpu_times"]),
+            "tokens_per_s": tokens / median,
+            "memory_bytes": memory,
+            "final_loss": r["loss"],
+        }
+    bound = rows.get("bound")
+    for row in rows.values():
+        row["vs_bound"] = row["median_s"] / bound["median_s"] if bound else None
+    pairs = [
+        {"ours": o, "peer": p, "ratio": rows[o]["median_s"] / rows[p]["median_s"]}
+        for o, peers in PEERS.items()
+        for p in peers
+        if o in rows and p in rows
+    ]
+    return {"rows": rows, "pairs": pairs, "tokens_per_step": tokens}
+
+
+def table_row(name: str, row: dict) -> str:
+    mem = row["memory_bytes"]
+    cells = [
+        name,
+        f"{row['median_s'] * 1e3:.1f}",
+        f"{row['p25_s'] * 1e3:.1f}-{row['p75_s'] * 1e3:.1f}",
+        f"{row['cpu_median_s'] * 1e3:.1f}",
+        f"{row['tokens_per_s']:,.0f}",
+        f"{row['vs_bound']:.3f}x" if row["vs_bound"] else "-",
+        *(f"{mem.get(k, 0) / MIB:.1f}" for k in HELD),
+        f"{sum(mem.get(k, 0) for k in HELD) / MIB:.1f}",
+        f"{row['final_loss']:.4f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def render(meta: dict, summary: dict, skipped: dict, args) -> str:
+    params = sum(p.numel() for p in build_model(args.model).parameters())
+    lines = [
+        f"## Step time: {args.model} ({params / 1e6:.2f}M params), {args.nproc} ranks x 1 "
+        f"thread, {summary['tokens_per_step']:,} tokens/step, fp32 AdamW",
+        "",
+        f"- command: `{meta['command']}`",
+        f"- torch {meta['torch']}; {meta['cpus']} CPUs ({meta['cpu_model']}); {meta['date']}",
+        f"- load average at start {meta['load_average_start'][0]:.2f}, "
+        f"at end {meta['load_average_end'][0]:.2f} (1 min)",
+        f"- {args.rounds} interleaved rounds x ({args.warmup} warm-up + {args.steps} timed) "
+        "steps; median over all timed steps, each the slowest rank's",
+        "",
+        "| contender | median ms | p25-p75 ms | CPU ms | tokens/s | vs bound | params MiB "
+        "| grads MiB | optimizer MiB | total MiB | final loss |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    lines += [table_row(name, row) for name, row in summary["rows"].items()]
+    if summary["pairs"]:
+        lines += ["", "| ours | peer | ours / peer (step time) |", "|---|---|--:|"]
+        lines += [f"| {p['ours']} | {p['peer']} | {p['ratio']:.3f}x |" for p in summary["pairs"]]
+    if skipped:
+        lines += [""] + [f"- skipped {name}: {why}" for name, why in skipped.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    skipped = {n: why for n in args.contenders if (why := unavailable(n))}
+    for name, why in skipped.items():
+        print(f"skipping {name}: {why}", file=sys.stderr)
+    args.contenders = [n for n in args.contenders if n not in skipped]
+    if not args.contenders:
+        sys.exit("bench_step: no contender can run here")
+    meta = machine_info()
+    # Set before the ranks start, so that their torch reads it at import.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "results.json")
+        mp.spawn(run_rank, args=(args, free_port(), out_path), nprocs=args.nproc, join=True)
+        with open(out_path) as f:
+            results = json.load(f)
+    meta["load_average_end"] = os.getloadavg()
+    skipped |= {n: f"setup failed: {r['error']}" for n, r in results.items() if r.get("error")}
+    summary = summarize(results, args)
+    print(render(meta, summary, skipped, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            raw = {"meta": meta, "args": vars(args), "skipped": skipped, "raw": results}
+            json.dump({**raw, **summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""The contenders of bench_step.py: each is `setup(model, world) -> Prepared`.
+
+A setup wraps a freshly built model (same seed on every rank and for every contender) the way
+its users would, builds fp32 AdamW (torch's defaults, lr 3e-4), and returns the step to time and
+a way to count the bytes this rank holds. Peers are set up "as people use them": library
+defaults, no tuning, so that a ratio against them compares against what one gets out of the box.
+
+Memory is counted as distinct tensor storages (`tensor_bytes`): parameters, gradients and
+optimizer state held between steps, not the transient peak inside a step (FSDP2's and ZeRO-3's
+gathered parameters, activations), and not the process' resident size, which several contenders
+sharing one process would blur.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+import dataparallel as dp
+from dataparallel.strategies import POLICIES
+from dataparallel.strategies.base import optimizer_state_tensors, tensor_bytes
+
+LR = 3e-4
+
+
+@dataclass
+class Prepared:
+    """A contender ready to run.
+
+    step: one training step on (inputs, targets): zero_grad, forward, backward, optimizer step;
+        returns the detached loss.
+    memory: bytes this rank holds, as {"params", "grads", "optimizer_state"}.
+    """
+
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    memory: Callable[[], dict[str, int]]
+
+
+def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def plain_step(model, optimizer) -> Callable:
+    # zero_grad comes first so that after a step the gradients are still there to be counted.
+    def step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def held_bytes(params, optimizer, extra_grad_bytes: int = 0) -> dict[str, int]:
+    params = list(params)
+    return {
+        "params": tensor_bytes(local(p.data) for p in params),
+        "grads": tensor_bytes(local(p.grad) for p in params if p.grad is not None)
+        + extra_grad_bytes,
+        "optimizer_state": tensor_bytes(local(t) for t in optimizer_state_tensors(optimizer)),
+    }
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR)
+
+
+# -- the contenders ---------------------------------------------------------------------------
+def bound(model, world) -> Prepared:
+    """The compute-only bound: every rank trains its own copy, no communication at all."""
+    optimizer = adamw(model.parameters())
+    return Prepared(plain_step(model, optimizer), lambda: held_bytes(model.parameters(), optimizer))
+
+
+def ours(strategy: str) -> Callable:
+    """Our strategy `strategy` ("ddp", "zero1", ...), through the public API."""
+
+    def setup(model, world) -> Prepared:
+        dp.parallelize(model, strategy, group=world.group)
+        optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=LR)
+        return Prepared(plain_step(model, optimizer), lambda: dp.memory_report(model, optimizer))
+
+    return setup
+
+
+def torch_ddp_buckets(model) -> int:
+    # With the default gradient_as_bucket_view=False, torch's C++ reducer keeps flat buckets
+    # as large as all gradients, beside the .grad tensors; they are not reachable from Python.
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def torch_ddp(model, world) -> Prepared:
+    """torch.nn.parallel.DistributedDataParallel with its defaults (25 MiB buckets)."""
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=world.group)
+    optimizer = adamw(wrapped.parameters())
+    return Prepared(
+        plain_step(wrapped, optimizer),
+        lambda: held_bytes(model.parameters(), optimizer, torch_ddp_buckets(model)),
+    )
+
+
+def zero_redundancy(model, world) -> Prepared:
+    """torch's ZeroRedundancyOptimizer over AdamW, with torch DDP for the gradients."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=world.group)
+    optimizer = ZeroRedundancyOptimizer(
+        wrapped.parameters(), optimizer_class=torch.optim.AdamW, process_group=world.group, lr=LR
+    )
+
+    # The optimizer state lives in the local optimizer `.optim`, over this rank's shard only.
+    return Prepared(
+        plain_step(wrapped, optimizer),
+        lambda: held_bytes(model.parameters(), optimizer.optim, torch_ddp_buckets(model)),
+    )
+
+
+def fsdp2(model, world) -> Prepared:
+    """FSDP2: `fully_shard` on each transformer block, then on the root (its documented use)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(world.group, "cpu")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = adamw(model.parameters())
+    return Prepared(plain_step(model, optimizer), lambda: held_bytes(model.parameters(), optimizer))
+
+
+def deepspeed_zero(stage: int) -> Callable:
+    """DeepSpeed's ZeRO stage `stage`, fp32, torch's AdamW as the client optimizer."""
+
+    def setup(model, world) -> Prepared:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the benchmark runs on CPU, gloo
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend=dist.get_backend(world.group))
+        # DeepSpeed's defaults otherwise, as people start from them; note that ZeRO-3 then
+        # allocates its reduce bucket at reduce_bucket_size (5e8 elements, 1.9 GiB in fp32).
+        config = {
+            # DeepSpeed reads the batch size only for its own data loader and throughput logs;
+            # the benchmark feeds the batches itself.
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 1 << 30,
+        }
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=adamw(model.parameters()), config=config
+        )
+
+        def step(x, y):
+            loss = lm_loss(engine, x, y)
+            engine.backward(loss)
+            engine.step()  # steps the optimizer and zeroes the gradients
+            return loss.detach()
+
+        return Prepared(step, lambda: deepspeed_bytes(model, optimizer))
+
+    return setup
+
+
+def reachable_tensors(obj, depth: int = 3, seen: set | None = None) -> list[torch.Tensor]:
+    """Tensors held by `obj`'s attributes, lists and dicts, `depth` levels down."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth < 0:
+        return []
+    seen.add(id(obj))
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        children = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+        children = list(vars(obj).values())
+    else:
+        return []
+    return [t for child in children for t in reachable_tensors(child, depth - 1, seen)]
+
+
+def deepspeed_bytes(model, zero_optimizer) -> dict[str, int]:
+    """Best effort: DeepSpeed's flat buffers are private, so walk the ZeRO optimizer's tensors.
+
+    params: the model's parameters (their ZeRO-3 partitions `ds_tensor` where partitioned);
+    optimizer_state: the inner optimizer's state and its fp32 master partitions;
+    grads: every other tensor the ZeRO optimizer holds (gradient partitions and buffers).
+    """
+    params = [getattr(p, "ds_tensor", p.data) for p in model.parameters()]
+    inner = zero_optimizer.optimizer
+    master = [p for g in inner.param_groups for p in g["params"]]
+    state = optimizer_state_tensors(inner) + master
+    everything = reachable_tensors(zero_optimizer) + params + state
+    total, param_bytes = tensor_bytes(everything), tensor_bytes(params)
+    state_bytes = tensor_bytes(params + state) - param_bytes
+    return {
+        "params": param_bytes,
+        "grads": total - param_bytes - state_bytes,
+        "optimizer_state": state_bytes,
+    }
+
+
+# -- the registry -----------------------------------------------------------------------------
+CONTENDERS: dict[str, Callable] = {
+    "bound": bound,
+    "ddp": ours("ddp"),
+    "torch-ddp": torch_ddp,
+    "zero1": ours("zero1"),
+    "zero-redundancy": zero_redundancy,
+    "deepspeed-zero1": deepspeed_zero(1),
+    "zero2": ours("zero2"),
+    "deepspeed-zero2": deepspeed_zero(2),
+    "zero3": ours("zero3"),
+    "fsdp2": fsdp2,
+    "deepspeed-zero3": deepspeed_zero(3),
+}
+
+# ours -> the peers it is compared with.
+PEERS = {
+    "ddp": ["torch-ddp"],
+    "zero1": ["zero-redundancy", "deepspeed-zero1"],
+    "zero2": ["deepspeed-zero2"],
+    "zero3": ["fsdp2", "deepspeed-zero3"],
+}
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def unavailable(name: str) -> str | None:
+    """Why contender `name` cannot run here, or None when it can."""
+    if name in ("zero1", "zero2", "zero3") and name not in POLICIES:
+        return f"dataparallel has no strategy {name!r} yet (not in strategies.POLICIES)"
+    if name == "zero-redundancy" and not _importable("torch.distributed.optim"):
+        return "torch.distributed.optim is not available"
+    if name == "fsdp2":
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError as exc:
+            return f"torch.distributed.fsdp.fully_shard is not available ({exc})"
+    if name.startswith("deepspeed-") and not _importable("deepspeed"):
+        return "deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)"
+    return None
