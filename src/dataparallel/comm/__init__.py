@@ -8,6 +8,7 @@ from .hooks import (
     bf16_compress_hook,
     compressed_allreduce_hook,
     fp16_compress_hook,
+    reduce_scatter_hook,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "bf16_compress_hook",
     "compressed_allreduce_hook",
     "fp16_compress_hook",
+    "reduce_scatter_hook",
 ]

@@ -79,3 +79,42 @@ def compressed_allreduce_hook(dtype: torch.dtype):
 
 fp16_compress_hook = compressed_allreduce_hook(torch.float16)
 bf16_compress_hook = compressed_allreduce_hook(torch.bfloat16)
+
+
+def reduce_scatter_hook(state: HookState, bucket: GradBucket) -> WorkFuture:
+    """Reduce-scatter a bucket in place: this rank's slice receives the mean, the rest is stale.
+
+    For sharded strategies (ZeRO-2), where each rank keeps only its slice of every bucket.
+
+    In place is safe: the output is the rank's own chunk of the input (NCCL and gloo allow it).
+    """
+    comm, buffer = state.comm, bucket.buffer
+    size = buffer.numel() // comm.world_size
+    own = buffer[comm.rank * size : (comm.rank + 1) * size]
+    work = comm.reduce_scatter(own, buffer, async_op=True)
+
+    def finish():
+        if state.mean and comm.world_size > 1:
+            own.div_(comm.world_size)
+        return buffer
+
+    return WorkFuture(work, finish)
+
+
+class WorkFuture:
+    """The two calls the reducer makes on a future (`done`, `wait`), over a bare Work.
+
+    gloo's reduce-scatter Work has no `get_future()`, so the division by the world size runs at
+    `wait` on the training thread instead of in a continuation on the comm thread.
+    """
+
+    def __init__(self, work, finish):
+        self.work = work
+        self.finish = finish
+
+    def done(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.finish()

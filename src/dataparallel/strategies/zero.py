@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import Comm, HookState, allreduce_hook
+from ..comm import Comm, HookState, allreduce_hook, reduce_scatter_hook
 from .base import (
     Strategy,
     normalize_param_groups,
@@ -127,43 +127,6 @@ class ZeRO2(ZeROPolicy):
 
     name: ClassVar[str] = "zero2"
     stage: ClassVar[int] = 2
-
-
-def reduce_scatter_hook(state: HookState, bucket) -> WorkFuture:
-    """Reduce-scatter a bucket in place: this rank's slice receives the mean, the rest is stale.
-
-    In place is safe: the output is the rank's own chunk of the input (NCCL and gloo allow it).
-    """
-    comm, buffer = state.comm, bucket.buffer
-    size = buffer.numel() // comm.world_size
-    own = buffer[comm.rank * size : (comm.rank + 1) * size]
-    work = comm.reduce_scatter(own, buffer, async_op=True)
-
-    def finish():
-        if state.mean and comm.world_size > 1:
-            own.div_(comm.world_size)
-        return buffer
-
-    return WorkFuture(work, finish)
-
-
-class WorkFuture:
-    """The two calls the reducer makes on a future (`done`, `wait`), over a bare Work.
-
-    gloo's reduce-scatter Work has no `get_future()`, so the division by the world size runs at
-    `wait` on the training thread instead of in a continuation on the comm thread.
-    """
-
-    def __init__(self, work, finish):
-        self.work = work
-        self.finish = finish
-
-    def done(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self) -> torch.Tensor:
-        self.work.wait()
-        return self.finish()
 
 
 class ZeROStrategy(Strategy):
