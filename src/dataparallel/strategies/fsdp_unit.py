@@ -191,16 +191,20 @@ class FlatUnit:
         self.state = "free"
 
     # -- gradients --------------------------------------------------------------------------
-    def prepare_grads(self) -> None:
-        """Point every trainable parameter's .grad at the flat gradient buffer (kept across
-        `no_sync` backwards, where it accumulates)."""
-        if self.empty:
-            return
+    def _ensure_grad_buffer(self) -> None:
+        """Allocate the zeroed flat gradient buffer and its per-parameter views, once."""
         if self.grad_full is None:
             self.grad_full = torch.zeros(
                 self.layout.padded_numel, dtype=self.compute_dtype, device=self.device
             )
             self.grad_views = self._views_of(self.grad_full)
+
+    def prepare_grads(self) -> None:
+        """Point every trainable parameter's .grad at the flat gradient buffer (kept across
+        `no_sync` backwards, where it accumulates)."""
+        if self.empty:
+            return
+        self._ensure_grad_buffer()
         for p, view in zip(self.params, self.grad_views, strict=True):
             if not p.requires_grad:
                 continue
@@ -215,11 +219,7 @@ class FlatUnit:
         self.reduced = True
         if self.empty:
             return
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(
-                self.layout.padded_numel, dtype=self.compute_dtype, device=self.device
-            )
-            self.grad_views = self._views_of(self.grad_full)
+        self._ensure_grad_buffer()
         flat = self.grad_full
         for p, view in zip(self.params, self.grad_views, strict=True):
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
