@@ -85,6 +85,10 @@ def init(
 
 
 def destroy() -> None:
-    """Tear down the default process group (safe to call when none exists)."""
+    """Tear down the default process group (safe to call when none exists).
+
+    Drop parallelized models and their optimizers first (`del model, optimizer`): they hold the
+    group, and a group destroyed later, during the interpreter's exit, can abort the process.
+    """
     if dist.is_initialized():
         dist.destroy_process_group()

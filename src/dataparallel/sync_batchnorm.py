@@ -1,9 +1,10 @@
 """Batch normalisation with statistics over the global batch, on CPU (gloo) and CUDA alike.
 
 `torch.nn.SyncBatchNorm` refuses CPU tensors, so we carry our own: in training, each rank
-sums x and x*x per channel and counts its samples, one all-reduce adds them up, and every rank
-normalises with the global mean and variance. The all-reduce is differentiable: its backward
-is an all-reduce of the incoming gradient, which, combined with the strategy's gradient mean,
+sums x per channel and counts its samples; one all-reduce gives the global mean, a second the
+global sum of squared deviations from it, and every rank normalises with the global mean and
+variance. The all-reduces are differentiable: their backward is an all-reduce of the incoming
+gradient, which, combined with the strategy's gradient mean,
 gives exactly the gradient of plain BatchNorm on the concatenated batch.
 """
 
@@ -53,15 +54,18 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             return super().forward(x)
         channels = x.shape[1]
         dims = [0, *range(2, x.dim())]
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        # Two passes, mean first: E[x^2] - mean^2 cancels catastrophically when the mean is
+        # large against the spread (fp32, mean 3000, std 0.5 gave variances of 0 to 2).
         count = x.new_full((1,), x.numel() // channels)
-        totals = _AllReduceSum.apply(torch.cat([x.sum(dims), (x * x).sum(dims), count]), group)
+        totals = _AllReduceSum.apply(torch.cat([x.sum(dims), count]), group)
         n = totals[-1]
         mean = totals[:channels] / n
-        var = totals[channels : 2 * channels] / n - mean * mean
+        centred = x - mean.view(shape)
+        var = _AllReduceSum.apply((centred * centred).sum(dims), group) / n
         if self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach(), n.detach())
-        shape = [1, channels] + [1] * (x.dim() - 2)
-        y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        y = centred * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
         return y

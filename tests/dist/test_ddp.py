@@ -188,6 +188,12 @@ def behaviours(world):
         for a, b in zip(plain.parameters(), synced.parameters(), strict=True)
     )
     out["syncbn_stats_diff"] = (plain[1].running_var - synced[1].running_var).abs().max().item()
+    # A large mean against a small spread: a one-pass E[x^2] - mean^2 would lose the variance.
+    wide = torch.randn(4 * n, 6, generator=g) * 0.5 + 3000
+    plain_bn, synced_bn = nn.BatchNorm1d(6), dp.convert_sync_batchnorm(nn.BatchNorm1d(6))
+    dp.parallelize(synced_bn, dp.DDP())
+    diff = (plain_bn(wide).chunk(n)[rank] - synced_bn(wide.chunk(n)[rank])).abs().max().item()
+    out["syncbn_large_mean_diff"] = diff
 
     # Uneven inputs: rank r has 3 + r batches; join stops everyone at the shortest.
     model = dp.parallelize(nn.Linear(2, 1), dp.DDP())
@@ -213,6 +219,7 @@ def test_ddp_behaviours():
         assert out["bf16_hook_rel_error"] < 1e-2, out
         assert out["fp16_hook_rel_error"] < 1e-3, out
         assert out["syncbn_grad_diff"] < 1e-5 and out["syncbn_stats_diff"] < 1e-5, out
+        assert out["syncbn_large_mean_diff"] < 1e-2, out  # outputs are ~N(0, 1)
         assert out["join_steps"] == 3 and out["join_empty"] == 0
     assert results[0]["bn_running_mean"] == results[1]["bn_running_mean"]
 

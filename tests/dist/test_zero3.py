@@ -250,6 +250,24 @@ def against_fully_shard(world) -> dict:
     return out
 
 
+def subset_optimizer_case(world) -> list[float]:
+    """An optimizer over one parameter of a unit: its gradient must not pile up across steps
+    while the unit's other pieces keep theirs (the shard is then reused, not rebuilt)."""
+    model = dp.parallelize(build("transformer", seed=5), dp.ZeRO3())
+    opt = dp.build_optimizer(
+        model, torch.optim.SGD, params=[model.blocks[0].attn.qkv.weight], lr=0.0
+    )
+    x, y = batch("transformer", 0, 4)
+    norms = []
+    for _ in range(3):
+        loss_fn("transformer", model, x, y, 0, world.rank).backward()
+        pieces = [p.grad for p in opt.param_groups[0]["params"] if p.grad is not None]
+        norms.append(sum(g.pow(2).sum().item() for g in pieces) ** 0.5)  # 0 if all elsewhere
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
 def all_cases(world) -> dict:
     out = {
         "parity": parity_grid(world),
@@ -260,6 +278,7 @@ def all_cases(world) -> dict:
     if world.world_size == 2:
         out["fully_shard"] = against_fully_shard(world)
         out["prefetch"] = prefetch_case(world)
+        out["subset"] = subset_optimizer_case(world)
     return out
 
 
@@ -346,7 +365,17 @@ def test_units_and_tied_weights():
         plan_units(model, (nn.ModuleList,))
 
 
+def test_an_optimizer_over_part_of_a_unit_gets_fresh_gradients_each_step():
+    results = [r["subset"] for r in world_results(2)]
+    assert max(norms[0] for norms in results) > 0, results  # some rank holds the parameter
+    for first, *later in results:
+        assert all(abs(n - first) <= 1e-6 * first for n in later), results
+
+
 def test_policy_errors_name_the_field():
+    with pytest.raises(ValueError, match="float16 would need loss scaling"):
+        dp.ZeRO3(param_dtype=torch.float16)
+    assert dp.ZeRO3(wrap=nn.Linear).wrap == (nn.Linear,)
     with pytest.raises(ValueError, match="reduce="):
         dp.ZeRO3(reduce="ring")
     with pytest.raises(ValueError, match="param_dtype="):

@@ -226,3 +226,21 @@ def test_every_strategy_trains_the_reference_curve(strategy, reference_run, tmp_
     for step, loss in got["train_loss"].items():
         assert loss == pytest.approx(reference["train_loss"][step], rel=1e-5), step
     assert got["val_loss"][6] == pytest.approx(reference["val_loss"][6], rel=1e-5)
+
+
+def test_zero3_validation_with_uneven_shards_matches_ddp(tmp_path):
+    """3 validation windows on 2 ranks with batch 1: rank 0 runs 2 forwards, rank 1 one. ZeRO-3
+    gathers parameters inside forward, so the trainer must keep the ranks' forwards in step
+    (a hang here before the fix); the loss must equal DDP's on the same windows."""
+    args = [
+        "--nproc", "2", "--threads", "1", "--model", "gpt-tiny", "--block-size", "32",
+        "--batch", "1", "--steps", "2", "--eval-every", "2", "--eval-windows", "3", "--seed", "3",
+    ]  # fmt: skip
+    losses = {}
+    for strategy in ("ddp", "zero3"):
+        result = train([*args, "--strategy", strategy], tmp_path / strategy)
+        assert result.returncode == 0, result.stderr[-2000:]
+        losses[strategy] = curve(tmp_path / strategy)["val_loss"]
+    assert losses["ddp"].keys() == losses["zero3"].keys() == {0, 2}
+    for step, loss in losses["ddp"].items():
+        assert math.isclose(losses["zero3"][step], loss, rel_tol=1e-5), losses

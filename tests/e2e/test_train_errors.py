@@ -89,6 +89,16 @@ CASES = {
         None,
         ["--block-size (data.block_size)", "exceeds gpt-tiny's context of 128", "at most 128"],
     ),
+    "learning rate that is not a number": (
+        ["--lr", "inf"],
+        None,
+        ["--lr (optim.lr)", "inf is not a positive number"],
+    ),
+    "gradient clip that is not a number": (
+        ["--grad-clip", "nan"],
+        None,
+        ["--grad-clip (optim.grad_clip)", "nan is not a finite number"],
+    ),
     "typo in the config file": (
         [],
         lambda tmp: ["--config", str(_write(tmp / "c.toml", "[train]\nstpes = 3\n"))],

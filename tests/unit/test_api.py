@@ -89,3 +89,29 @@ def test_signature_mismatch_is_described_precisely():
 def test_compressed_hook_rejects_other_dtypes():
     with pytest.raises(ValueError, match="must be float16 or bfloat16"):
         dp.comm.compressed_allreduce_hook(torch.float64)
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed on purpose")
+
+
+def test_a_backward_that_raises_does_not_leave_the_reducer_half_way():
+    tracer = dp.Tracer(enabled=True)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    dp.parallelize(model, dp.DDP(bucket_mb=1e-5, first_bucket_mb=1e-5), tracer=tracer)
+    buckets = len(dp.strategy_of(model).reducer.buckets)
+    x = torch.randn(5, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        model(_FailingBackward.apply(x)).sum().backward()  # fails after every parameter's grad
+    model.zero_grad()
+    tracer.clear()
+    model(x.detach()).sum().backward()
+    launches = [e for e in tracer.events if e.name == "bucket_launch"]
+    assert buckets > 1 and len(launches) == buckets
+    assert tracer.first("reduce_end") is not None

@@ -53,8 +53,9 @@ def allreduce_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future
 def compressed_allreduce_hook(dtype: torch.dtype):
     """A hook that sends the bucket in `dtype` (torch.float16 or torch.bfloat16).
 
-    Halves the bytes on the wire. The bucket is divided by the world size *before* the
-    reduction, so the fp16 sum of N averaged terms cannot overflow where the average would not.
+    Halves the bytes on the wire. The bucket is divided by the world size in full precision
+    before the cast and the reduction, so an fp16 sum of N averaged terms cannot overflow where
+    the average itself would not.
     The result is cast back into the full-precision bucket.
     """
     if dtype not in (torch.float16, torch.bfloat16):
@@ -62,9 +63,10 @@ def compressed_allreduce_hook(dtype: torch.dtype):
 
     def hook(state: HookState, bucket: GradBucket) -> torch.futures.Future:
         buffer = bucket.buffer
-        low = buffer.to(dtype)
-        if state.mean and state.comm.world_size > 1:
-            low.div_(state.comm.world_size)
+        if state.mean and state.comm.world_size > 1:  # divide first: a value that fits once
+            low = torch.div(buffer, state.comm.world_size).to(dtype)  # averaged still fits
+        else:
+            low = buffer.to(dtype)
         fut = state.comm.all_reduce(low, async_op=True).get_future()
 
         def finish(_):

@@ -49,6 +49,7 @@ class DistributedSampler:
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.epoch = 0
         self.position = 0  # indices of this epoch already handed out by this rank
+        self._cached: tuple[int, torch.Tensor] | None = None  # (epoch, shard)
         total = (n // world_size) * world_size if drop_last else -(-n // world_size) * world_size
         self.shard_length = total // world_size
 
@@ -61,7 +62,9 @@ class DistributedSampler:
         self.position = 0
 
     def shard(self) -> torch.Tensor:
-        """This rank's indices for the current epoch, in order."""
+        """This rank's indices for the current epoch, in order (computed once per epoch)."""
+        if self._cached is not None and self._cached[0] == self.epoch:
+            return self._cached[1]
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.num_samples, generator=generator)
@@ -70,7 +73,8 @@ class DistributedSampler:
         total = self.shard_length * self.world_size
         if total > self.num_samples:  # pad by wrapping round
             order = order.repeat(-(-total // self.num_samples))
-        return order[:total][self.rank :: self.world_size]
+        self._cached = (self.epoch, order[:total][self.rank :: self.world_size])
+        return self._cached[1]
 
     def __iter__(self) -> Iterator[int]:
         indices = self.shard()

@@ -99,6 +99,8 @@ class ZeRO3:
     reduce: str = "auto"
 
     def __post_init__(self):
+        if isinstance(self.wrap, type):  # wrap=Block means wrap=(Block,), not Block(module)
+            object.__setattr__(self, "wrap", (self.wrap,))
         if self.wrap is not None and not callable(self.wrap):
             if not isinstance(self.wrap, tuple) or not all(
                 isinstance(c, type) and issubclass(c, nn.Module) for c in self.wrap
@@ -107,10 +109,10 @@ class ZeRO3:
                     f"ZeRO3: wrap={self.wrap!r} must be None, a tuple of nn.Module classes, or "
                     "a callable module -> bool"
                 )
-        if self.param_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        if self.param_dtype not in (None, torch.bfloat16, torch.float32):
             raise ValueError(
-                f"ZeRO3: param_dtype={self.param_dtype!r} must be None or a float dtype such "
-                "as torch.bfloat16"
+                f"ZeRO3: param_dtype={self.param_dtype!r} must be None, torch.float32 or "
+                "torch.bfloat16 (float16 would need loss scaling, which is not implemented)"
             )
         if self.reduce not in REDUCE_KINDS:
             raise ValueError(f"ZeRO3: reduce={self.reduce!r} must be one of {REDUCE_KINDS}")

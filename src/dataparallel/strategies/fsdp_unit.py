@@ -258,6 +258,12 @@ class FlatUnit:
             torch.div(out, divide, out=grad_shard)  # one pass: average, cast, copy out
             self._grad_shard_ref = weakref.ref(grad_shard)
         else:
+            # Reused because some piece still holds its .grad (accumulation across steps). Pieces
+            # whose .grad was cleared start again from zero, or they would inherit old values.
+            for i, piece in enumerate(self.pieces):
+                if piece is not None and piece.grad is None:
+                    start, stop, _ = self.layout.local_slice(i, self.comm.rank)
+                    grad_shard[start:stop].zero_()
             grad_shard.add_(out.to(self.dtype), alpha=1.0 / divide)
         self._new_grad_shard = grad_shard
 

@@ -76,6 +76,13 @@ class GradientReducer:
 
     def prepare(self) -> None:
         """Before a forward: make every .grad a bucket view; remember which had none."""
+        if self.callback_queued:
+            # A synchronised backward raised (say, out of memory) and autograd dropped its
+            # end-of-backward callback: wait out the collectives it launched (they write into the
+            # buckets) and start the next round clean instead of half-way through this one.
+            for bucket in self.buckets[: self.next_launch]:
+                bucket.wait()
+            self._reset()
         was_none = [flag for bucket in self.buckets for flag in bucket.attach_grads()]
         if not self.round_open:
             for i, flag in zip(self.planned_order, was_none, strict=True):

@@ -7,6 +7,7 @@ file names and sizes, and the output directory's listing.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -28,6 +29,10 @@ def _choose(label: str, value: str, known) -> None:
 
 def _at_least(config: RunConfig, section: str, name: str, minimum: float) -> None:
     value = getattr(getattr(config, section), name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(
+            field_label(section, name), f"{value} is not a finite number", "give a number"
+        )
     if value < minimum:
         raise ConfigError(
             field_label(section, name), f"{value} is below {minimum}", f"use {minimum} or more"
@@ -87,9 +92,9 @@ def check_values(config: RunConfig) -> None:
     ]:
         _at_least(config, section, name, minimum)
     optim, train, launch = config.optim, config.train, config.launch
-    if not optim.lr > 0:
+    if not (math.isfinite(optim.lr) and optim.lr > 0):
         raise ConfigError(
-            field_label("optim", "lr"), f"{optim.lr} is not positive", "use e.g. 1e-3"
+            field_label("optim", "lr"), f"{optim.lr} is not a positive number", "use e.g. 1e-3"
         )
     ranges = [
         ("data", "val_fraction", 0.0 < config.data.val_fraction < 1.0, "(0, 1)"),

@@ -1,7 +1,8 @@
 """The learning-rate schedule: optional linear scaling of the peak, linear warm-up, cosine decay.
 
-The schedule is a pure function of the step, wrapped as a `torch.optim.lr_scheduler.LambdaLR`
-multiplier, so restoring the scheduler's step on --resume restores the learning rate exactly.
+The schedule is a pure function of the step: the trainer sets each param group's lr to
+peak x schedule(step) before every update, so restoring the step on --resume restores the
+learning rate exactly (there is no scheduler object whose state could drift).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def scaled_lr(lr: float, global_batch: int, *, scaling: str, base_batch: int) ->
 
 @dataclass(frozen=True, kw_only=True)
 class WarmupCosine:
-    """Multiplier of the peak learning rate at each step (a LambdaLR `lr_lambda`).
+    """Multiplier of the peak learning rate at each step (it also works as a LambdaLR
+    `lr_lambda`).
 
     warmup_steps: steps of linear warm-up; step s < warmup_steps gets (s + 1) / warmup_steps,
         so the first update already moves (a factor of 0 would waste a step).
@@ -50,7 +52,7 @@ class WarmupCosine:
             raise ValueError(f"WarmupCosine: min_ratio={self.min_ratio} must be in [0, 1]")
 
     def __call__(self, step: int) -> float:
-        """The factor for the update that ends step `step + 1` (LambdaLR counts from 0)."""
+        """The factor for the update that ends step `step + 1` (steps count from 0)."""
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         decay_steps = max(1, self.total_steps - 1 - self.warmup_steps)

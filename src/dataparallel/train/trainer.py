@@ -274,20 +274,25 @@ def evaluate(state: TrainState) -> EvalRecord:
     Rank r scores windows r, r + world_size, ... of the chosen set, so shards may differ in
     length by one and no window is scored twice (a padded sampler would count some twice).
     Each rank sums its token losses and counts its tokens; one all-reduce of the two sums gives
-    the exact mean. No collective runs per batch, so uneven shards cannot deadlock.
+    the exact mean. Every rank runs the same number of forwards, though: a sharded strategy
+    (ZeRO-3) gathers parameters collectively inside forward, so a rank that stopped early would
+    leave the others waiting. A rank whose shard has run out scores a stand-in window and drops it.
     """
     started = time.perf_counter()
     config, world = state.config, state.world
     chosen = evenly_spaced(config.data.eval_windows, len(state.val_windows))
     mine = chosen[world.rank :: world.world_size]
+    longest = -(-len(chosen) // world.world_size)  # the longest rank's share
     state.model.eval()
     loss_sum, tokens = 0.0, 0
     try:
-        for first in range(0, len(mine), config.train.batch):
-            inputs, targets = state.val_windows.batch(mine[first : first + config.train.batch])
+        for first in range(0, longest, config.train.batch):
+            part = mine[first : first + config.train.batch]
+            inputs, targets = state.val_windows.batch(part or chosen[:1])
             summed = _token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
-            loss_sum += float(summed)
-            tokens += int(targets.numel())
+            if part:
+                loss_sum += float(summed)
+                tokens += int(targets.numel())
     finally:
         state.model.train()
     total_loss, total_tokens = _all_reduce_sum([loss_sum, tokens], world)

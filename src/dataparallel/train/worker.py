@@ -9,6 +9,7 @@ itself (cli.py) and then comes here.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import platform
@@ -177,6 +178,12 @@ def run_worker(config: RunConfig, *, resume: bool) -> None:
             print(f"dataparallel train: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
+        # [Note: teardown] Drop the model, optimizer and strategies (which hold the process group)
+        # *before* destroying the group. Left to the interpreter's exit, the group's C++ object was
+        # destroyed during finalisation and aborted about one rank exit in 25 ("terminate called
+        # without an active exception"): 2 of 48 before this, 0 of 60 after.
+        state = callbacks = None
+        gc.collect()
         dp.destroy()
 
 
