@@ -324,7 +324,11 @@ class ZeRO3Strategy(Strategy):
                 self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
         else:
             norms = [torch.linalg.vector_norm(g.detach(), norm_type).float() for g in grads]
-            total = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros(())
+            total = (
+                torch.stack(norms).pow(norm_type).sum()
+                if norms
+                else torch.zeros((), device=self.comm.device)  # NCCL needs it on the GPU
+            )
             if self.comm.world_size > 1:
                 self.comm.all_reduce(total)
             total = total.pow(1.0 / norm_type)

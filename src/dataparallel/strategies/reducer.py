@@ -62,7 +62,9 @@ class GradientReducer:
             for position, i in enumerate(bucket.spec.param_indices):
                 self.location[i] = (bucket, position)
         self.sync_enabled = True
-        self.used = torch.zeros(len(params), dtype=torch.int32, device=comm.device)
+        # Per-parameter 'got a gradient' flags, set in a plain bytearray from the hooks (a
+        # tensor write per parameter would be a kernel launch each on CUDA); sent at the end.
+        self.used = bytearray(len(params))
         self.was_none = [True] * len(params)
         self.round_open = False
         self.next_launch = 0
@@ -134,15 +136,16 @@ class GradientReducer:
         for bucket in self.buckets[self.next_launch :]:
             self.comm.tracer.mark("bucket_launch", bucket=bucket.index, late=True)
             bucket.launch(self.hook, self.hook_state)
+        used = torch.tensor(list(self.used), dtype=torch.int32, device=self.comm.device)
         used_work = None
         if self.comm.world_size > 1:
-            used_work = self.comm.all_reduce(self.used, async_op=True)
+            used_work = self.comm.all_reduce(used, async_op=True)
         for bucket in self.buckets[self.next_collect :]:
             self._collect(bucket)
         if used_work is not None:
             used_work.wait()
         self.comm.tracer.mark("reduce_end")
-        unused = torch.nonzero(self.used == 0).flatten().tolist()
+        unused = torch.nonzero(used == 0).flatten().tolist()
         for i in unused:
             if self.was_none[i]:
                 self.params[i].grad = None
@@ -153,7 +156,7 @@ class GradientReducer:
     def _reset(self) -> None:
         for bucket in self.buckets:
             bucket.reset()
-        self.used.zero_()
+        self.used = bytearray(len(self.params))
         self.next_launch = 0
         self.next_collect = 0
         self.callback_queued = False
