@@ -81,6 +81,16 @@ def broadcast_model(model: nn.Module, comm: Comm) -> None:
         comm.broadcast_tensors(tensors, src=0)
 
 
+def broadcast_buffers(module: nn.Module, buffers: list[torch.Tensor], comm: Comm) -> None:
+    """At a training forward, give every rank rank 0's buffers (BatchNorm statistics).
+
+    Only in train() mode (callers check grad mode), so an evaluation that runs on one rank
+    alone never waits for the others.
+    """
+    if module.training and buffers and comm.world_size > 1:
+        comm.broadcast_tensors(buffers, src=0)
+
+
 class DDPStrategy(Strategy):
     name = "ddp"
 
@@ -106,9 +116,8 @@ class DDPStrategy(Strategy):
     def _before_forward(self, module, args) -> None:
         if torch.is_grad_enabled():
             self.reducer.prepare()
-            if self.policy.broadcast_buffers and module.training and self.buffers:
-                if self.comm.world_size > 1:
-                    self.comm.broadcast_tensors(self.buffers, src=0)
+            if self.policy.broadcast_buffers:
+                broadcast_buffers(module, self.buffers, self.comm)
 
     def _set_sync(self, enabled: bool) -> None:
         self.sync_enabled = enabled

@@ -38,7 +38,7 @@ from .base import (
     verify_same_model,
 )
 from .buckets import Bucket, plan_buckets
-from .ddp import broadcast_model
+from .ddp import broadcast_buffers, broadcast_model
 from .reducer import GradientReducer
 from .sharded_optimizer import (
     Shard,
@@ -211,9 +211,8 @@ class ZeROStrategy(Strategy):
             if self.round_done and self.policy.stage == 1:
                 self._clear_consumed_buckets()
             self.reducer.prepare()
-            if self.policy.broadcast_buffers and module.training and self.buffers:
-                if self.comm.world_size > 1:
-                    self.comm.broadcast_tensors(self.buffers, src=0)
+            if self.policy.broadcast_buffers:
+                broadcast_buffers(module, self.buffers, self.comm)
         if self.master_dtype is not None:
             dtype = self.policy.param_dtype
             return tuple(

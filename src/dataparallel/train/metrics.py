@@ -12,6 +12,7 @@ step, so both show each step once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -67,17 +68,7 @@ class MetricsLogger(Callback):
 
     def on_step(self, state: TrainState, record: StepRecord) -> None:
         self._write(
-            {
-                "kind": "train",
-                "step": record.step,
-                "loss": record.loss,
-                "lr": record.lr,
-                "grad_norm": record.grad_norm,
-                "tokens": record.tokens,
-                "tokens_per_s": record.tokens_per_s,
-                "step_time_s": record.step_time_s,
-                "elapsed_s": record.elapsed_s,
-            }
+            {"kind": "train", **dataclasses.asdict(record), "tokens_per_s": record.tokens_per_s}
         )
         if self.writer:
             self.writer.add_scalar("train/loss", record.loss, record.step)
@@ -86,15 +77,7 @@ class MetricsLogger(Callback):
             self.writer.add_scalar("perf/tokens_per_s", record.tokens_per_s, record.step)
 
     def on_eval(self, state: TrainState, record: EvalRecord) -> None:
-        self._write(
-            {
-                "kind": "val",
-                "step": record.step,
-                "val_loss": record.val_loss,
-                "tokens": record.tokens,
-                "eval_time_s": record.eval_time_s,
-            }
-        )
+        self._write({"kind": "val", **dataclasses.asdict(record)})
         if self.writer:
             self.writer.add_scalar("val/loss", record.val_loss, record.step)
 
