@@ -58,6 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--interleave",
+        choices=("step", "round"),
+        default="step",
+        help="alternate the contenders step by step (default) or run each one's steps in a row",
+    )
     parser.add_argument("--json", help="also write the raw numbers to this file")
     args = parser.parse_args(argv)
     names = list(CONTENDERS) if args.contenders == "all" else args.contenders.split(",")
@@ -83,31 +89,56 @@ def make_batches(args, vocab_size: int, rank: int) -> list[tuple[torch.Tensor, t
     return batches
 
 
-def time_steps(prepared, batches, warmup: int, group) -> tuple[list[float], list[float], float]:
-    """Run every batch; return the timed steps' wall and CPU seconds, and the last loss.
+def timed_step(prepared, x, y, group) -> tuple[float, float, torch.Tensor]:
+    """One step after a barrier: (wall seconds, process CPU seconds, loss) on this rank.
 
-    A barrier before each step makes every rank start together, so a step's time is that of
-    the rank that finished last (max across ranks), as a synchronous job sees it. CPU time is
-    the whole process' (the backend's threads included): the work done, which other jobs on
-    the machine disturb less than the wall time. The garbage collector is off while timing, so
+    The barrier makes every rank start together, so a step's time is that of the rank that
+    finished last (max across ranks, taken at the end of the round), as a synchronous job sees
+    it. CPU time is the whole process' (the backend's threads included): the work done, which
+    other jobs on the machine disturb less than the wall time.
+    """
+    dist.barrier(group=group)
+    start, start_cpu = time.perf_counter(), time.process_time()
+    loss = prepared.step(x, y)
+    return time.perf_counter() - start, time.process_time() - start_cpu, loss
+
+
+def run_round(names: list[str], prepared: dict, batches, args, group) -> dict:
+    """Every batch through every contender; {name: (walls, cpus, last loss)} of timed steps.
+
+    `--interleave step` alternates the contenders step by step (the order rotating each step),
+    `round` runs each one's steps back to back. The garbage collector is off while timing, so
     that a collection pause cannot land on one contender only.
     """
-    wall, cpu, loss = [], [], torch.zeros(())
+    out = {n: ([], [], torch.zeros(())) for n in names}
+
+    def one(name, i, x, y):
+        wall, cpu, loss = timed_step(prepared[name], x, y, group)
+        if i >= args.warmup:
+            out[name][0].append(wall)
+            out[name][1].append(cpu)
+        out[name] = (out[name][0], out[name][1], loss)
+
     gc.collect()
     gc.disable()
     try:
-        for i, (x, y) in enumerate(batches):
-            dist.barrier(group=group)
-            start, start_cpu = time.perf_counter(), time.process_time()
-            loss = prepared.step(x, y)
-            if i >= warmup:
-                wall.append(time.perf_counter() - start)
-                cpu.append(time.process_time() - start_cpu)
+        if args.interleave == "step":
+            for i, (x, y) in enumerate(batches):
+                shift = i % len(names)
+                for name in names[shift:] + names[:shift]:
+                    one(name, i, x, y)
+        else:
+            for name in names:
+                for i, (x, y) in enumerate(batches):
+                    one(name, i, x, y)
     finally:
         gc.enable()
-    slowest = torch.tensor([wall, cpu], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return *slowest.tolist(), float(loss)
+    result = {}
+    for name, (wall, cpu, loss) in out.items():
+        slowest = torch.tensor([wall, cpu], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        result[name] = (*slowest.tolist(), float(loss))
+    return result
 
 
 def setup_everywhere(name: str, args, world):
@@ -149,18 +180,20 @@ def run_rank(rank: int, args, port: int, out_path: str) -> None:
     results = {n: {"times": [], "cpu_times": [], "memory": {}, "loss": None} for n in names}
     for round_index in range(args.rounds):
         shift = round_index % len(names)
+        prepared = {}
         for name in names[shift:] + names[:shift]:
             if results[name].get("error"):
                 continue
-            prepared, error = setup_everywhere(name, args, world)
+            prepared[name], error = setup_everywhere(name, args, world)
             if error:
                 results[name]["error"] = error
-                continue
-            wall, cpu, loss = time_steps(prepared, batches, args.warmup, world.group)
-            results[name].update(memory=prepared.memory(), loss=loss)
+                del prepared[name]
+        timed = run_round(list(prepared), prepared, batches, args, world.group)
+        for name, (wall, cpu, loss) in timed.items():
+            results[name].update(memory=prepared[name].memory(), loss=loss)
             results[name]["times"] += wall
             results[name]["cpu_times"] += cpu
-            del prepared
+        del prepared
     memories = [None] * world.world_size
     dist.all_gather_object(memories, {n: r["memory"] for n, r in results.items()}, world.group)
     if rank == 0:
@@ -231,15 +264,33 @@ def summarize(results: dict, args) -> dict:
             "final_loss": r["loss"],
         }
     bound = rows.get("bound")
-    for row in rows.values():
+    for name, row in rows.items():
         row["vs_bound"] = row["median_s"] / bound["median_s"] if bound else None
+        row["vs_bound_paired"] = paired_ratio(results, name, "bound") if bound else None
     pairs = [
-        {"ours": o, "peer": p, "ratio": rows[o]["median_s"] / rows[p]["median_s"]}
+        {
+            "ours": o,
+            "peer": p,
+            "ratio": rows[o]["median_s"] / rows[p]["median_s"],
+            "paired": paired_ratio(results, o, p),
+        }
         for o, peers in PEERS.items()
         for p in peers
         if o in rows and p in rows
     ]
     return {"rows": rows, "pairs": pairs, "tokens_per_step": tokens}
+
+
+def paired_ratio(results: dict, a: str, b: str) -> float | None:
+    """Median over timed steps of a's step time over b's at the same step of the same round.
+
+    With `--interleave step` the two steps ran moments apart, so drift of the machine cancels
+    in each ratio; None when the two did not run the same steps.
+    """
+    ta, tb = results[a]["times"], results[b]["times"]
+    if len(ta) != len(tb) or not ta:
+        return None
+    return statistics.median(x / y for x, y in zip(ta, tb, strict=True))
 
 
 def table_row(name: str, row: dict) -> str:
@@ -251,6 +302,7 @@ def table_row(name: str, row: dict) -> str:
         f"{row['cpu_median_s'] * 1e3:.1f}",
         f"{row['tokens_per_s']:,.0f}",
         f"{row['vs_bound']:.3f}x" if row["vs_bound"] else "-",
+        f"{row['vs_bound_paired']:.3f}x" if row["vs_bound_paired"] else "-",
         *(f"{mem.get(k, 0) / MIB:.1f}" for k in HELD),
         f"{sum(mem.get(k, 0) for k in HELD) / MIB:.1f}",
         f"{row['final_loss']:.4f}",
@@ -268,17 +320,22 @@ def render(meta: dict, summary: dict, skipped: dict, args) -> str:
         f"- torch {meta['torch']}; {meta['cpus']} CPUs ({meta['cpu_model']}); {meta['date']}",
         f"- load average at start {meta['load_average_start'][0]:.2f}, "
         f"at end {meta['load_average_end'][0]:.2f} (1 min)",
-        f"- {args.rounds} interleaved rounds x ({args.warmup} warm-up + {args.steps} timed) "
-        "steps; median over all timed steps, each the slowest rank's",
+        f"- {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) steps, "
+        f"interleaved by {args.interleave}; median over all timed steps, each the slowest "
+        "rank's; paired: median of per-step ratios",
         "",
-        "| contender | median ms | p25-p75 ms | CPU ms | tokens/s | vs bound | params MiB "
-        "| grads MiB | optimizer MiB | total MiB | final loss |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| contender | median ms | p25-p75 ms | CPU ms | tokens/s | vs bound | paired "
+        "| params MiB | grads MiB | optimizer MiB | total MiB | final loss |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     lines += [table_row(name, row) for name, row in summary["rows"].items()]
     if summary["pairs"]:
-        lines += ["", "| ours | peer | ours / peer (step time) |", "|---|---|--:|"]
-        lines += [f"| {p['ours']} | {p['peer']} | {p['ratio']:.3f}x |" for p in summary["pairs"]]
+        lines += ["", "| ours | peer | ours / peer (medians) | paired |", "|---|---|--:|--:|"]
+        lines += [
+            f"| {p['ours']} | {p['peer']} | {p['ratio']:.3f}x | "
+            + (f"{p['paired']:.3f}x |" if p["paired"] else "- |")
+            for p in summary["pairs"]
+        ]
     if skipped:
         lines += [""] + [f"- skipped {name}: {why}" for name, why in skipped.items()]
     return "\n".join(lines)

@@ -5,6 +5,11 @@ PyTorch DDP's: it starts the communication for `bucket.buffer` (a flat gradient 
 returns a future whose value is the reduced tensor. The reducer copies that value into the
 bucket if it is not the buffer itself, so a hook may reduce in place or return a new tensor.
 Hooks run on the training thread; the continuations (`.then`) run on the comm thread.
+
+A hook *sums*. When gradients are averaged (the default), the buffer a hook receives already
+holds this rank's gradient divided by the world size: the reducer divides while it copies
+autograd's gradient into the bucket, one pass instead of a copy and a division (as PyTorch's
+DDP does), and dividing before the sum keeps low-precision sums from overflowing.
 """
 
 from __future__ import annotations
@@ -29,44 +34,29 @@ class HookState:
     """State every built-in hook reads.
 
     comm: the collectives of the strategy's process group.
-    mean: divide by the world size (average across ranks); False keeps the sum.
     """
 
     comm: Comm
-    mean: bool = True
 
 
 def allreduce_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future:
-    """All-reduce the bucket in place; average by dividing once the sum has arrived."""
-    buffer = bucket.buffer
-    fut = state.comm.all_reduce(buffer, async_op=True).get_future()
-    world_size = state.comm.world_size
-
-    def finish(_):
-        if state.mean and world_size > 1:
-            buffer.div_(world_size)
-        return buffer
-
-    return fut.then(finish)
+    """Sum the bucket across ranks, in place."""
+    return state.comm.all_reduce(bucket.buffer, async_op=True).get_future()
 
 
 def compressed_allreduce_hook(dtype: torch.dtype):
     """A hook that sends the bucket in `dtype` (torch.float16 or torch.bfloat16).
 
-    Halves the bytes on the wire. The bucket is divided by the world size in full precision
-    before the cast and the reduction, so an fp16 sum of N averaged terms cannot overflow where
-    the average itself would not.
-    The result is cast back into the full-precision bucket.
+    Halves the bytes on the wire. The bucket arrives divided by the world size (module
+    docstring), so an fp16 sum of N averaged terms cannot overflow where the average itself
+    would not. The result is cast back into the full-precision bucket.
     """
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"compressed_allreduce_hook: dtype={dtype} must be float16 or bfloat16")
 
     def hook(state: HookState, bucket: GradBucket) -> torch.futures.Future:
         buffer = bucket.buffer
-        if state.mean and state.comm.world_size > 1:  # divide first: a value that fits once
-            low = torch.div(buffer, state.comm.world_size).to(dtype)  # averaged still fits
-        else:
-            low = buffer.to(dtype)
+        low = buffer.to(dtype)
         fut = state.comm.all_reduce(low, async_op=True).get_future()
 
         def finish(_):
@@ -84,7 +74,7 @@ bf16_compress_hook = compressed_allreduce_hook(torch.bfloat16)
 
 
 def reduce_scatter_hook(state: HookState, bucket: GradBucket) -> WorkFuture:
-    """Reduce-scatter a bucket in place: this rank's slice receives the mean, the rest is stale.
+    """Reduce-scatter a bucket in place: this rank's slice receives the sum, the rest is stale.
 
     For sharded strategies (ZeRO-2), where each rank keeps only its slice of every bucket.
 
@@ -94,20 +84,14 @@ def reduce_scatter_hook(state: HookState, bucket: GradBucket) -> WorkFuture:
     size = buffer.numel() // comm.world_size
     own = buffer[comm.rank * size : (comm.rank + 1) * size]
     work = comm.reduce_scatter(own, buffer, async_op=True)
-
-    def finish():
-        if state.mean and comm.world_size > 1:
-            own.div_(comm.world_size)
-        return buffer
-
-    return WorkFuture(work, finish)
+    return WorkFuture(work, lambda: buffer)
 
 
 class WorkFuture:
     """The two calls the reducer makes on a future (`done`, `wait`), over a bare Work.
 
-    gloo's reduce-scatter Work has no `get_future()`, so the division by the world size runs at
-    `wait` on the training thread instead of in a continuation on the comm thread.
+    gloo's reduce-scatter Work has no `get_future()`; `finish` runs at `wait`, on the training
+    thread, and gives the future's value.
     """
 
     def __init__(self, work, finish):

@@ -6,10 +6,21 @@ and every rank launches them strictly by number (bucket i+1 never before bucket 
 on one process group are matched by the order in which ranks issue them, so a rank that
 launched in readiness order could pair its bucket 2 with another rank's bucket 1.
 
-[Note: gradient views] Each parameter's `.grad` is a view into its bucket's flat buffer.
-Autograd accumulates into an existing `.grad` in place, so backward writes straight into the
-buffer and the all-reduce runs on it with no copy in or out. `zero_grad(set_to_none=True)`
-drops the views; the reducer re-attaches them (zeroed) at the next forward.
+[Note: gradient views] After backward each parameter's `.grad` is a view into its bucket's
+flat buffer: the all-reduce runs on the buffer in place and the optimizer reads the views, so
+nothing is copied out of the bucket (PyTorch's DDP, by default, copies every gradient into its
+bucket and back out). How autograd's gradient gets into the view:
+- `.grad` exists (accumulation under `no_sync`, or `zero_grad(set_to_none=False)`): it is the
+  view, and autograd adds into it in place: no copy at all.
+- `.grad` is None (after the usual `zero_grad()`): autograd hands over a fresh tensor, and the
+  post-accumulate-grad hook writes it into the view divided by the world size (`torch.div(...,
+  out=view)`: the mean's division and the copy in one pass), then points `.grad` at the view.
+  We measured this against keeping the views attached (zeroed at each forward, autograd then
+  adding into them): that costs a memset and a read more per step, and page faults for the
+  gradients autograd frees at once; it was 6-8 ms slower per gpt-small step (of ~340 ms).
+Each position of a bucket is EMPTY (no gradient yet this round), SCALED (divided) or RAW (a
+local sum, divided at launch); at launch EMPTY positions become zeros ([Note: unused
+parameters] in reducer.py).
 
 [Note: lazy buckets] A lazy bucket (ZeRO-2) holds no buffer between rounds: it allocates one
 when its first gradient arrives in backward and `release`s it once the reduced shard has been
@@ -99,71 +110,121 @@ def plan_buckets(
     return specs
 
 
+# What a bucket position holds in the current round ([Note: gradient views]).
+EMPTY, SCALED, RAW = 0, 1, 2
+
+
 class Bucket:
     """A flat gradient buffer shared by a few parameters, and its reduction in flight.
 
-    Life cycle, once per synchronised backward: `attach_grads` (grads become views),
-    `mark_ready` for each parameter as autograd finishes it, `launch` once all are ready,
+    Life cycle, once per synchronised backward: `attach_grads` before the forward,
+    `adopt_grad` and `mark_ready` for each parameter as autograd finishes it, `launch` once all
+    are ready (zeros for what never came, the mean's division for what is not divided yet),
     `wait` before the optimizer reads the gradients, `reset` for the next round.
+
+    divisor: the world size when gradients are averaged (the bucket then holds this rank's
+        gradient divided by it, so the hook only sums), 1 for a plain sum.
     """
 
-    def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter], lazy: bool = False):
+    def __init__(
+        self,
+        spec: BucketSpec,
+        params: list[torch.nn.Parameter],
+        lazy: bool = False,
+        divisor: int = 1,
+    ):
         self.spec = spec
         self.index = spec.index
         self.params = params
+        self.divisor = divisor
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
+        self.held: list[int] = [EMPTY] * len(params)  # per position: EMPTY, SCALED or RAW
         if not lazy:  # [Note: lazy buckets]
             self.allocate()
         self.pending = len(params)
         self.future: torch.futures.Future | None = None
 
     def allocate(self) -> None:
-        """Create the zeroed flat buffer and the per-parameter views into it."""
+        """Create the flat buffer (padding zeroed) and the per-parameter views into it."""
         spec = self.spec
-        self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
+        self.buffer = torch.empty(spec.numel, dtype=spec.dtype, device=spec.device)
+        end = spec.offsets[-1] + self.params[-1].numel() if self.params else 0
+        self.buffer[end:].zero_()  # padding: never written by a gradient, always reduced
         self.views = [
             self.buffer[off : off + p.numel()].view_as(p)
             for off, p in zip(spec.offsets, self.params, strict=True)
         ]
+        self.held = [EMPTY] * len(self.params)
 
     def release(self) -> None:
         """Drop the buffer and the parameters' .grad views ([Note: lazy buckets])."""
         for param in self.params:
             param.grad = None
         self.buffer, self.views = None, []
+        self.held = [EMPTY] * len(self.params)
 
     def attach_grads(self) -> list[bool]:
-        """Point every parameter's .grad at its view; zero the views that had no grad.
+        """Before a forward: bring existing grads into their views; note which had none.
 
-        Returns, per parameter, whether its grad was None before (see [Note: unused parameters]).
-        A lazy bucket with no buffer and no gradients stays empty.
+        A parameter without a grad keeps None: autograd hands over a fresh gradient, which
+        `adopt_grad` copies into the view ([Note: gradient views]). Returns, per parameter,
+        whether its grad was None (see [Note: unused parameters]).
         """
+        was_none = [p.grad is None for p in self.params]
         if self.buffer is None:
-            if all(p.grad is None for p in self.params):
-                return [True] * len(self.params)
+            if all(was_none):
+                return was_none
             self.allocate()
-        was_none = []
-        for param, view in zip(self.params, self.views, strict=True):
-            grad = param.grad
-            was_none.append(grad is None)
-            if grad is None:
-                view.zero_()
-                param.grad = view
-            elif grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
+        for position, (param, view, none) in enumerate(
+            zip(self.params, self.views, was_none, strict=True)
+        ):
+            if none:
+                self.held[position] = EMPTY
+                continue
+            self.held[position] = RAW  # a local sum: autograd may add to it in place
+            if param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)
                 param.grad = view
         return was_none
 
-    def adopt_grad(self, position: int) -> None:
-        """Bring a grad that autograd replaced (create_graph, or no view yet) into the buffer."""
-        if self.buffer is None:  # a lazy bucket's first gradient; later ones land in views
+    def adopt_grad(self, position: int, divide: bool = True) -> None:
+        """Bring the grad autograd just produced into its view.
+
+        A fresh gradient into an empty view is copied, divided by `divisor` in the same pass
+        when `divide` (a synchronised backward); a grad autograd accumulated into the view in
+        place needs nothing now (it is divided at launch).
+        """
+        if self.buffer is None:  # a lazy bucket's first gradient
             self.allocate()
-            self.attach_grads()
         param, view = self.params[position], self.views[position]
-        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            param.grad = view
+        grad = param.grad
+        if grad is None or grad.data_ptr() == view.data_ptr():
+            return
+        if self.held[position] == EMPTY and divide and self.divisor != 1:
+            torch.div(grad, self.divisor, out=view)
+            self.held[position] = SCALED
+        else:  # a first gradient without division, or one autograd rebuilt (create_graph)
+            view.copy_(grad)
+            self.held[position] = RAW
+        param.grad = view
+
+    def complete(self) -> None:
+        """Before the reduction: zeros, as views, for parameters that got no gradient this
+        round; the division by `divisor` for what holds a local sum."""
+        if self.buffer is None:
+            self.allocate()
+        if self.divisor != 1 and all(h == RAW for h in self.held):
+            self.buffer.div_(self.divisor)  # one pass (the padding is zero)
+            self.held = [SCALED] * len(self.params)
+        for position, held in enumerate(self.held):
+            view = self.views[position]
+            if held == EMPTY:
+                view.zero_()
+                self.params[position].grad = view
+            elif held == RAW and self.divisor != 1:
+                view.div_(self.divisor)
+            self.held[position] = SCALED
 
     def mark_ready(self) -> bool:
         """Count one more parameter as finished; True when the whole bucket is."""
@@ -171,8 +232,7 @@ class Bucket:
         return self.pending == 0
 
     def launch(self, hook, state) -> None:
-        if self.buffer is None:
-            self.allocate()  # nothing reached it on this rank: contribute zeros
+        self.complete()
         self.future = hook(state, self)
 
     def wait(self) -> None:

@@ -106,9 +106,13 @@ class DDPStrategy(Strategy):
             bucket_bytes=int(policy.bucket_mb * MB),
             first_bucket_bytes=int(policy.first_bucket_mb * MB),
         )
-        state = policy.hook_state or HookState(comm, mean=policy.reduce_op == "mean")
         self.reducer = GradientReducer(
-            planned, specs, comm, policy.comm_hook or allreduce_hook, state
+            planned,
+            specs,
+            comm,
+            policy.comm_hook or allreduce_hook,
+            policy.hook_state or HookState(comm),
+            mean=policy.reduce_op == "mean",
         )
         self.buffers = [b for b in model.buffers()]
         self._pre_hook = model.register_forward_pre_hook(self._before_forward)

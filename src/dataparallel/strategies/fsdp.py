@@ -15,10 +15,11 @@ The contract (what `parallelize(model, ZeRO3(...))` guarantees):
 - Read and write weights with `dp.full_state_dict` / `dp.load_full_state_dict`; outside its
   unit's forward a parameter reads as NaN ([Note: parameters at rest] in fsdp_unit.py).
 
-[Note: schedule] Pre-forward hook of a unit: wait for its gather, start the gather of the next
-unit in the previous step's forward order (prefetch), wrap its inputs so that autograd calls
+[Note: schedule] Pre-forward hook of a unit: start its gather (unless prefetched), start the
+gather of the next unit in the previous step's forward order (prefetch), wait for its own, wrap its inputs so that autograd calls
 back when their gradient is computed (the unit's backward is then over). Post-forward hook:
-free the unit (not the root, whose backward comes first) and hook its outputs' gradient
+free the unit (not the root, nor the unit that ran last in forward: their backward comes first,
+so a free would be followed by an exposed gather at once) and hook its outputs' gradient
 (pre-backward: gather again, prefetch the unit whose backward comes next, attach gradient
 views). Post-backward: finish the previous unit's reduction (it had this unit's backward to
 run in), start this unit's, and free the unit: one reduction is in flight at a time. When autograd has finished, a queued
@@ -80,8 +81,9 @@ class ZeRO3:
     prefetch: start the next unit's all-gather while the current unit computes, in forward
         (in the previous step's order) and in backward (in reverse).
     reshard_after_forward: free each unit after its forward and gather it again for its
-        backward; False keeps every unit gathered from its forward to its backward (one gather
-        less per unit, the memory of the whole model at the end of forward).
+        backward (except the unit that ran last in the previous step's forward, whose backward
+        comes right after); False keeps every unit gathered from its forward to its backward
+        (one gather less per unit, the memory of the whole model at the end of forward).
     param_dtype: None computes in the parameters' own dtype; torch.bfloat16 gathers, computes,
         and reduces in bf16 while master weights, gradient shards and optimizer state stay fp32
         ([Note: mixed precision]).
@@ -185,9 +187,10 @@ class ZeRO3Strategy(Strategy):
                 u.free()
         position = len(self.forward_order)
         self.forward_order.append(unit.index)
-        unit.gather()
+        unit.start_gather()  # then the next unit's, so both are under way while this one waits
         if self.policy.prefetch and position + 1 < len(self.prefetch_order):
             self.units[self.prefetch_order[position + 1]].start_gather(prefetch=True)
+        unit.gather()
         self.comm.tracer.mark("forward_start", unit=unit.index)
         if not torch.is_grad_enabled():
             return None
@@ -217,21 +220,27 @@ class ZeRO3Strategy(Strategy):
             if not training:
                 for u in self.units:
                     u.free()
-        elif not training or self.policy.reshard_after_forward:
+        elif not training or (self.policy.reshard_after_forward and not self._runs_last(unit)):
             unit.free()
+
+    def _runs_last(self, unit: FlatUnit) -> bool:
+        """Whether `unit` ran last in the previous step's forward: its backward comes first, so
+        freeing it would only mean gathering it again at once ([Note: schedule])."""
+        return bool(self.prefetch_order) and self.prefetch_order[-1] == unit.index
 
     # -- backward -----------------------------------------------------------------------------
     def _pre_backward(self, unit: FlatUnit, grad) -> None:
         if not self.callback_queued:
             Variable._execution_engine.queue_callback(self._finish_backward)
             self.callback_queued = True
-        unit.gather()
-        unit.prepare_grads()
-        self.comm.tracer.mark("backward_start", unit=unit.index)
+        unit.start_gather()
         if self.policy.prefetch and unit.index in self.backward_order:
             position = self.backward_order.index(unit.index)
             if position + 1 < len(self.backward_order):
                 self.units[self.backward_order[position + 1]].start_gather(prefetch=True)
+        unit.gather()
+        unit.prepare_grads()
+        self.comm.tracer.mark("backward_start", unit=unit.index)
 
     def _post_backward(self, unit: FlatUnit) -> None:
         unit.forward_count -= 1

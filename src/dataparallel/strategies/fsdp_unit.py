@@ -17,9 +17,11 @@ in between. At rest `.data` is a one-element NaN expanded to the parameter's sha
 parameter outside its unit's forward gives NaN (not a crash), writing to it raises. Use
 `dp.full_state_dict(model)` to read weights.
 
-[Note: gradient views] Before a unit's backward its parameters' `.grad` become views of one
-flat gradient buffer in the compute dtype, so autograd accumulates into it in place and the
-reduction reads it with no copy. After the reduction the views are dropped; the averaged shard
+[Note: gradient views] A unit's gradients land in one flat buffer in the compute dtype, which
+the reduction reads with no copy: autograd's fresh gradient of each parameter is copied into its
+view as it is accumulated (one pass, cheaper than zeroing the views beforehand and letting
+autograd add into them), and gradients that exist already (`no_sync`) are views that autograd
+accumulates into in place. After the reduction the views are dropped; the averaged shard
 goes into a fp32 gradient shard whose slices are the pieces' `.grad`.
 """
 
@@ -127,6 +129,7 @@ class FlatUnit:
         self.forward_count = 0
         self.grad_full: torch.Tensor | None = None
         self.grad_views: list[torch.Tensor] = []
+        self.grad_filled: list[bool] = []
         self.used = [False] * len(self.params)
         self.reduced = False
         self._reduce = None
@@ -192,27 +195,30 @@ class FlatUnit:
 
     # -- gradients --------------------------------------------------------------------------
     def _ensure_grad_buffer(self) -> None:
-        """Allocate the zeroed flat gradient buffer and its per-parameter views, once."""
+        """Allocate the flat gradient buffer (padding zeroed) and its views, once per round."""
         if self.grad_full is None:
-            self.grad_full = torch.zeros(
-                self.layout.padded_numel, dtype=self.compute_dtype, device=self.device
-            )
+            self.grad_full = self._flat_buffer(self.compute_dtype)
+            self.grad_full[sum(self.layout.numels) :].zero_()
             self.grad_views = self._views_of(self.grad_full)
+            self.grad_filled = [False] * len(self.params)
 
     def prepare_grads(self) -> None:
-        """Point every trainable parameter's .grad at the flat gradient buffer (kept across
-        `no_sync` backwards, where it accumulates)."""
+        """Before the unit's backward: bring gradients that exist into the flat buffer (kept
+        across `no_sync` backwards, where it accumulates); a parameter without one gets it
+        from autograd and `on_grad_accumulated` copies it in ([Note: gradient views])."""
         if self.empty:
             return
         self._ensure_grad_buffer()
-        for p, view in zip(self.params, self.grad_views, strict=True):
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = view
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.add_(p.grad)
-                p.grad = view
+        for position, p in enumerate(self.params):
+            if p.requires_grad and p.grad is not None:
+                self._adopt(position, p)
+
+    def _adopt(self, position: int, p: torch.Tensor) -> None:
+        view = self.grad_views[position]
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+        self.grad_filled[position] = True
 
     def start_reduce(self) -> None:
         """Start averaging the unit's gradients across ranks; drop the parameters' .grad."""
@@ -221,9 +227,11 @@ class FlatUnit:
             return
         self._ensure_grad_buffer()
         flat = self.grad_full
-        for p, view in zip(self.params, self.grad_views, strict=True):
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.add_(p.grad)  # autograd replaced the view (e.g. create_graph)
+        for position, (p, view) in enumerate(zip(self.params, self.grad_views, strict=True)):
+            if p.grad is not None:
+                self._adopt(position, p)  # autograd replaced the view (e.g. create_graph)
+            if not self.grad_filled[position]:
+                view.zero_()  # no gradient reached it on this rank: contribute zeros
             p.grad = None
         self.grad_full, self.grad_views = None, []
         n, size, rank = self.comm.world_size, self.layout.shard_numel, self.comm.rank
@@ -293,6 +301,8 @@ class FlatUnit:
                 "does a module outside the unit use its parameters? wrap differently"
             )
         self.used[position] = True
+        self._ensure_grad_buffer()
+        self._adopt(position, param)
 
     # -- what this rank holds ---------------------------------------------------------------
     def piece_grads(self) -> list[torch.Tensor]:

@@ -44,6 +44,7 @@ class GradientReducer:
         hook,
         hook_state: HookState,
         *,
+        mean: bool = True,
         lazy_buffers: bool = False,
         on_bucket_reduced: Callable[[Bucket], None] | None = None,
         on_round_end: Callable[[list[int]], None] | None = None,
@@ -54,8 +55,10 @@ class GradientReducer:
         self.hook_state = hook_state
         self.on_bucket_reduced = on_bucket_reduced
         self.on_round_end = on_round_end
+        divisor = comm.world_size if mean else 1
         self.buckets = [
-            Bucket(s, [params[i] for i in s.param_indices], lazy=lazy_buffers) for s in specs
+            Bucket(s, [params[i] for i in s.param_indices], lazy=lazy_buffers, divisor=divisor)
+            for s in specs
         ]
         self.location: dict[int, tuple[Bucket, int]] = {}
         for bucket in self.buckets:
@@ -93,7 +96,7 @@ class GradientReducer:
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         bucket, position = self.location[i]
-        bucket.adopt_grad(position)
+        bucket.adopt_grad(position, divide=self.sync_enabled)
         if not self.round_open:
             self.was_none[i] = False  # a backward with no forward through the root module
             self.round_open = True
@@ -103,7 +106,8 @@ class GradientReducer:
         if not self.callback_queued:
             Variable._execution_engine.queue_callback(self._finish)
             self.callback_queued = True
-        self.comm.tracer.mark("grad_ready", param=i)
+        if self.comm.tracer.enabled:
+            self.comm.tracer.mark("grad_ready", param=i)
         if bucket.mark_ready():
             self._launch_ready()
 

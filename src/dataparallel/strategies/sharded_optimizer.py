@@ -39,6 +39,8 @@ class Shard:
     param: what the optimizer updates: `own` itself, or an fp32 master copy of it in mixed
         precision.
     grad: the reduced gradient of this slice (compute dtype), None when there is none.
+    grad_store: ZeRO-2's buffer for `grad`, allocated at the first reduction and kept, so that
+        every step reuses its memory instead of allocating (and page-faulting) a new one.
     optimized: whether the optimizer steps it (False for parameters outside every group).
     """
 
@@ -58,6 +60,7 @@ class Shard:
         self.own = flat[self.start : self.stop]
         self.param = self.own if master is None else master
         self.grad: torch.Tensor | None = None
+        self.grad_store: torch.Tensor | None = None
         self.optimized = optimized
         self.pieces: list[Piece] = layout.pieces(rank)
         # planned positions (the reducer's parameter indices) of the pieces' parameters
@@ -66,6 +69,12 @@ class Shard:
     def reduced_slice(self) -> torch.Tensor:
         """This rank's slice of the bucket's gradient buffer (valid after its reduction)."""
         return self.bucket.buffer[self.start : self.stop]
+
+    def keep_grad(self, reduced: torch.Tensor) -> torch.Tensor:
+        """`reduced` copied into `grad_store` (ZeRO-2, where the bucket is freed next)."""
+        if self.grad_store is None:
+            self.grad_store = torch.empty_like(reduced)
+        return self.grad_store.copy_(reduced)
 
     def skipped_pieces(self, has_grad: list[bool]) -> list[Piece]:
         return [p for p, i in zip(self.pieces, self.piece_params, strict=True) if not has_grad[i]]
