@@ -17,7 +17,7 @@ bucket and back out). How autograd's gradient gets into the view:
   out=view)`: the mean's division and the copy in one pass), then points `.grad` at the view.
   We measured this against keeping the views attached (zeroed at each forward, autograd then
   adding into them): that costs a memset and a read more per step, and page faults for the
-  gradients autograd frees at once; it was 6-8 ms slower per gpt-small step (of ~340 ms).
+  gradients autograd frees at once: 7-12 ms more CPU per gpt-small step (of ~340 ms).
 Each position of a bucket is EMPTY (no gradient yet this round), SCALED (divided) or RAW (a
 local sum, divided at launch); at launch EMPTY positions become zeros ([Note: unused
 parameters] in reducer.py).
