@@ -110,34 +110,28 @@ def run_round(names: list[str], prepared: dict, batches, args, group) -> dict:
     `round` runs each one's steps back to back. The garbage collector is off while timing, so
     that a collection pause cannot land on one contender only.
     """
-    out = {n: ([], [], torch.zeros(())) for n in names}
-
-    def one(name, i, x, y):
-        wall, cpu, loss = timed_step(prepared[name], x, y, group)
-        if i >= args.warmup:
-            out[name][0].append(wall)
-            out[name][1].append(cpu)
-        out[name] = (out[name][0], out[name][1], loss)
-
+    if args.interleave == "step":
+        rotated = [names[i % len(names) :] + names[: i % len(names)] for i in range(len(batches))]
+        order = [(i, name) for i in range(len(batches)) for name in rotated[i]]
+    else:
+        order = [(i, name) for name in names for i in range(len(batches))]
+    walls, cpus = {n: [] for n in names}, {n: [] for n in names}
+    losses = {n: torch.zeros(()) for n in names}
     gc.collect()
     gc.disable()
     try:
-        if args.interleave == "step":
-            for i, (x, y) in enumerate(batches):
-                shift = i % len(names)
-                for name in names[shift:] + names[:shift]:
-                    one(name, i, x, y)
-        else:
-            for name in names:
-                for i, (x, y) in enumerate(batches):
-                    one(name, i, x, y)
+        for i, name in order:
+            wall, cpu, losses[name] = timed_step(prepared[name], *batches[i], group)
+            if i >= args.warmup:
+                walls[name].append(wall)
+                cpus[name].append(cpu)
     finally:
         gc.enable()
     result = {}
-    for name, (wall, cpu, loss) in out.items():
-        slowest = torch.tensor([wall, cpu], dtype=torch.float64)
+    for name in names:
+        slowest = torch.tensor([walls[name], cpus[name]], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-        result[name] = (*slowest.tolist(), float(loss))
+        result[name] = (*slowest.tolist(), float(losses[name]))
     return result
 
 

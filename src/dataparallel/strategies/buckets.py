@@ -217,6 +217,7 @@ class Bucket:
         if self.divisor != 1 and all(h == RAW for h in self.held):
             self.buffer.div_(self.divisor)  # one pass (the padding is zero)
             self.held = [SCALED] * len(self.params)
+            return
         for position, held in enumerate(self.held):
             view = self.views[position]
             if held == EMPTY:
