@@ -89,21 +89,33 @@ def make_batches(args, vocab_size: int, rank: int) -> list[tuple[torch.Tensor, t
     return batches
 
 
-def timed_step(prepared, x, y, group) -> tuple[float, float, torch.Tensor]:
+def timed_step(prepared, x, y, timing_group, finish: bool) -> tuple[float, float, torch.Tensor]:
     """One step after a barrier: (wall seconds, process CPU seconds, loss) on this rank.
 
     The barrier makes every rank start together, so a step's time is that of the rank that
     finished last (max across ranks, taken at the end of the round), as a synchronous job sees
     it. CPU time is the whole process' (the backend's threads included): the work done, which
-    other jobs on the machine disturb less than the wall time.
+    other jobs on the machine disturb less than the wall time. `finish`: the step's work still
+    in flight is waited for inside the timing (before another contender runs), so an overlapped
+    all-gather gains only where the same contender's next step follows (`--interleave round`).
+    The barrier runs on a group of its own: on the training group gloo's barrier would first
+    wait out the work still in flight there, finishing it before the clock starts.
     """
-    dist.barrier(group=group)
+    dist.barrier(group=timing_group)
     start, start_cpu = time.perf_counter(), time.process_time()
     loss = prepared.step(x, y)
+    if finish:
+        prepared.finish()
     return time.perf_counter() - start, time.process_time() - start_cpu, loss
 
 
-def run_round(names: list[str], prepared: dict, batches, args, group) -> dict:
+def finish_flags(order: list[tuple[int, str]]) -> list[bool]:
+    """For each (batch, contender) of `order`: True where another contender (or none) runs next,
+    so the step's work still in flight is finished, and timed, before it does."""
+    return [k + 1 == len(order) or order[k + 1][1] != name for k, (_, name) in enumerate(order)]
+
+
+def run_round(names: list[str], prepared: dict, batches, args, timing_group) -> dict:
     """Every batch through every contender; {name: (walls, cpus, last loss)} of timed steps.
 
     `--interleave step` alternates the contenders step by step (the order rotating each step),
@@ -120,8 +132,8 @@ def run_round(names: list[str], prepared: dict, batches, args, group) -> dict:
     gc.collect()
     gc.disable()
     try:
-        for i, name in order:
-            wall, cpu, losses[name] = timed_step(prepared[name], *batches[i], group)
+        for (i, name), finish in zip(order, finish_flags(order), strict=True):
+            wall, cpu, losses[name] = timed_step(prepared[name], *batches[i], timing_group, finish)
             if i >= args.warmup:
                 walls[name].append(wall)
                 cpus[name].append(cpu)
@@ -130,7 +142,7 @@ def run_round(names: list[str], prepared: dict, batches, args, group) -> dict:
     result = {}
     for name in names:
         slowest = torch.tensor([walls[name], cpus[name]], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=timing_group)
         result[name] = (*slowest.tolist(), float(losses[name]))
     return result
 
@@ -171,6 +183,7 @@ def run_rank(rank: int, args, port: int, out_path: str) -> None:
     vocab_size = build_model(args.model).config.vocab_size
     batches = make_batches(args, vocab_size, rank)
     names = list(args.contenders)
+    timing_group = dist.new_group(backend="gloo")  # barriers only: see timed_step
     results = {n: {"times": [], "cpu_times": [], "memory": {}, "loss": None} for n in names}
     for round_index in range(args.rounds):
         shift = round_index % len(names)
@@ -182,7 +195,7 @@ def run_rank(rank: int, args, port: int, out_path: str) -> None:
             if error:
                 results[name]["error"] = error
                 del prepared[name]
-        timed = run_round(list(prepared), prepared, batches, args, world.group)
+        timed = run_round(list(prepared), prepared, batches, args, timing_group)
         for name, (wall, cpu, loss) in timed.items():
             results[name].update(memory=prepared[name].memory(), loss=loss)
             results[name]["times"] += wall

@@ -37,10 +37,13 @@ class Prepared:
     step: one training step on (inputs, targets): zero_grad, forward, backward, optimizer step;
         returns the detached loss.
     memory: bytes this rank holds, as {"params", "grads", "optimizer_state"}.
+    finish: waits for work a step left in flight (an overlapped parameter all-gather); the
+        benchmark calls it, timed, before another contender runs.
     """
 
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     memory: Callable[[], dict[str, int]]
+    finish: Callable[[], None] = lambda: None
 
 
 def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -50,11 +53,16 @@ def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def plain_step(model, optimizer) -> Callable:
     # zero_grad comes first so that after a step the gradients are still there to be counted.
-    def step(x, y):
+    # `mark(phase)` is called as each phase ends (bench_phases.py times them).
+    def step(x, y, mark=lambda phase: None):
         optimizer.zero_grad(set_to_none=True)
+        mark("zero_grad")
         loss = lm_loss(model, x, y)
+        mark("forward")
         loss.backward()
+        mark("backward")
         optimizer.step()
+        mark("step")
         return loss.detach()
 
     return step
@@ -86,13 +94,17 @@ def bound(model, world) -> Prepared:
     return Prepared(plain_step(model, optimizer), lambda: held_bytes(model.parameters(), optimizer))
 
 
-def ours(strategy: str) -> Callable:
-    """Our strategy `strategy` ("ddp", "zero1", ...), through the public API."""
+def ours(strategy) -> Callable:
+    """Our strategy `strategy` ("ddp", "zero1", ... or a policy), through the public API."""
 
     def setup(model, world) -> Prepared:
         dp.parallelize(model, strategy, group=world.group)
         optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=LR)
-        return Prepared(plain_step(model, optimizer), lambda: dp.memory_report(model, optimizer))
+        return Prepared(
+            plain_step(model, optimizer),
+            lambda: dp.memory_report(model, optimizer),
+            lambda: dp.finish_param_gather(model),
+        )
 
     return setup
 
@@ -226,7 +238,9 @@ CONTENDERS: dict[str, Callable] = {
     "zero1": ours("zero1"),
     "zero-redundancy": zero_redundancy,
     "deepspeed-zero1": deepspeed_zero(1),
+    "zero1-overlap": ours(dp.ZeRO1(overlap_param_gather=True)),
     "zero2": ours("zero2"),
+    "zero2-overlap": ours(dp.ZeRO2(overlap_param_gather=True)),
     "deepspeed-zero2": deepspeed_zero(2),
     "zero3": ours("zero3"),
     "fsdp2": fsdp2,
@@ -237,7 +251,9 @@ CONTENDERS: dict[str, Callable] = {
 PEERS = {
     "ddp": ["torch-ddp"],
     "zero1": ["zero-redundancy", "deepspeed-zero1"],
+    "zero1-overlap": ["zero1", "zero-redundancy", "deepspeed-zero1"],
     "zero2": ["deepspeed-zero2"],
+    "zero2-overlap": ["zero2", "deepspeed-zero2"],
     "zero3": ["fsdp2", "deepspeed-zero3"],
 }
 

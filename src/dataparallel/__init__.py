@@ -12,6 +12,7 @@ from . import comm
 from .api import (
     build_optimizer,
     clip_grad_norm_,
+    finish_param_gather,
     full_state_dict,
     join,
     load_full_state_dict,
@@ -42,6 +43,7 @@ __all__ = [
     "comm",
     "convert_sync_batchnorm",
     "destroy",
+    "finish_param_gather",
     "full_state_dict",
     "init",
     "join",

@@ -84,6 +84,17 @@ def no_sync(model: nn.Module):
     return strategy_of(model).no_sync()
 
 
+def finish_param_gather(model: nn.Module) -> None:
+    """Make the model's parameters whole before reading or writing them directly after `step()`.
+
+    Needed only with ZeRO-1/2's `overlap_param_gather=True`, between `optimizer.step()` and the
+    next forward, for code that touches parameters itself (an EMA, a weight norm, a clamp);
+    forwards, state_dict calls and checkpoints wait by themselves. A no-op otherwise. Not
+    collective.
+    """
+    strategy_of(model).finish_param_gather()
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm across ranks and shards; return that norm."""
     return strategy_of(model).clip_grad_norm_(max_norm, norm_type)

@@ -45,3 +45,12 @@ def test_summarize_reports_both_ratios_and_the_pairs():
     assert (pair["ours"], pair["peer"]) == ("ddp", "torch-ddp")
     assert pair["ratio"] == pytest.approx(0.8) and pair["paired"] == pytest.approx(0.8)
     assert summary["tokens_per_step"] == 2 * 4 * 256
+
+
+def test_work_in_flight_is_finished_before_another_contender_runs():
+    # Step interleaving: a step finishes unless the rotation runs the same contender next.
+    by_step = [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
+    assert bench_step.finish_flags(by_step) == [True, False, True, True]
+    # Round interleaving: only each contender's last step finishes; the others overlap.
+    by_round = [(0, "a"), (1, "a"), (2, "a"), (0, "b"), (1, "b")]
+    assert bench_step.finish_flags(by_round) == [False, False, True, False, True]

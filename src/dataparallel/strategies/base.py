@@ -125,6 +125,9 @@ class Strategy:
     def _set_sync(self, enabled: bool) -> None:
         self.sync_enabled = enabled
 
+    def finish_param_gather(self) -> None:
+        """Wait for parameter communication still in flight (none, unless a strategy says so)."""
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         raise NotImplementedError
 

@@ -5,7 +5,8 @@ the user's optimizer class built over the shards' tensors (`Shard.param`), one p
 user param group, so LR schedulers and param-group hyperparameters work unchanged. A step
 pre-hook hands each shard its reduced gradient (`Shard.grad`, kept by the strategy, see
 zero.py), a post-hook writes the updated slice into the flat parameter buffer and all-gathers
-the buffers, so every rank's model holds the new full parameters when `step()` returns.
+the buffers, so every rank's model holds the new full parameters when `step()` returns (with
+`overlap_param_gather`, by the time the next forward reads them: param_gather.py).
 An elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...) computes on a slice exactly
 what it computes on the whole parameter; one that looks across a tensor (per-parameter norms,
 factored moments, closures over the full model) sees a flat slice instead (docs/zero.md).
@@ -24,6 +25,7 @@ import torch
 
 from ..comm import Comm
 from .buckets import Bucket, BucketSpec
+from .param_gather import ParamGather
 from .sharding import Piece, ShardLayout
 
 # State keys that torch optimizers keep as one number per parameter, not one per element.
@@ -164,13 +166,21 @@ _CLASSES: dict[type, type] = {}
 
 
 class ShardedStep:
-    """The step hooks of [Note: sharded step] and [Note: skipped parameters]."""
+    """The step hooks of [Note: sharded step] and [Note: skipped parameters].
 
-    def __init__(self, shards: list[Shard], comm: Comm, has_grad: list[bool]):
+    The all-gather that follows the update is `gather`'s, over the optimized shards: within
+    `step()`, or, given `overlap_with` (the model), overlapped with its next forward, whose
+    modules get the hooks that wait ([Note: overlapped parameter gather] in param_gather.py).
+    """
+
+    def __init__(self, shards: list[Shard], comm: Comm, has_grad: list[bool], overlap_with=None):
         self.shards = [s for s in shards if s.optimized]
-        self.comm = comm
         self.has_grad = has_grad  # the strategy's list, updated in place each round
         self.saved: list[tuple[Shard, list[Piece], dict]] = []
+        buckets = [(s.flat, s.own) for s in self.shards]
+        self.gather = ParamGather(buckets, comm, overlap=overlap_with is not None)
+        if overlap_with is not None:
+            self.gather.attach(overlap_with)
 
     def before(self, optimizer, args, kwargs) -> None:
         if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
@@ -180,6 +190,7 @@ class ShardedStep:
                 "step(closure) is not supported with ZeRO-1/2: run forward and backward, "
                 "then call step() without a closure"
             )
+        self.gather.finish()  # the slices this step updates must be whole and settled
         self.saved = []
         for shard in self.shards:
             skipped = shard.skipped_pieces(self.has_grad)
@@ -198,15 +209,7 @@ class ShardedStep:
             shard.param.grad = None
             if shard.param is not shard.own:
                 shard.own.copy_(shard.param)  # fp32 master -> compute dtype
-        self.all_gather_params()
-
-    def all_gather_params(self) -> None:
-        """Every rank's updated slices into every rank's flat buffers (in place)."""
-        if self.comm.world_size == 1:
-            return
-        works = [self.comm.all_gather(s.flat, s.own, async_op=True) for s in self.shards]
-        for work in works:
-            work.wait()
+        self.gather.start()  # every rank's updated slices into every rank's flat buffers
 
 
 def _elementwise(state: dict, param: torch.Tensor) -> dict[str, torch.Tensor]:

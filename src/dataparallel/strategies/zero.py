@@ -74,6 +74,12 @@ class ZeROPolicy:
         the same buffer in our measurements (docs/zero.md), and reduce_scatter elsewhere (NCCL).
         The gradient memory is the same either way.
     broadcast_buffers: broadcast buffers from rank 0 at each training forward (as DDP).
+    overlap_param_gather: False: `step()` returns with the new parameters all-gathered. True:
+        `step()` launches the all-gathers and each module's forward waits for the buckets it
+        reads, so the gathers overlap the next forward; parameters read or written directly
+        between `step()` and the next forward (an EMA, a logged norm) need
+        `dataparallel.finish_param_gather(model)` first ([Note: overlapped parameter gather]
+        in param_gather.py; state_dict, checkpoints and forwards wait by themselves).
     """
 
     name: ClassVar[str] = "zero"
@@ -83,6 +89,7 @@ class ZeROPolicy:
     param_dtype: torch.dtype | None = None
     grad_reduce: str = "auto"
     broadcast_buffers: bool = True
+    overlap_param_gather: bool = False
 
     def __post_init__(self):
         who = type(self).__name__
@@ -150,6 +157,7 @@ class ZeROStrategy(Strategy):
         collective = policy.collective_for(comm.backend)
         self.hook = allreduce_hook if collective == "all_reduce" else reduce_scatter_hook
         self.optimizer: torch.optim.Optimizer | None = None
+        self.sharded_step: ShardedStep | None = None
         self.user_groups: list[list[nn.Parameter]] = [list(self.trainable)]
         self.reducer: GradientReducer | None = None
         self.shards: list[Shard] = []
@@ -314,11 +322,16 @@ class ZeROStrategy(Strategy):
             **kwargs,
         )
         optimizer.zero_shard_grads = self.zero_shard_grads
-        self.sharded_step = ShardedStep(self.shards, self.comm, self.has_grad)
+        overlap_with = self.model if self.policy.overlap_param_gather else None
+        self.sharded_step = ShardedStep(self.shards, self.comm, self.has_grad, overlap_with)
         optimizer.register_step_pre_hook(self.sharded_step.before)
         optimizer.register_step_post_hook(self.sharded_step.after)
         self.optimizer = optimizer
         return optimizer
+
+    def finish_param_gather(self) -> None:
+        if self.sharded_step is not None:
+            self.sharded_step.gather.finish()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global norm: each rank's slices' norms combined with one all-reduce, then scaled."""
@@ -340,6 +353,7 @@ class ZeROStrategy(Strategy):
         return total
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        self.finish_param_gather()
         values = gather_full_params(self.shards, self.comm, self.master_dtype)
         out = {}
         for key, tensor in self.model.state_dict(keep_vars=True).items():
@@ -349,6 +363,7 @@ class ZeROStrategy(Strategy):
         return out
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.finish_param_gather()
         self.model.load_state_dict(state_dict)  # into the flat buffers the params view
         if self.master_dtype is not None:
             names = {id(p): name for name, p in self.model.named_parameters()}
