@@ -74,12 +74,10 @@ class ZeROPolicy:
         the same buffer in our measurements (docs/zero.md), and reduce_scatter elsewhere (NCCL).
         The gradient memory is the same either way.
     broadcast_buffers: broadcast buffers from rank 0 at each training forward (as DDP).
-    overlap_param_gather: False: `step()` returns with the new parameters all-gathered. True:
-        `step()` launches the all-gathers and each module's forward waits for the buckets it
-        reads, so the gathers overlap the next forward; parameters read or written directly
-        between `step()` and the next forward (an EMA, a logged norm) need
-        `dataparallel.finish_param_gather(model)` first ([Note: overlapped parameter gather]
-        in param_gather.py; state_dict, checkpoints and forwards wait by themselves).
+    overlap_param_gather: True: `step()` only launches the parameter all-gathers, and each
+        module's forward waits for the buckets it reads; code that reads or writes parameters
+        between `step()` and the next forward calls `dataparallel.finish_param_gather(model)`
+        first ([Note: overlapped parameter gather] in param_gather.py). False: whole at once.
     """
 
     name: ClassVar[str] = "zero"
