@@ -25,11 +25,16 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench_step import free_port, make_batches, setup_everywhere
-from contenders import CONTENDERS
+from bench_step import (
+    add_world_args,
+    check_world_args,
+    free_port,
+    make_batches,
+    setup_everywhere,
+)
 
 import dataparallel as dp
-from dataparallel.models import MODEL_CONFIGS, build_model
+from dataparallel.models import build_model
 
 PHASES = ("zero_grad", "forward", "backward", "step")
 COLUMNS = (*PHASES, "finish", "thread", "process", "wall")
@@ -37,23 +42,9 @@ COLUMNS = (*PHASES, "finish", "thread", "process", "wall")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt-small", choices=sorted(MODEL_CONFIGS))
-    parser.add_argument("--contenders", default="bound,ddp,torch-ddp")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per contender")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per contender")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (one thread each)")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
-    parser.add_argument("--seed", type=int, default=0)
+    add_world_args(parser, contenders="bound,ddp,torch-ddp", steps=20)
     args = parser.parse_args(argv)
-    args.contenders = args.contenders.split(",")
-    unknown = [n for n in args.contenders if n not in CONTENDERS]
-    if unknown:
-        parser.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
-    if min(args.steps, args.nproc, args.batch, args.seq) < 1 or args.warmup < 0:
-        parser.error("--steps, --nproc, --batch and --seq must be >= 1, --warmup >= 0")
-    if args.seq > MODEL_CONFIGS[args.model].block_size:
-        parser.error(f"--seq {args.seq} exceeds {args.model}'s block_size")
+    check_world_args(parser, args)
     return args
 
 

@@ -42,22 +42,44 @@ MIB = 1024 * 1024
 HELD = ("params", "grads", "optimizer_state")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_world_args(parser: argparse.ArgumentParser, contenders: str, steps: int) -> None:
+    """The options every benchmark here shares: model, contenders, steps, ranks, batch."""
     gpts = [name for name, config in MODEL_CONFIGS.items() if isinstance(config, GPTConfig)]
     parser.add_argument("--model", default="gpt-small", choices=gpts)
     parser.add_argument(
         "--contenders",
-        default="all",
+        default=contenders,
         help=f"comma-separated, or 'all' (unavailable ones are skipped): {', '.join(CONTENDERS)}",
     )
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round")
+    parser.add_argument(
+        "--steps", type=int, default=steps, help="timed steps per contender (per round)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps per contender (per round)"
+    )
     parser.add_argument("--nproc", type=int, default=2, help="ranks (one thread each)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def check_world_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad shared options with one line each; turn --contenders into a list."""
+    names = list(CONTENDERS) if args.contenders == "all" else args.contenders.split(",")
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        parser.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+    if min(args.steps, args.nproc, args.batch, args.seq) < 1 or args.warmup < 0:
+        parser.error("--steps, --nproc, --batch and --seq must be >= 1, --warmup >= 0")
+    if args.seq > MODEL_CONFIGS[args.model].block_size:
+        parser.error(f"--seq {args.seq} exceeds {args.model}'s block_size")
+    args.contenders = names
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_world_args(parser, contenders="all", steps=10)
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
     parser.add_argument(
         "--interleave",
         choices=("step", "round"),
@@ -66,15 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--json", help="also write the raw numbers to this file")
     args = parser.parse_args(argv)
-    names = list(CONTENDERS) if args.contenders == "all" else args.contenders.split(",")
-    unknown = [n for n in names if n not in CONTENDERS]
-    if unknown:
-        parser.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
-    if min(args.rounds, args.steps, args.nproc, args.batch, args.seq) < 1 or args.warmup < 0:
-        parser.error("--rounds, --steps, --nproc, --batch and --seq must be >= 1, --warmup >= 0")
-    if args.seq > MODEL_CONFIGS[args.model].block_size:
-        parser.error(f"--seq {args.seq} exceeds {args.model}'s block_size")
-    args.contenders = names
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    check_world_args(parser, args)
     return args
 
 
