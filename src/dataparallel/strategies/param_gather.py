@@ -32,7 +32,7 @@ from ..comm import Comm
 
 
 class ParamGather:
-    """The all-gathers of one step: `start` them, `wait_for` what a module reads, `finish`.
+    """The all-gathers of one step: `start` them, `wait_through` what a module reads, `finish`.
 
     buckets: (flat parameter buffer, this rank's slice of it) per bucket the optimizer steps,
         in bucket order.
@@ -87,7 +87,7 @@ class ParamGather:
             self.finish()
 
         for module in model.modules():
-            if not any(True for _ in module.parameters(recurse=False)):
+            if not list(module.parameters(recurse=False)):
                 continue
             positions = [
                 position_of[p.untyped_storage().data_ptr()]
