@@ -2,10 +2,11 @@
 
     python benchmarks/bench_collective.py --numel 3290624 --repeats 30
 
-Times all_reduce, reduce_scatter and all_gather of `--numel` fp32 elements between `--nproc`
-ranks on 127.0.0.1 (one thread each), with nothing else running, and prints the medians. This
-is the floor that communication adds to a step when every core is busy computing (see
-BENCHMARKS.md).
+Times gloo's all_reduce, reduce_scatter and all_gather of `--numel` fp32 elements between
+`--nproc` ranks on 127.0.0.1 (one thread each), with nothing else running, and our pairwise
+reduce_scatter and all_gather (point-to-point messages, [Note: pairwise collectives] in
+comm/pairwise.py) on the same buffers, and prints the medians. This is the floor that
+communication adds to a step when every core is busy computing (see BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from dataparallel.comm import Comm
 
 
 def measure(fn, repeats: int) -> tuple[float, float]:
@@ -41,16 +44,19 @@ def worker(rank: int, world_size: int, port: int, numel: int, repeats: int) -> N
     shard = torch.empty(full.numel() // world_size)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    pairwise = Comm(pairwise=True)
     cases = {
         "all_reduce": lambda: dist.all_reduce(full),
         "reduce_scatter": lambda: scatter(shard, full),
         "all_gather": lambda: gather(full, shard),
+        "pairwise reduce_scatter": lambda: pairwise.reduce_scatter(shard, full),
+        "pairwise all_gather": lambda: pairwise.all_gather(full, shard),
     }
     for name, fn in cases.items():
         wall, cpu = measure(fn, repeats)
         if rank == 0:
             mb = full.numel() * 4 / 1e6
-            print(f"{name:15s} {mb:6.1f} MB  wall {wall:6.1f} ms  cpu {cpu:6.1f} ms (rank 0)")
+            print(f"{name:23s} {mb:6.1f} MB  wall {wall:6.1f} ms  cpu {cpu:6.1f} ms (rank 0)")
     dist.destroy_process_group()
 
 

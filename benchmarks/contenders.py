@@ -94,11 +94,11 @@ def bound(model, world) -> Prepared:
     return Prepared(plain_step(model, optimizer), lambda: held_bytes(model.parameters(), optimizer))
 
 
-def ours(strategy) -> Callable:
+def ours(strategy, **options) -> Callable:
     """Our strategy `strategy` ("ddp", "zero1", ... or a policy), through the public API."""
 
     def setup(model, world) -> Prepared:
-        dp.parallelize(model, strategy, group=world.group)
+        dp.parallelize(model, strategy, group=world.group, **options)
         optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=LR)
         return Prepared(
             plain_step(model, optimizer),
@@ -239,10 +239,15 @@ CONTENDERS: dict[str, Callable] = {
     "zero-redundancy": zero_redundancy,
     "deepspeed-zero1": deepspeed_zero(1),
     "zero1-overlap": ours(dp.ZeRO1(overlap_param_gather=True)),
+    # gloo's own collectives instead of pairwise ones: all_reduce for the gradients, gloo's
+    # all_gather for the parameters (what every stage did before [Note: pairwise collectives])
+    "zero1-gloo": ours("zero1", pairwise=False),
     "zero2": ours("zero2"),
     "zero2-overlap": ours(dp.ZeRO2(overlap_param_gather=True)),
+    "zero2-gloo": ours("zero2", pairwise=False),
     "deepspeed-zero2": deepspeed_zero(2),
     "zero3": ours("zero3"),
+    "zero3-gloo": ours("zero3", pairwise=False),
     "fsdp2": fsdp2,
     "deepspeed-zero3": deepspeed_zero(3),
 }
@@ -250,11 +255,11 @@ CONTENDERS: dict[str, Callable] = {
 # ours -> the peers it is compared with.
 PEERS = {
     "ddp": ["torch-ddp"],
-    "zero1": ["zero-redundancy", "deepspeed-zero1"],
+    "zero1": ["zero1-gloo", "zero-redundancy", "deepspeed-zero1"],
     "zero1-overlap": ["zero1", "zero-redundancy", "deepspeed-zero1"],
-    "zero2": ["deepspeed-zero2"],
+    "zero2": ["zero2-gloo", "deepspeed-zero2"],
     "zero2-overlap": ["zero2", "deepspeed-zero2"],
-    "zero3": ["fsdp2", "deepspeed-zero3"],
+    "zero3": ["zero3-gloo", "fsdp2", "deepspeed-zero3"],
 }
 
 

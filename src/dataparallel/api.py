@@ -24,6 +24,7 @@ def parallelize(
     *,
     group: dist.ProcessGroup | None = None,
     tracer: Tracer | None = None,
+    pairwise: bool | None = None,
 ) -> nn.Module:
     """Apply a data-parallel strategy to `model` in place and return it.
 
@@ -31,6 +32,9 @@ def parallelize(
         `DDP(bucket_mb=25)`.
     group: the process group to train over; None is every rank (call `dataparallel.init()`).
     tracer: records when collectives start and finish (see `comm.Tracer`).
+    pairwise: build reduce-scatter and all-gather from point-to-point messages; None means
+        yes on gloo, where that costs half of gloo's own collectives, no on NCCL (see
+        `comm.Comm`; the sharded strategies use them, DDP's all-reduce is gloo's).
 
     Collective: every rank of the group must call it, with the same model.
     """
@@ -41,7 +45,7 @@ def parallelize(
     if not dist.is_initialized():
         raise RuntimeError("parallelize: no process group; call dataparallel.init() first")
     policy = resolve_policy(strategy)
-    instance = policy.apply(model, Comm(group, tracer))
+    instance = policy.apply(model, Comm(group, tracer, pairwise))
     object.__setattr__(model, _ATTR, instance)
     return model
 

@@ -16,6 +16,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import dataparallel as dp
+from dataparallel.comm import Comm
 
 from .harness import run_world
 from .models import OPTIMIZERS, batch, build, loss_fn, max_param_diff, reference_loss
@@ -24,18 +25,20 @@ STEPS = 10
 PER_RANK = 4
 TOL = 1e-5  # max |ours - reference| over every parameter element
 SMALL = {"bucket_mb": 0.02, "first_bucket_mb": 0.002}  # a few buckets: shards straddle params
-ZERO = ("zero1", "zero2", "zero1-rs", "zero2-rs", "zero1-ov", "zero2-ov")
+ZERO = ("zero1", "zero2", "zero1-ar", "zero2-gloo", "zero1-ov", "zero2-ov")
 
 
-def policies(reduce_scatter: bool = False, overlap: bool = False) -> dict:
+def policies(collectives: bool = False, overlap: bool = False) -> dict:
+    """Strategies by name: a policy, or (policy, keyword arguments for parallelize)."""
     out = {
         "ddp": dp.DDP(**SMALL),
-        "zero1": dp.ZeRO1(**SMALL),  # all_reduce, the gloo default
+        # reduce-scatter and all-gather from point-to-point messages, the gloo default
+        "zero1": dp.ZeRO1(**SMALL),
         "zero2": dp.ZeRO2(**SMALL),
     }
-    if reduce_scatter:
-        out["zero1-rs"] = dp.ZeRO1(grad_reduce="reduce_scatter", **SMALL)
-        out["zero2-rs"] = dp.ZeRO2(grad_reduce="reduce_scatter", **SMALL)
+    if collectives:  # the other ways to reduce and gather
+        out["zero1-ar"] = dp.ZeRO1(grad_reduce="all_reduce", **SMALL)
+        out["zero2-gloo"] = (dp.ZeRO2(**SMALL), {"pairwise": False})  # gloo's own collectives
     if overlap:  # the parameter all-gather overlapped with the next forward
         out["zero1-ov"] = dp.ZeRO1(overlap_param_gather=True, **SMALL)
         out["zero2-ov"] = dp.ZeRO2(overlap_param_gather=True, **SMALL)
@@ -62,8 +65,9 @@ class Run:
         self.ref_opt = self.cls(self._params(self.reference) or trainable, **self.kwargs)
         self.models, self.opts = {}, {}
         for name, policy in strategies.items():
+            policy, options = policy if isinstance(policy, tuple) else (policy, {})
             # ranks start different: the wrap broadcasts rank 0's weights
-            model = dp.parallelize(build(model_name, seed=seed + world.rank), policy)
+            model = dp.parallelize(build(model_name, seed=seed + world.rank), policy, **options)
             self.models[name] = model
             self.opts[name] = dp.build_optimizer(
                 model, self.cls, self._params(model), **self.kwargs
@@ -121,7 +125,7 @@ def parity(world) -> dict:
             if (model_name, opt_name) == ("branchy", "adamw") and world.world_size > 2:
                 continue  # not exact by design (see its test); once is enough
             strategies = policies(
-                reduce_scatter=model_name in ("odd", "branchy"),
+                collectives=model_name in ("odd", "branchy"),
                 overlap=model_name in ("tied", "odd"),
             )
             out[model_name, opt_name] = (
@@ -204,11 +208,12 @@ def mixed_precision(world) -> dict:
         "ddp": dp.DDP(),
         "zero1": dp.ZeRO1(**bf16),
         "zero2": dp.ZeRO2(**bf16),
-        "zero2-rs": dp.ZeRO2(grad_reduce="reduce_scatter", **bf16),
+        "zero2-ar": dp.ZeRO2(grad_reduce="all_reduce", **bf16),
+        "zero2-gloo": (dp.ZeRO2(**bf16), {"pairwise": False}),
         "zero2-ov": dp.ZeRO2(overlap_param_gather=True, **bf16),
     }
     run = Run(world, "transformer", "adamw", strategies, groups=True).steps(0, STEPS, 2, 1.0)
-    others = ("zero2", "zero2-rs", "zero2-ov")
+    others = ("zero2", "zero2-ar", "zero2-gloo", "zero2-ov")
     masters = {k: dp.full_state_dict(run.models[k]) for k in ("zero1", *others)}
     out["zero1_vs_zero2_masters"] = max(
         (masters["zero1"][k] - masters[other][k]).abs().max().item()
@@ -262,18 +267,30 @@ def against_torch_zero(world) -> dict:
 
 
 def behaviours(world) -> dict:
-    """ZeRO-2 keeps only its slice after backward and launches reductions during backward."""
+    """ZeRO-2 keeps only its slice after backward and launches reductions during backward,
+    with at most two buckets in flight and few full-size buckets alive at once."""
     out = {}
     tracer = dp.Tracer(enabled=True)
     model = dp.parallelize(
         build("transformer", 0), dp.ZeRO2(bucket_mb=0.01, first_bucket_mb=0.01), tracer=tracer
     )
     opt = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-3)
+    buckets = dp.strategy_of(model).reducer.buckets
+    alive = []  # full-size buckets holding a buffer, as each gradient arrives
+    for p in model.parameters():  # runs after the strategy's hook (registered first)
+        p.register_post_accumulate_grad_hook(
+            lambda _: alive.append(sum(b.buffer is not None for b in buckets))
+        )
     x, y = batch("transformer", 0, 4)
     loss_fn("transformer", model, x, y, 0, world.rank).backward()
     launch = tracer.first("bucket_launch", bucket=0).t_ns
     grads = [e.t_ns for e in tracer.events if e.name == "grad_ready"]
     out["first_launch_before_last_grad"] = launch < max(grads)
+    in_flight, out["most_in_flight"] = 0, 0
+    for event in tracer.events:
+        in_flight += {"bucket_launch": 1, "bucket_reduced": -1}.get(event.name, 0)
+        out["most_in_flight"] = max(out["most_in_flight"], in_flight)
+    out["buckets"], out["most_alive"] = len(buckets), max(alive)
     out["model_grads_none"] = all(p.grad is None for p in model.parameters())
     strategy = dp.strategy_of(model)
     out["grad_bytes"] = dp.memory_report(model, opt)["grads"]
@@ -468,6 +485,8 @@ def test_zero2_keeps_only_its_slice_and_overlaps(worlds):
     for rank_result in worlds[2]:
         out = rank_result["behaviours"]
         assert out["first_launch_before_last_grad"] and out["model_grads_none"], out
+        assert out["most_in_flight"] == 2 and out["buckets"] >= 6, out
+        assert out["most_alive"] <= 3, out
         assert out["grad_bytes"] == out["shard_bytes"], out
         assert out["optimizer_class"] == "AdamW"
 
@@ -510,5 +529,17 @@ def test_registered_for_the_cli():
     from dataparallel.strategies import POLICIES
 
     assert POLICIES["zero1"] is dp.ZeRO1 and POLICIES["zero2"] is dp.ZeRO2
-    assert dp.ZeRO2().collective_for("gloo") == "all_reduce"
-    assert dp.ZeRO2().collective_for("nccl") == "reduce_scatter"
+    assert dp.ZeRO2().collective_for(FakeComm("gloo", pairwise=True)) == "reduce_scatter"
+    assert dp.ZeRO2().collective_for(FakeComm("gloo", pairwise=False)) == "all_reduce"
+    assert dp.ZeRO2().collective_for(FakeComm("nccl", pairwise=False)) == "reduce_scatter"
+    forced = dp.ZeRO2(grad_reduce="all_reduce")
+    assert forced.collective_for(FakeComm("gloo", pairwise=True)) == "all_reduce"
+
+
+class FakeComm:
+    """What `collective_for` reads of a Comm: its backend and whether it is pairwise."""
+
+    def __init__(self, backend, pairwise):
+        self.backend, self.pairwise = backend, pairwise
+
+    sharded_reduce = Comm.sharded_reduce

@@ -89,8 +89,9 @@ class ZeRO3:
         ([Note: mixed precision]).
     reduce: how gradients are averaged: "reduce_scatter" (each rank receives its shard, the
         ZeRO collective, half the bytes), "all_reduce" (every rank receives everything and
-        keeps its shard), or "auto": all_reduce on gloo, whose reduce-scatter moved 0.45-0.85
-        GB/s where its all-reduce moved 1.6-2 GB/s on our CPUs, reduce_scatter elsewhere (NCCL).
+        keeps its shard), or "auto": reduce_scatter, from point-to-point messages on gloo
+        ([Note: pairwise collectives] in comm/pairwise.py); all_reduce on gloo when
+        `parallelize(..., pairwise=False)`, as gloo's own reduce-scatter is the slower there.
     """
 
     name: ClassVar[str] = "zero3"
@@ -147,7 +148,7 @@ class ZeRO3Strategy(Strategy):
         broadcast_model(model, comm)
         reduce = policy.reduce
         if reduce == "auto":
-            reduce = "all_reduce" if comm.backend == "gloo" else "reduce_scatter"
+            reduce = comm.sharded_reduce
         self.reduce = reduce
         plans = plan_units(model, policy.wrap)
         self.units = [

@@ -18,7 +18,11 @@ so optimizers skip them just as they would in single-process training.
 Sharded strategies extend the reducer without branching it: `on_bucket_reduced(bucket)` is
 called on the training thread for each bucket once its reduction has arrived, in launch order
 (during backward for those already done, the rest at the end), and `on_round_end(unused)` after
-each synchronised round with the positions of the parameters no rank used.
+each synchronised round with the positions of the parameters no rank used. With
+`max_in_flight=k`, launching a bucket first collects (waiting if need be) the oldest ones until
+at most k are uncollected: a bound on the full-size buckets alive at once (ZeRO-2's memory)
+that holds even when the backend reports completion only when waited for ([Note: pairwise
+collectives] in comm/pairwise.py).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class GradientReducer:
         lazy_buffers: bool = False,
         on_bucket_reduced: Callable[[Bucket], None] | None = None,
         on_round_end: Callable[[list[int]], None] | None = None,
+        max_in_flight: int | None = None,
     ):
         self.params = params
         self.comm = comm
@@ -55,6 +60,7 @@ class GradientReducer:
         self.hook_state = hook_state
         self.on_bucket_reduced = on_bucket_reduced
         self.on_round_end = on_round_end
+        self.max_in_flight = max_in_flight
         divisor = comm.world_size if mean else 1
         self.buckets = [
             Bucket(s, [params[i] for i in s.param_indices], lazy=lazy_buffers, divisor=divisor)
@@ -115,7 +121,10 @@ class GradientReducer:
         while self.next_launch < len(self.buckets):
             bucket = self.buckets[self.next_launch]
             if bucket.pending:
-                return
+                break
+            if self.max_in_flight is not None:
+                while self.next_launch - self.next_collect >= self.max_in_flight:
+                    self._collect(self.buckets[self.next_collect])
             self.comm.tracer.mark("bucket_launch", bucket=bucket.index)
             bucket.launch(self.hook, self.hook_state)
             self.next_launch += 1
@@ -131,6 +140,7 @@ class GradientReducer:
 
     def _collect(self, bucket: Bucket) -> None:
         bucket.wait()
+        self.comm.tracer.mark("bucket_reduced", bucket=bucket.index)
         self.next_collect += 1
         if self.on_bucket_reduced is not None:
             self.on_bucket_reduced(bucket)

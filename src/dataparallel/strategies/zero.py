@@ -70,8 +70,9 @@ class ZeROPolicy:
     grad_reduce: how a bucket's gradients reach the rank that owns each slice:
         "reduce_scatter" sends each rank only its slice (half an all-reduce's traffic in a
         ring); "all_reduce" reduces the whole bucket everywhere and each rank keeps its slice;
-        "auto" is all_reduce on gloo, where reduce_scatter took 2-4x as long as all_reduce on
-        the same buffer in our measurements (docs/zero.md), and reduce_scatter elsewhere (NCCL).
+        "auto" is reduce_scatter, built from point-to-point messages on gloo, where gloo's own
+        took longer than its all_reduce (`parallelize(..., pairwise=False)` gives that back,
+        and "auto" then means all_reduce; docs/zero.md has the numbers).
         The gradient memory is the same either way.
     broadcast_buffers: broadcast buffers from rank 0 at each training forward (as DDP).
     overlap_param_gather: True: `step()` only launches the parameter all-gathers, and each
@@ -108,11 +109,9 @@ class ZeROPolicy:
                 "or 'all_reduce'"
             )
 
-    def collective_for(self, backend: str) -> str:
-        """The gradient collective `grad_reduce` means on `backend`."""
-        if self.grad_reduce != "auto":
-            return self.grad_reduce
-        return "all_reduce" if backend == "gloo" else "reduce_scatter"
+    def collective_for(self, comm: Comm) -> str:
+        """The gradient collective `grad_reduce` means on `comm`."""
+        return comm.sharded_reduce if self.grad_reduce == "auto" else self.grad_reduce
 
     def apply(self, model: nn.Module, comm: Comm) -> ZeROStrategy:
         return ZeROStrategy(model, comm, self)
@@ -152,7 +151,7 @@ class ZeROStrategy(Strategy):
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         wants_master = policy.param_dtype not in (None, MASTER_DTYPE)
         self.master_dtype = MASTER_DTYPE if wants_master else None
-        collective = policy.collective_for(comm.backend)
+        collective = policy.collective_for(comm)
         self.hook = allreduce_hook if collective == "all_reduce" else reduce_scatter_hook
         self.optimizer: torch.optim.Optimizer | None = None
         self.sharded_step: ShardedStep | None = None
@@ -203,6 +202,8 @@ class ZeROStrategy(Strategy):
             self.hook,
             HookState(self.comm),
             lazy_buffers=self.policy.stage == 2,
+            # ZeRO-2: at most two full buckets in reduction at once ([Note: lazy buckets])
+            max_in_flight=2 if self.policy.stage == 2 else None,
             on_bucket_reduced=self._on_bucket_reduced,
             on_round_end=self._on_round_end,
         )

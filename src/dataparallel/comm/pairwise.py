@@ -1,0 +1,94 @@
+"""Reduce-scatter and all-gather as pairwise exchanges of point-to-point messages.
+
+[Note: pairwise collectives] On gloo (CPU) a reduce-scatter or an all-gather can be built from
+`torch.distributed.isend`/`irecv`: every rank sends each peer the chunk that peer owns (or, for
+an all-gather, its own chunk) and receives one from each peer, all posted at once. That moves
+(N-1)/N of the buffer in and out of each rank, the bytes of a ring, and gloo sends each message
+straight from the tensor on its I/O thread. On our 2-core machine it cost about half of gloo's
+own collectives on the same 13 MB (`benchmarks/bench_collective.py`, 2 ranks, CPU per rank):
+reduce-scatter 4.8 ms against 10.4 for gloo's `reduce_scatter` (and 8.9 for an `all_reduce`),
+all-gather 4.1 ms against 7.8. An all-reduce built the same way (reduce-scatter, then
+all-gather) measured within noise of gloo's, so all-reduce stays gloo's own.
+
+Matching: gloo pairs a send with the receive of the same (peer, tag). Every rank issues
+collectives in the same order (the rule all collectives follow) and each exchange takes the
+next tag of its `Comm`, so the n-th exchange of one rank meets the n-th of every other, even
+with several in flight.
+
+Completion: gloo marks a point-to-point message complete only when it is waited for, so
+`is_completed()` is False until `wait()` (code that polls must also bound what it leaves in
+flight; see the reducer's `max_in_flight`). The reduce-scatter's sum, this rank's chunk plus
+the others' in rank order, is done by `wait()` on the calling thread; its receive buffer
+((N-1)/N of the input) lives until then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+class PairwiseWork:
+    """Messages in flight and what to do once all have arrived, behind `Work`'s two calls."""
+
+    def __init__(self, works: list, finish: Callable[[], None] | None = None):
+        self.works = works
+        self.finish = finish
+        self.completed = False
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def wait(self) -> bool:
+        if not self.completed:
+            for work in self.works:
+                work.wait()
+            self.works = []
+            if self.finish is not None:
+                self.finish()
+            self.completed = True
+        return True
+
+
+def _exchange(group, rank: int, world_size: int, tag: int, sends, recvs) -> list:
+    """Post a send to and a receive from every peer: sends[p] goes to rank p, recvs[p] comes
+    from it."""
+    works = []
+    for step in range(1, world_size):
+        # Peers in rotated order (rank+1, rank+2, ...), so that not every rank starts with 0.
+        peer = (rank + step) % world_size
+        works.append(dist.isend(sends[peer], group=group, group_dst=peer, tag=tag))
+        source = (rank - step) % world_size
+        works.append(dist.irecv(recvs[source], group=group, group_src=source, tag=tag))
+    return works
+
+
+def all_gather(output, input, group, rank: int, world_size: int, tag: int) -> PairwiseWork:
+    """Every rank's `input` into its chunk of `output` (world_size * input.numel() elements)."""
+    chunks = output.view(-1).chunk(world_size)
+    if chunks[rank].data_ptr() != input.data_ptr():
+        chunks[rank].copy_(input.view(-1))
+    sends = [input.view(-1)] * world_size
+    return PairwiseWork(_exchange(group, rank, world_size, tag, sends, chunks))
+
+
+def reduce_scatter(output, input, group, rank: int, world_size: int, tag: int) -> PairwiseWork:
+    """The sum across ranks of this rank's chunk of `input` (world_size equal chunks), into
+    `output`, which may be that chunk itself (in place). The other chunks must stay untouched
+    until `wait()`, which adds what arrived."""
+    chunks = input.view(-1).chunk(world_size)
+    others = [p for p in range(world_size) if p != rank]
+    scratch = torch.empty(len(others), output.numel(), dtype=output.dtype, device=output.device)
+    arrived = dict(zip(others, scratch, strict=True))
+    works = _exchange(group, rank, world_size, tag, chunks, arrived)
+    target = output.view(-1)
+
+    def finish():
+        source = chunks[rank]
+        for p in others:
+            torch.add(source, arrived[p], out=target)
+            source = target
+
+    return PairwiseWork(works, finish)
