@@ -55,12 +55,19 @@ def pairwise_against_gloo(world) -> dict:
                 }
             )
     out["tags"] = ours._tag
-    # Bad sizes are refused before anything is sent.
-    try:
-        ours.reduce_scatter(torch.empty(3), torch.empty(3 * n + 1))
-    except ValueError as exc:
-        out["bad_size"] = str(exc)
-    out["sharded_reduce"] = (ours.sharded_reduce, gloo.sharded_reduce)
+    # Bad sizes and dtypes are refused before anything is sent.
+    out["refused"] = []
+    for shard, full in (
+        (torch.empty(3), torch.empty(3 * n + 1)),
+        (torch.empty(3), torch.empty(3 * n, dtype=torch.float64)),
+    ):
+        for call in (ours.reduce_scatter, lambda s, f: ours.all_gather(f, s)):
+            try:
+                call(shard, full)
+            except ValueError as exc:
+                out["refused"].append(str(exc))
+    cpu = torch.device("cpu")
+    out["sharded_reduce"] = (ours.sharded_reduce(cpu), gloo.sharded_reduce(cpu))
     return out
 
 
@@ -88,7 +95,7 @@ def test_pairwise_collectives_equal_gloo_s(worlds, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_rank_takes_the_same_tags(worlds, world_size):
     tags = [out["tags"] for out in worlds[world_size]]
-    assert tags == [3 * 3 * len(SIZES)] * world_size
+    assert tags == [3 * 3 * len(SIZES)] * world_size  # one per exchange, the same everywhere
 
 
 def test_completion_is_known_only_once_waited_for(worlds):
@@ -96,7 +103,15 @@ def test_completion_is_known_only_once_waited_for(worlds):
     assert not any(any(out["completed_before_wait"]) for out in worlds[2])
 
 
-def test_bad_sizes_name_the_world_size(worlds):
+def test_bad_sizes_and_dtypes_are_refused_in_one_line(worlds):
     for out in worlds[2]:
-        assert "do not differ by the world size 2" in out["bad_size"], out
-        assert out["sharded_reduce"] == ("reduce_scatter", "all_reduce")
+        assert len(out["refused"]) == 4, out["refused"]
+        for message in out["refused"]:
+            assert "\n" not in message and "must hold world size 2 x the shard" in message
+        assert out["refused"][0].startswith("Comm.reduce_scatter: the full tensor (7 x")
+        assert out["refused"][1].startswith("Comm.all_gather:")
+        assert "torch.float64" in out["refused"][2]
+
+
+def test_auto_reduces_by_scatter_when_pairwise(worlds):
+    assert worlds[2][0]["sharded_reduce"] == ("reduce_scatter", "all_reduce")

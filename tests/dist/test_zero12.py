@@ -529,11 +529,13 @@ def test_registered_for_the_cli():
     from dataparallel.strategies import POLICIES
 
     assert POLICIES["zero1"] is dp.ZeRO1 and POLICIES["zero2"] is dp.ZeRO2
-    assert dp.ZeRO2().collective_for(FakeComm("gloo", pairwise=True)) == "reduce_scatter"
-    assert dp.ZeRO2().collective_for(FakeComm("gloo", pairwise=False)) == "all_reduce"
-    assert dp.ZeRO2().collective_for(FakeComm("nccl", pairwise=False)) == "reduce_scatter"
-    forced = dp.ZeRO2(grad_reduce="all_reduce")
-    assert forced.collective_for(FakeComm("gloo", pairwise=True)) == "all_reduce"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    auto, forced = dp.ZeRO2(), dp.ZeRO2(grad_reduce="all_reduce")
+    assert auto.collective_for(FakeComm("gloo", pairwise=True), cpu) == "reduce_scatter"
+    assert auto.collective_for(FakeComm("gloo", pairwise=True), cuda) == "all_reduce"
+    assert auto.collective_for(FakeComm("gloo", pairwise=False), cpu) == "all_reduce"
+    assert auto.collective_for(FakeComm("nccl", pairwise=False), cuda) == "reduce_scatter"
+    assert forced.collective_for(FakeComm("gloo", pairwise=True), cpu) == "all_reduce"
 
 
 class FakeComm:

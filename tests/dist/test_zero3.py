@@ -31,14 +31,17 @@ def max_diff(state: dict, other: dict) -> float:
     return max((state[k].float() - other[k].float()).abs().max().item() for k in other)
 
 
-def train_case(world, model_name, opt_name, policy, accum=1, clip=None, autocast=False):
+def train_case(
+    world, model_name, opt_name, policy, accum=1, clip=None, autocast=False, pairwise=None
+):
     """Train ZeRO-3, our DDP and one process on the global batch side by side.
 
     Returns max |zero3 - reference| and max |zero3 - ddp| over all weights after STEPS steps.
     """
     rank, n = world.rank, world.world_size
     cls, kwargs = OPTIMIZERS[opt_name]
-    ours = dp.parallelize(build(model_name, seed=100 + rank), policy)  # rank 0's weights win
+    # rank 0's weights win
+    ours = dp.parallelize(build(model_name, seed=100 + rank), policy, pairwise=pairwise)
     ddp = dp.parallelize(build(model_name, seed=100 + rank), dp.DDP())
     reference = build(model_name, seed=100)
     runs = [(m, dp.build_optimizer(m, cls, **kwargs)) for m in (ours, ddp)]
@@ -84,11 +87,13 @@ def parity_grid(world) -> dict:
     variants = {
         # the tied weight is reached from the tok_emb unit and the root: it goes to the root
         "tied, embedding unit": ("tied", dp.ZeRO3(wrap=(nn.Embedding, Block)), {}),
-        "reduce_scatter, no prefetch, no reshard": (
+        "all_reduce, no prefetch, no reshard": (
             "transformer",
-            dp.ZeRO3(reduce="reduce_scatter", prefetch=False, reshard_after_forward=False),
+            dp.ZeRO3(reduce="all_reduce", prefetch=False, reshard_after_forward=False),
             {},
         ),
+        # gloo's own all-gather, and all-reduce for the gradients ("auto" without pairwise)
+        "gloo's collectives": ("transformer", dp.ZeRO3(), {"pairwise": False}),
         "no_sync x3": ("transformer", dp.ZeRO3(), {"accum": 3}),
         "clip 0.05": ("transformer", dp.ZeRO3(), {"clip": 0.05}),
         "unused params": ("branchy", dp.ZeRO3(), {}),

@@ -113,47 +113,50 @@ class Comm:
     ):
         """Sum `input` (world_size * output.numel() elements) across ranks; keep this rank's part."""
         self._count("reduce_scatter", input)
-        if self._pairwise_for(output, input) and op == dist.ReduceOp.SUM:
-            args = (output, input, self.group, self.rank, self.world_size, self._next_tag())
-            return _finish_unless(async_op, pairwise.reduce_scatter(*args))
+        if self._pairwise_for("reduce_scatter", output, input) and op == dist.ReduceOp.SUM:
+            args = (output, input, self.group, self.rank, self.world_size, self._next_tag(0))
+            return _wait_unless_async(async_op, pairwise.reduce_scatter(*args))
         return _reduce_scatter(output, input, op=op, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `input` into `output` (world_size * input.numel() elements)."""
         self._count("all_gather", input)
-        if self._pairwise_for(output, input):
-            args = (output, input, self.group, self.rank, self.world_size, self._next_tag())
-            return _finish_unless(async_op, pairwise.all_gather(*args))
+        if self._pairwise_for("all_gather", input, output):
+            args = (output, input, self.group, self.rank, self.world_size, self._next_tag(1))
+            return _wait_unless_async(async_op, pairwise.all_gather(*args))
         return _all_gather(output, input, group=self.group, async_op=async_op)
 
-    @property
-    def sharded_reduce(self) -> str:
-        """The cheaper way here to give each rank its slice of summed gradients ("auto").
+    def sharded_reduce(self, device: torch.device) -> str:
+        """The cheaper way here to give each rank its slice of summed gradients on `device`
+        (what "auto" means for the sharded strategies).
 
         "reduce_scatter" (half an all-reduce's bytes) on NCCL and with pairwise collectives;
-        "all_reduce" on gloo without them, where gloo's own reduce-scatter took longer than
-        its all-reduce of the same buffer (10.4 against 8.9 ms of CPU on 13 MB, 2 ranks).
+        "all_reduce" on gloo without them (or for CUDA tensors), where gloo's own
+        reduce-scatter took longer than its all-reduce of the same buffer (10.4 against 8.9 ms
+        of CPU on 13 MB, 2 ranks).
         """
-        if self.backend == "gloo" and not self.pairwise:
+        if self.backend == "gloo" and not (self.pairwise and device.type == "cpu"):
             return "all_reduce"
         return "reduce_scatter"
 
-    def _pairwise_for(self, output: torch.Tensor, input: torch.Tensor) -> bool:
+    def _pairwise_for(self, op: str, shard: torch.Tensor, full: torch.Tensor) -> bool:
+        """Whether `op` runs pairwise; first refuses a shard and full tensor that do not fit."""
         if not self.pairwise or self.world_size == 1:
             return False
-        if output.numel() * self.world_size != input.numel() and (
-            input.numel() * self.world_size != output.numel()
-        ):
+        if shard.numel() * self.world_size != full.numel() or shard.dtype != full.dtype:
             raise ValueError(
-                f"Comm: sizes {input.numel()} and {output.numel()} do not differ by the world "
-                f"size {self.world_size}"
+                f"Comm.{op}: the full tensor ({full.numel()} x {full.dtype}) must hold world "
+                f"size {self.world_size} x the shard ({shard.numel()} x {shard.dtype}); pass "
+                "tensors of one dtype whose sizes differ by the world size"
             )
-        cpu = output.device.type == "cpu" and input.device.type == "cpu"
-        return cpu and output.is_contiguous() and input.is_contiguous()
+        cpu = shard.device.type == "cpu" and full.device.type == "cpu"
+        return cpu and shard.is_contiguous() and full.is_contiguous()
 
-    def _next_tag(self) -> int:
-        self._tag = self._tag % (1 << 24) + 1
-        return self._tag
+    def _next_tag(self, kind: int) -> int:
+        """The next exchange's tag: a count, and the kind (0 reduce-scatter, 1 all-gather), so
+        that a reduce-scatter never meets an all-gather ([Note: pairwise collectives])."""
+        self._tag = self._tag % (1 << 23) + 1
+        return self._tag << 1 | kind
 
     def all_gather_object(self, obj) -> list:
         out: list = [None] * self.world_size
@@ -182,7 +185,7 @@ class Comm:
         self.calls.clear()
 
 
-def _finish_unless(async_op: bool, work: pairwise.PairwiseWork):
+def _wait_unless_async(async_op: bool, work: pairwise.PairwiseWork):
     if async_op:
         return work
     work.wait()

@@ -10,10 +10,15 @@ reduce-scatter 4.8 ms against 10.4 for gloo's `reduce_scatter` (and 8.9 for an `
 all-gather 4.1 ms against 7.8. An all-reduce built the same way (reduce-scatter, then
 all-gather) measured within noise of gloo's, so all-reduce stays gloo's own.
 
-Matching: gloo pairs a send with the receive of the same (peer, tag). Every rank issues
-collectives in the same order (the rule all collectives follow) and each exchange takes the
-next tag of its `Comm`, so the n-th exchange of one rank meets the n-th of every other, even
-with several in flight.
+Matching: gloo pairs a send with the receive of the same (peer, tag), and between one pair of
+ranks, messages of one tag in the order they were posted. Every rank issues collectives in the
+same order (the rule all collectives follow) and each exchange takes the next tag of its
+`Comm` (a count, with the kind in the lowest bit), so the n-th exchange of one rank meets the
+n-th of every other, even with several in flight. Two Comms on one group (two parallelized
+models) reuse tags; the order rule and gloo's posting order still pair them right. gloo's own
+collectives tag their messages from 2**56 up, so they never meet ours. What breaks the order
+rule (ranks gathering units in different orders) hangs with gloo's own collectives; with ours
+an exchange could meet one of the same kind and size, so the rule matters more here.
 
 Completion: gloo marks a point-to-point message complete only when it is waited for, so
 `is_completed()` is False until `wait()` (code that polls must also bound what it leaves in
@@ -45,9 +50,9 @@ class PairwiseWork:
         if not self.completed:
             for work in self.works:
                 work.wait()
-            self.works = []
-            if self.finish is not None:
-                self.finish()
+            finish, self.works, self.finish = self.finish, [], None  # drops the scratch too
+            if finish is not None:
+                finish()
             self.completed = True
         return True
 
@@ -58,10 +63,13 @@ def _exchange(group, rank: int, world_size: int, tag: int, sends, recvs) -> list
     works = []
     for step in range(1, world_size):
         # Peers in rotated order (rank+1, rank+2, ...), so that not every rank starts with 0.
+        # Global ranks, not group_dst/group_src, which torch before 2.6 does not take.
         peer = (rank + step) % world_size
-        works.append(dist.isend(sends[peer], group=group, group_dst=peer, tag=tag))
+        dst = dist.get_global_rank(group, peer)
+        works.append(dist.isend(sends[peer], dst=dst, group=group, tag=tag))
         source = (rank - step) % world_size
-        works.append(dist.irecv(recvs[source], group=group, group_src=source, tag=tag))
+        src = dist.get_global_rank(group, source)
+        works.append(dist.irecv(recvs[source], src=src, group=group, tag=tag))
     return works
 
 

@@ -148,7 +148,8 @@ class ZeRO3Strategy(Strategy):
         broadcast_model(model, comm)
         reduce = policy.reduce
         if reduce == "auto":
-            reduce = comm.sharded_reduce
+            first = next(model.parameters(), None)
+            reduce = comm.sharded_reduce(first.device if first is not None else comm.device)
         self.reduce = reduce
         plans = plan_units(model, policy.wrap)
         self.units = [

@@ -240,12 +240,11 @@ class FlatUnit:
             if self.compute_dtype != self.dtype:
                 flat.div_(n)  # low precision: average before summing, so the sum cannot overflow
             self.comm.tracer.mark("reduce_start", unit=self.index, kind=self.reduce_kind)
+            out = flat[rank * size : (rank + 1) * size]  # this rank's part, reduced in place
             if self.reduce_kind == "reduce_scatter":
-                out = torch.empty(size, dtype=flat.dtype, device=flat.device)
                 work = self.comm.reduce_scatter(out, flat, async_op=True)
             else:
                 work = self.comm.all_reduce(flat, async_op=True)
-                out = flat[rank * size : (rank + 1) * size]
         else:
             out = flat
         self._reduce = (work, flat, out)

@@ -20,9 +20,11 @@ called on the training thread for each bucket once its reduction has arrived, in
 (during backward for those already done, the rest at the end), and `on_round_end(unused)` after
 each synchronised round with the positions of the parameters no rank used. With
 `max_in_flight=k`, launching a bucket first collects (waiting if need be) the oldest ones until
-at most k are uncollected: a bound on the full-size buckets alive at once (ZeRO-2's memory)
-that holds even when the backend reports completion only when waited for ([Note: pairwise
-collectives] in comm/pairwise.py).
+at most k are uncollected, also for the buckets launched late at the end of backward: it
+bounds the reductions in flight, and the memory they hold (ZeRO-2's full-size buckets, a
+pairwise reduce-scatter's receive buffer), even when the backend reports completion only when
+waited for ([Note: pairwise collectives] in comm/pairwise.py). Buckets still filling are not
+counted: a parameter one rank never uses keeps its bucket and all later ones filling to the end.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class GradientReducer:
         self.hook_state = hook_state
         self.on_bucket_reduced = on_bucket_reduced
         self.on_round_end = on_round_end
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError(f"GradientReducer: max_in_flight={max_in_flight} must be >= 1 or None")
         self.max_in_flight = max_in_flight
         divisor = comm.world_size if mean else 1
         self.buckets = [
@@ -122,14 +126,18 @@ class GradientReducer:
             bucket = self.buckets[self.next_launch]
             if bucket.pending:
                 break
-            if self.max_in_flight is not None:
-                while self.next_launch - self.next_collect >= self.max_in_flight:
-                    self._collect(self.buckets[self.next_collect])
-            self.comm.tracer.mark("bucket_launch", bucket=bucket.index)
-            bucket.launch(self.hook, self.hook_state)
-            self.next_launch += 1
+            self._launch(bucket)
         if self.on_bucket_reduced is not None:
             self._collect_arrived()
+
+    def _launch(self, bucket: Bucket, late: bool = False) -> None:
+        """Start the bucket's reduction, first collecting the oldest while too many are out."""
+        if self.max_in_flight is not None:
+            while self.next_launch - self.next_collect >= self.max_in_flight:
+                self._collect(self.buckets[self.next_collect])
+        self.comm.tracer.mark("bucket_launch", bucket=bucket.index, late=late)
+        bucket.launch(self.hook, self.hook_state)
+        self.next_launch += 1
 
     def _collect_arrived(self) -> None:
         """Hand over, in order, the buckets whose reduction has already arrived."""
@@ -148,8 +156,7 @@ class GradientReducer:
     def _finish(self) -> None:
         self.comm.tracer.mark("backward_end")
         for bucket in self.buckets[self.next_launch :]:
-            self.comm.tracer.mark("bucket_launch", bucket=bucket.index, late=True)
-            bucket.launch(self.hook, self.hook_state)
+            self._launch(bucket, late=True)
         used = torch.tensor(list(self.used), dtype=torch.int32, device=self.comm.device)
         used_work = None
         if self.comm.world_size > 1:

@@ -53,6 +53,9 @@ from .sharded_optimizer import (
 
 MB = 1024 * 1024
 MASTER_DTYPE = torch.float32
+# Bucket reductions in flight at once in backward: bounds ZeRO-2's full-size buckets and the
+# receive buffers of pairwise reduce-scatters (`max_in_flight` in reducer.py).
+MAX_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,13 +70,10 @@ class ZeROPolicy:
         updates this rank's slice of the parameters in place); torch.bfloat16 is the ZeRO
         paper's mixed precision: bf16 parameters and gradients for compute and communication,
         fp32 master slices and optimizer state in the shards.
-    grad_reduce: how a bucket's gradients reach the rank that owns each slice:
-        "reduce_scatter" sends each rank only its slice (half an all-reduce's traffic in a
-        ring); "all_reduce" reduces the whole bucket everywhere and each rank keeps its slice;
-        "auto" is reduce_scatter, built from point-to-point messages on gloo, where gloo's own
-        took longer than its all_reduce (`parallelize(..., pairwise=False)` gives that back,
-        and "auto" then means all_reduce; docs/zero.md has the numbers).
-        The gradient memory is the same either way.
+    grad_reduce: "reduce_scatter" sends each rank only its slice of a bucket (half an
+        all-reduce's bytes); "all_reduce" reduces the whole bucket everywhere, each rank keeps
+        its slice; "auto": reduce_scatter, pairwise on gloo (docs/zero.md), or all_reduce
+        under `parallelize(..., pairwise=False)`, gloo's own reduce-scatter being the slower.
     broadcast_buffers: broadcast buffers from rank 0 at each training forward (as DDP).
     overlap_param_gather: True: `step()` only launches the parameter all-gathers, and each
         module's forward waits for the buckets it reads; code that reads or writes parameters
@@ -109,9 +109,9 @@ class ZeROPolicy:
                 "or 'all_reduce'"
             )
 
-    def collective_for(self, comm: Comm) -> str:
-        """The gradient collective `grad_reduce` means on `comm`."""
-        return comm.sharded_reduce if self.grad_reduce == "auto" else self.grad_reduce
+    def collective_for(self, comm: Comm, device: torch.device) -> str:
+        """The gradient collective `grad_reduce` means on `comm`, for gradients on `device`."""
+        return comm.sharded_reduce(device) if self.grad_reduce == "auto" else self.grad_reduce
 
     def apply(self, model: nn.Module, comm: Comm) -> ZeROStrategy:
         return ZeROStrategy(model, comm, self)
@@ -151,7 +151,8 @@ class ZeROStrategy(Strategy):
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         wants_master = policy.param_dtype not in (None, MASTER_DTYPE)
         self.master_dtype = MASTER_DTYPE if wants_master else None
-        collective = policy.collective_for(comm)
+        device = self.trainable[0].device if self.trainable else comm.device
+        collective = policy.collective_for(comm, device)
         self.hook = allreduce_hook if collective == "all_reduce" else reduce_scatter_hook
         self.optimizer: torch.optim.Optimizer | None = None
         self.sharded_step: ShardedStep | None = None
@@ -202,8 +203,7 @@ class ZeROStrategy(Strategy):
             self.hook,
             HookState(self.comm),
             lazy_buffers=self.policy.stage == 2,
-            # ZeRO-2: at most two full buckets in reduction at once ([Note: lazy buckets])
-            max_in_flight=2 if self.policy.stage == 2 else None,
+            max_in_flight=MAX_IN_FLIGHT,
             on_bucket_reduced=self._on_bucket_reduced,
             on_round_end=self._on_round_end,
         )
