@@ -50,6 +50,11 @@ def test_calls_on_a_model_that_was_not_parallelized():
         dp.no_sync(nn.Linear(2, 2))
 
 
+def test_pairwise_must_be_a_bool_or_none():
+    with pytest.raises(TypeError, match=r"parallelize: pairwise='yes' must be True, False"):
+        dp.parallelize(nn.Linear(2, 2), "zero1", pairwise="yes")
+
+
 def test_parallelize_twice_is_refused():
     model = dp.parallelize(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="already parallelized"):
