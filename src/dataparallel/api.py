@@ -40,7 +40,7 @@ def parallelize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be an nn.Module, got {type(model).__name__}")
-    if pairwise not in (None, True, False):
+    if pairwise is not None and not isinstance(pairwise, bool):
         raise TypeError(f"parallelize: pairwise={pairwise!r} must be True, False or None (auto)")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("parallelize: this model is already parallelized; wrap it only once")

@@ -66,6 +66,17 @@ def pairwise_against_gloo(world) -> dict:
                 call(shard, full)
             except ValueError as exc:
                 out["refused"].append(str(exc))
+    # On a group that is not the world (ranks 0 and 2 of 3), group ranks differ from global.
+    if n == 3:
+        pair = torch.distributed.new_group([0, 2])
+        if rank != 1:
+            sub = Comm(pair, pairwise=True)
+            full = torch.empty(4)
+            sub.all_gather(full, torch.full((2,), float(rank)))
+            x = torch.arange(4.0) + rank
+            mine = torch.empty(2)
+            sub.reduce_scatter(mine, x)
+            out["subgroup"] = (full.tolist(), mine.tolist(), sub._global_ranks())
     cpu = torch.device("cpu")
     out["sharded_reduce"] = (ours.sharded_reduce(cpu), gloo.sharded_reduce(cpu))
     return out
@@ -111,6 +122,12 @@ def test_bad_sizes_and_dtypes_are_refused_in_one_line(worlds):
         assert out["refused"][0].startswith("Comm.reduce_scatter: the full tensor (7 x")
         assert out["refused"][1].startswith("Comm.all_gather:")
         assert "torch.float64" in out["refused"][2]
+
+
+def test_a_subgroup_maps_its_ranks_to_global_ones(worlds):
+    zero, _, two = worlds[3]
+    assert zero["subgroup"] == ([0.0, 0.0, 2.0, 2.0], [2.0, 4.0], [0, 2])  # 0+2, 1+3
+    assert two["subgroup"] == ([0.0, 0.0, 2.0, 2.0], [6.0, 8.0], [0, 2])  # 2+4, 3+5
 
 
 def test_auto_reduces_by_scatter_when_pairwise(worlds):

@@ -266,6 +266,28 @@ def against_torch_zero(world) -> dict:
     return out
 
 
+def most_in_flight(events) -> int:
+    """The most bucket reductions launched and not yet collected, over a trace."""
+    in_flight, most = 0, 0
+    for event in events:
+        in_flight += {"bucket_launch": 1, "bucket_reduced": -1}.get(event.name, 0)
+        most = max(most, in_flight)
+    return most
+
+
+class Skips(nn.Module):
+    """Six layers in a row and one, registered last, that the forward never calls."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*(nn.Linear(8, 8) for _ in range(6)))
+        self.skipped = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.layers(x)
+
+
 def behaviours(world) -> dict:
     """ZeRO-2 keeps only its slice after backward and launches reductions during backward,
     with at most two buckets in flight and few full-size buckets alive at once."""
@@ -286,16 +308,23 @@ def behaviours(world) -> dict:
     launch = tracer.first("bucket_launch", bucket=0).t_ns
     grads = [e.t_ns for e in tracer.events if e.name == "grad_ready"]
     out["first_launch_before_last_grad"] = launch < max(grads)
-    in_flight, out["most_in_flight"] = 0, 0
-    for event in tracer.events:
-        in_flight += {"bucket_launch": 1, "bucket_reduced": -1}.get(event.name, 0)
-        out["most_in_flight"] = max(out["most_in_flight"], in_flight)
+    out["most_in_flight"] = most_in_flight(tracer.events)
     out["buckets"], out["most_alive"] = len(buckets), max(alive)
     out["model_grads_none"] = all(p.grad is None for p in model.parameters())
     strategy = dp.strategy_of(model)
     out["grad_bytes"] = dp.memory_report(model, opt)["grads"]
     out["shard_bytes"] = sum(s.own.numel() * 4 for s in strategy.shards)
     out["optimizer_class"] = type(opt).__mro__[1].__name__
+    # ZeRO-1, with the first bucket to launch never filling (a module the forward skips): every
+    # bucket launches late, at the end of backward, and still at most two are in flight.
+    tracer = dp.Tracer(enabled=True)
+    skips = dp.parallelize(
+        Skips(), dp.ZeRO1(bucket_mb=0.0002, first_bucket_mb=0.0002), tracer=tracer
+    )
+    dp.build_optimizer(skips, torch.optim.SGD, lr=0.1)
+    skips(torch.randn(4, 8)).sum().backward()
+    out["late"] = sum(1 for e in tracer.events if e.name == "bucket_launch" and e.args["late"])
+    out["late_most_in_flight"] = most_in_flight(tracer.events)
     return out
 
 
@@ -487,6 +516,7 @@ def test_zero2_keeps_only_its_slice_and_overlaps(worlds):
         assert out["first_launch_before_last_grad"] and out["model_grads_none"], out
         assert out["most_in_flight"] == 2 and out["buckets"] >= 6, out
         assert out["most_alive"] <= 3, out
+        assert out["late"] >= 6 and out["late_most_in_flight"] == 2, out
         assert out["grad_bytes"] == out["shard_bytes"], out
         assert out["optimizer_class"] == "AdamW"
 

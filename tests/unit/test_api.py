@@ -55,6 +55,15 @@ def test_pairwise_must_be_a_bool_or_none():
         dp.parallelize(nn.Linear(2, 2), "zero1", pairwise="yes")
 
 
+def test_the_reducer_needs_room_for_one_reduction_in_flight():
+    from dataparallel.comm import Comm, HookState, allreduce_hook
+    from dataparallel.strategies.reducer import GradientReducer
+
+    comm = Comm()
+    with pytest.raises(ValueError, match="max_in_flight=0 must be >= 1 or None"):
+        GradientReducer([], [], comm, allreduce_hook, HookState(comm), max_in_flight=0)
+
+
 def test_parallelize_twice_is_refused():
     model = dp.parallelize(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="already parallelized"):

@@ -91,7 +91,8 @@ class Comm:
         )
         self.tracer = tracer if tracer is not None else Tracer()
         self.pairwise = self.backend == "gloo" if pairwise is None else pairwise
-        self._tag = 0  # the last point-to-point tag taken ([Note: pairwise collectives])
+        self._tag = 0  # exchanges so far, for the next tag ([Note: pairwise collectives])
+        self._ranks: list[int] | None = None  # group rank -> global rank, for isend/irecv
         self.bytes_sent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
 
@@ -114,7 +115,7 @@ class Comm:
         """Sum `input` (world_size * output.numel() elements) across ranks; keep this rank's part."""
         self._count("reduce_scatter", input)
         if self._pairwise_for("reduce_scatter", output, input) and op == dist.ReduceOp.SUM:
-            args = (output, input, self.group, self.rank, self.world_size, self._next_tag(0))
+            args = (output, input, self.group, self._global_ranks(), self.rank, self._next_tag(0))
             return _wait_unless_async(async_op, pairwise.reduce_scatter(*args))
         return _reduce_scatter(output, input, op=op, group=self.group, async_op=async_op)
 
@@ -122,7 +123,7 @@ class Comm:
         """Concatenate every rank's `input` into `output` (world_size * input.numel() elements)."""
         self._count("all_gather", input)
         if self._pairwise_for("all_gather", input, output):
-            args = (output, input, self.group, self.rank, self.world_size, self._next_tag(1))
+            args = (output, input, self.group, self._global_ranks(), self.rank, self._next_tag(1))
             return _wait_unless_async(async_op, pairwise.all_gather(*args))
         return _all_gather(output, input, group=self.group, async_op=async_op)
 
@@ -153,10 +154,16 @@ class Comm:
         return cpu and shard.is_contiguous() and full.is_contiguous()
 
     def _next_tag(self, kind: int) -> int:
-        """The next exchange's tag: a count, and the kind (0 reduce-scatter, 1 all-gather), so
-        that a reduce-scatter never meets an all-gather ([Note: pairwise collectives])."""
+        """The next exchange's tag: 2**30, a count, and the kind (0 reduce-scatter, 1
+        all-gather), so that a reduce-scatter never meets an all-gather ([Note: pairwise
+        collectives])."""
         self._tag = self._tag % (1 << 23) + 1
-        return self._tag << 1 | kind
+        return 1 << 30 | self._tag << 1 | kind
+
+    def _global_ranks(self) -> list[int]:
+        if self._ranks is None:
+            self._ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        return self._ranks
 
     def all_gather_object(self, obj) -> list:
         out: list = [None] * self.world_size

@@ -15,8 +15,10 @@ ranks, messages of one tag in the order they were posted. Every rank issues coll
 same order (the rule all collectives follow) and each exchange takes the next tag of its
 `Comm` (a count, with the kind in the lowest bit), so the n-th exchange of one rank meets the
 n-th of every other, even with several in flight. Two Comms on one group (two parallelized
-models) reuse tags; the order rule and gloo's posting order still pair them right. gloo's own
-collectives tag their messages from 2**56 up, so they never meet ours. What breaks the order
+models) reuse tags; the order rule and gloo's posting order still pair them right. Our tags
+start at 2**30: gloo's own collectives tag their messages from 2**56 up, and
+`monitored_barrier` and users' own `send`/`recv` use small tags, so neither meets ours unless
+a user picks tags that high. What breaks the order
 rule (ranks gathering units in different orders) hangs with gloo's own collectives; with ours
 an exchange could meet one of the same kind and size, so the rule matters more here.
 
@@ -50,47 +52,47 @@ class PairwiseWork:
         if not self.completed:
             for work in self.works:
                 work.wait()
-            finish, self.works, self.finish = self.finish, [], None  # drops the scratch too
-            if finish is not None:
-                finish()
+            self.works = []
+            if self.finish is not None:
+                self.finish()
+                self.finish = None  # drops the receive buffer too
             self.completed = True
         return True
 
 
-def _exchange(group, rank: int, world_size: int, tag: int, sends, recvs) -> list:
-    """Post a send to and a receive from every peer: sends[p] goes to rank p, recvs[p] comes
-    from it."""
-    works = []
+def _exchange(group, ranks: list[int], rank: int, tag: int, sends, recvs) -> list:
+    """Post a send to and a receive from every peer: sends[p] goes to group rank p, recvs[p]
+    comes from it. `ranks` maps group ranks to global ones (what isend/irecv take before torch
+    2.6, which added group_dst/group_src)."""
+    works, world_size = [], len(ranks)
     for step in range(1, world_size):
         # Peers in rotated order (rank+1, rank+2, ...), so that not every rank starts with 0.
-        # Global ranks, not group_dst/group_src, which torch before 2.6 does not take.
-        peer = (rank + step) % world_size
-        dst = dist.get_global_rank(group, peer)
-        works.append(dist.isend(sends[peer], dst=dst, group=group, tag=tag))
-        source = (rank - step) % world_size
-        src = dist.get_global_rank(group, source)
-        works.append(dist.irecv(recvs[source], src=src, group=group, tag=tag))
+        peer, source = (rank + step) % world_size, (rank - step) % world_size
+        works.append(dist.isend(sends[peer], dst=ranks[peer], group=group, tag=tag))
+        works.append(dist.irecv(recvs[source], src=ranks[source], group=group, tag=tag))
     return works
 
 
-def all_gather(output, input, group, rank: int, world_size: int, tag: int) -> PairwiseWork:
+def all_gather(output, input, group, ranks: list[int], rank: int, tag: int) -> PairwiseWork:
     """Every rank's `input` into its chunk of `output` (world_size * input.numel() elements)."""
+    world_size = len(ranks)
     chunks = output.view(-1).chunk(world_size)
     if chunks[rank].data_ptr() != input.data_ptr():
         chunks[rank].copy_(input.view(-1))
     sends = [input.view(-1)] * world_size
-    return PairwiseWork(_exchange(group, rank, world_size, tag, sends, chunks))
+    return PairwiseWork(_exchange(group, ranks, rank, tag, sends, chunks))
 
 
-def reduce_scatter(output, input, group, rank: int, world_size: int, tag: int) -> PairwiseWork:
+def reduce_scatter(output, input, group, ranks: list[int], rank: int, tag: int) -> PairwiseWork:
     """The sum across ranks of this rank's chunk of `input` (world_size equal chunks), into
     `output`, which may be that chunk itself (in place). The other chunks must stay untouched
     until `wait()`, which adds what arrived."""
+    world_size = len(ranks)
     chunks = input.view(-1).chunk(world_size)
     others = [p for p in range(world_size) if p != rank]
     scratch = torch.empty(len(others), output.numel(), dtype=output.dtype, device=output.device)
     arrived = dict(zip(others, scratch, strict=True))
-    works = _exchange(group, rank, world_size, tag, chunks, arrived)
+    works = _exchange(group, ranks, rank, tag, chunks, arrived)
     target = output.view(-1)
 
     def finish():
