@@ -18,9 +18,9 @@ n-th of every other, even with several in flight. Two Comms on one group (two pa
 models) reuse tags; the order rule and gloo's posting order still pair them right. Our tags
 start at 2**30: gloo's own collectives tag their messages from 2**56 up, and
 `monitored_barrier` and users' own `send`/`recv` use small tags, so neither meets ours unless
-a user picks tags that high. What breaks the order
-rule (ranks gathering units in different orders) hangs with gloo's own collectives; with ours
-an exchange could meet one of the same kind and size, so the rule matters more here.
+a user picks tags that high. What breaks the order rule (ranks gathering units in different
+orders) hangs with gloo's own collectives; with ours an exchange could meet one of the same
+kind and size, so the rule matters more here.
 
 Completion: gloo marks a point-to-point message complete only when it is waited for, so
 `is_completed()` is False until `wait()` (code that polls must also bound what it leaves in
