@@ -29,6 +29,7 @@ from bench_step import (
     add_world_args,
     check_world_args,
     free_port,
+    join_world,
     make_batches,
     setup_everywhere,
 )
@@ -66,14 +67,7 @@ def phased_step(prepared, x, y, group) -> dict[str, float]:
 
 
 def run_rank(rank: int, args, port: int, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(args.nproc),
-    )
-    world = dp.init(backend="gloo", threads=1)
+    world = join_world(rank, args, port)
     batches = make_batches(args, build_model(args.model).config.vocab_size, rank)
     prepared = {}
     for name in args.contenders:

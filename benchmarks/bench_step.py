@@ -181,8 +181,8 @@ def setup_everywhere(name: str, args, world):
     return (None, first) if first else (prepared, None)
 
 
-def run_rank(rank: int, args, port: int, out_path: str) -> None:
-    """One rank: every round runs every contender in a rotated order; rank 0 saves results."""
+def join_world(rank: int, args, port: int):
+    """This process as rank `rank` of the `--nproc` world on 127.0.0.1, one thread each."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -195,7 +195,12 @@ def run_rank(rank: int, args, port: int, out_path: str) -> None:
     warnings.filterwarnings(
         "ignore", message=r".* is deprecated\. Please use", category=FutureWarning
     )
-    world = dp.init(backend="gloo", threads=1)
+    return dp.init(backend="gloo", threads=1)
+
+
+def run_rank(rank: int, args, port: int, out_path: str) -> None:
+    """One rank: every round runs every contender in a rotated order; rank 0 saves results."""
+    world = join_world(rank, args, port)
     vocab_size = build_model(args.model).config.vocab_size
     batches = make_batches(args, vocab_size, rank)
     names = list(args.contenders)
