@@ -126,6 +126,37 @@ def test_training_equals_plain_adamw_including_accumulation_across_backwards(pol
             assert (state["state"][index][key] - value).abs().max().item() < 1e-6, key
 
 
+optim = torch.optim
+ELEMENTWISE = [
+    (optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
+    (optim.Adam, {"lr": 1e-2, "amsgrad": True}),
+    (optim.AdamW, {"lr": 1e-2}),
+    (optim.Adagrad, {"lr": 1e-2}),
+    (optim.RMSprop, {"lr": 1e-2, "centered": True, "momentum": 0.5}),
+    (optim.Adamax, {"lr": 1e-2}),
+    (optim.NAdam, {"lr": 1e-2}),
+    (optim.RAdam, {"lr": 1e-2}),
+    (optim.ASGD, {"lr": 1e-2}),
+    (optim.Rprop, {"lr": 1e-2}),
+    (optim.Adadelta, {"lr": 1.0}),
+]
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+def test_every_elementwise_torch_optimizer_steps_exactly(stage):
+    """docs/zero.md, "Optimizers other than SGD and Adam": 5 steps, bit for bit."""
+    for cls, kwargs in ELEMENTWISE:
+        plain, ours = _model(), dp.parallelize(_model(), stage)
+        plain_opt, opt = cls(plain.parameters(), **kwargs), dp.build_optimizer(ours, cls, **kwargs)
+        for step in range(5):
+            for model, optimizer in ((plain, plain_opt), (ours, opt)):
+                (model(_data(step)[0]) ** 2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        for a, b in zip(plain.parameters(), ours.parameters(), strict=True):
+            assert torch.equal(a, b), cls.__name__
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_model_zero_grad_also_clears_zero1_gradients(set_to_none):
     plain, ours = _model(), dp.parallelize(_model(), dp.ZeRO1(bucket_mb=0.0002))

@@ -5,15 +5,17 @@ The contract (docs/zero.md has it in full, with the memory theory and measuremen
   then lay the trainable parameters end to end in flat buckets, planned per optimizer param
   group, padded to a multiple of the world size; the parameters become views into them and
   rank r owns the r-th slice of every bucket ([Note: shard layout] in sharding.py).
-- `build_optimizer` builds the user's optimizer class over this rank's slices ([Note: sharded
-  step] in sharded_optimizer.py); when `step()` returns every rank holds the full parameters.
+- `build_optimizer` builds the user's optimizer class over the pieces of this rank's slices
+  ([Note: sharded step] in sharded_optimizer.py); when `step()` returns every rank holds the
+  full parameters.
 - Backward reduces bucket by bucket as DDP does ([Note: overlap] in reducer.py) and the
   strategy keeps this rank's slice of the mean gradient: ZeRO-1 keeps full-size buckets,
   ZeRO-2 frees each bucket once reduced ([Note: lazy buckets] in buckets.py), so the model's
   `.grad` is not the global gradient; `clip_grad_norm_` computes the global norm.
 - `no_sync` accumulates full local gradients; synchronised backwards between steps add up;
   `optimizer.zero_grad()` clears everything. Each synchronised backward follows a forward.
-- Parameters no rank used are left untouched by the step ([Note: skipped parameters]).
+- Parameters no rank used are skipped by the step, as in one process ([Note: skipped
+  parameters]).
 - `param_dtype=torch.bfloat16`: bf16 compute and communication, fp32 master slices and state.
 - Checkpoints are whole-model and plain-optimizer shaped, so they move between DDP, ZeRO-1/2
   and world sizes.
@@ -314,7 +316,9 @@ class ZeROStrategy(Strategy):
             [
                 {
                     **{k: v for k, v in group.items() if k != "params"},
-                    "params": [s.param for s in self.shards if s.bucket.spec.group == g],
+                    "params": [
+                        t for s in self.shards if s.bucket.spec.group == g for t in s.tensors
+                    ],
                 }
                 for g, group in enumerate(groups)
             ],
@@ -369,13 +373,13 @@ class ZeROStrategy(Strategy):
             load_masters(self.shards, {i: state_dict[name] for i, name in names.items()})
 
     def _optimizer_shards(self, optimizer: torch.optim.Optimizer) -> list[Shard]:
+        """The shards `optimizer` steps, in bucket order (the same on every rank)."""
         if optimizer is not self.optimizer:
             raise ValueError(
                 f"{self.name}: this optimizer was not built by dataparallel.build_optimizer "
                 "for this model"
             )
-        shard_of = {id(s.param): s for s in self.shards}
-        return [shard_of[id(t)] for g in optimizer.param_groups for t in g["params"]]
+        return [s for s in self.shards if s.optimized]
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         shards = self._optimizer_shards(optimizer)
