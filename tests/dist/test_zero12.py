@@ -127,6 +127,12 @@ def branch_steps(run: Run) -> dict[str, int]:
         index = next(i for i, p in enumerate(trainable) if p is model.branch.weight)
         state = dp.optimizer_state_dict(model, run.opts[key])["state"]
         out[key] = int(state[index]["step"])
+    model = run.models["zero1"]
+    out["holds_branch"] = any(  # whether this rank steps a piece of the branch's weight
+        shard.bucket.params[piece.param] is model.branch.weight
+        for shard in dp.strategy_of(model).shards
+        for piece in shard.pieces
+    )
     return out
 
 
@@ -479,8 +485,11 @@ def test_each_stage_equals_ddp_and_single_process(worlds, world_size):
 def test_adam_skips_a_parameter_no_rank_used_as_one_process_does(worlds, world_size):
     # [Note: skipped parameters]: each piece has its own `step` and is skipped with its
     # parameter, so Adam's bias correction stays exact (the parity test above checks values).
+    holders = sum(r["parity"]["branch_steps"]["holds_branch"] for r in worlds[world_size])
+    assert holders >= 2  # the weight straddles ranks: its pieces must skip together
     for rank_result in worlds[world_size]:
-        steps = rank_result["parity"]["branch_steps"]
+        steps = dict(rank_result["parity"]["branch_steps"])
+        steps.pop("holds_branch")
         assert 0 < steps["reference"] < STEPS, steps  # no rank took the branch in some steps
         assert {"ddp", "zero1", "zero2", "zero1-ar", "zero2-gloo"} <= set(steps), steps
         for key, value in steps.items():
