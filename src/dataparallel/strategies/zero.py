@@ -5,17 +5,15 @@ The contract (docs/zero.md has it in full, with the memory theory and measuremen
   then lay the trainable parameters end to end in flat buckets, planned per optimizer param
   group, padded to a multiple of the world size; the parameters become views into them and
   rank r owns the r-th slice of every bucket ([Note: shard layout] in sharding.py).
-- `build_optimizer` builds the user's optimizer class over the pieces of this rank's slices
-  ([Note: sharded step] in sharded_optimizer.py); when `step()` returns every rank holds the
-  full parameters.
+- `build_optimizer` builds the user's optimizer over the pieces of this rank's slices ([Note:
+  sharded step] in sharded_optimizer.py); when `step()` returns every rank holds the full model.
 - Backward reduces bucket by bucket as DDP does ([Note: overlap] in reducer.py) and the
   strategy keeps this rank's slice of the mean gradient: ZeRO-1 keeps full-size buckets,
   ZeRO-2 frees each bucket once reduced ([Note: lazy buckets] in buckets.py), so the model's
   `.grad` is not the global gradient; `clip_grad_norm_` computes the global norm.
 - `no_sync` accumulates full local gradients; synchronised backwards between steps add up;
   `optimizer.zero_grad()` clears everything. Each synchronised backward follows a forward.
-- Parameters no rank used are skipped by the step, as in one process ([Note: skipped
-  parameters]).
+- Parameters no rank used are skipped by the step, as in one process ([Note: skipped parameters]).
 - `param_dtype=torch.bfloat16`: bf16 compute and communication, fp32 master slices and state.
 - Checkpoints are whole-model and plain-optimizer shaped, so they move between DDP, ZeRO-1/2
   and world sizes.
@@ -134,9 +132,8 @@ class ZeRO2(ZeROPolicy):
 
     name: ClassVar[str] = "zero2"
     stage: ClassVar[int] = 2
-    # Smaller buckets than ZeRO-1's: less full-gradient memory in flight, and a freed bucket's
-    # memory is reused by the next one instead of being returned to the OS and faulted back in
-    # (1,000-1,800 page faults per gpt-small step with 25 MiB, none with 4 MiB; docs/zero.md).
+    # Smaller than ZeRO-1's: less full-gradient memory in flight, and a freed bucket's memory is
+    # reused by the next instead of being faulted back in every step (docs/zero.md, bucket_mb).
     bucket_mb: float = 4.0
 
 
