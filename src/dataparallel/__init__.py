@@ -26,12 +26,14 @@ from .api import (
 from .comm import Tracer
 from .data import DistributedSampler
 from .runtime import World, destroy, init
-from .strategies import DDP, ZeRO1, ZeRO2, ZeRO3
+from .strategies import DDP, Mesh, MixedPrecision, ZeRO1, ZeRO2, ZeRO3, init_mesh
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
     "DDP",
     "DistributedSampler",
+    "Mesh",
+    "MixedPrecision",
     "SyncBatchNorm",
     "Tracer",
     "World",
@@ -46,6 +48,7 @@ __all__ = [
     "finish_param_gather",
     "full_state_dict",
     "init",
+    "init_mesh",
     "join",
     "load_full_state_dict",
     "load_optimizer_state_dict",

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import Comm, Tracer
-from .strategies import Strategy, resolve_policy
+from .strategies import Groups, Mesh, Strategy, resolve_policy
 
 _ATTR = "_dataparallel_strategy"
 
@@ -23,6 +23,7 @@ def parallelize(
     strategy="ddp",
     *,
     group: dist.ProcessGroup | None = None,
+    mesh: Mesh | None = None,
     tracer: Tracer | None = None,
     pairwise: bool | None = None,
 ) -> nn.Module:
@@ -31,6 +32,9 @@ def parallelize(
     strategy: a name ("ddp", "zero1", "zero2", "zero3") or a policy object such as
         `DDP(bucket_mb=25)`.
     group: the process group to train over; None is every rank (call `dataparallel.init()`).
+    mesh: a 2-D replicate x shard layout of the ranks from `dataparallel.init_mesh(shard_size)`
+        (HSDP, docs/mesh.md): sharded strategies shard within each group of `shard_size` ranks
+        and all-reduce across the groups. None shards over every rank. Replaces `group`.
     tracer: records when collectives start and finish (see `comm.Tracer`).
     pairwise: build reduce-scatter and all-gather from point-to-point messages; None means
         yes on gloo, where that costs half of gloo's own collectives, no on NCCL (see
@@ -46,8 +50,15 @@ def parallelize(
         raise ValueError("parallelize: this model is already parallelized; wrap it only once")
     if not dist.is_initialized():
         raise RuntimeError("parallelize: no process group; call dataparallel.init() first")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"parallelize: mesh={mesh!r} must be a dataparallel.Mesh from "
+            "dataparallel.init_mesh(shard_size), or None"
+        )
+    if mesh is not None and group is not None:
+        raise ValueError("parallelize: pass a group or a mesh (built over a group), not both")
     policy = resolve_policy(strategy)
-    instance = policy.apply(model, Comm(group, tracer, pairwise))
+    instance = policy.apply(model, Groups.build(group, mesh, tracer, pairwise))
     object.__setattr__(model, _ATTR, instance)
     return model
 

@@ -17,7 +17,7 @@ import dataparallel as dp
 from dataparallel.models import GPT, GPTConfig
 from dataparallel.models.gpt import Block
 from dataparallel.strategies.fsdp_plan import plan_units
-from dataparallel.strategies.fsdp_unit import plan_flat
+from dataparallel.strategies.parts.layout import ShardLayout
 
 from .harness import run_world
 from .models import OPTIMIZERS, batch, build, loss_fn, reference_loss
@@ -108,7 +108,7 @@ def memory_case(world, param_dtype) -> dict:
     """Bytes after a step of AdamW on a GPT, with the theory's numbers next to them."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=64)
-    model = dp.parallelize(GPT(config), dp.ZeRO3(param_dtype=param_dtype))
+    model = dp.parallelize(GPT(config), dp.ZeRO3(precision=dp.MixedPrecision(param_dtype=param_dtype)))
     opt = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-3)
     x = torch.randint(0, 64, (2, 16))
     for _ in range(2):
@@ -226,7 +226,7 @@ def against_fully_shard(world) -> dict:
     for opt_name, bf16 in (("sgd", False), ("adamw", False), ("adamw", True)):
         cls, kwargs = OPTIMIZERS[opt_name]
         dtype = torch.bfloat16 if bf16 else None
-        ours = dp.parallelize(build("transformer", seed=7), dp.ZeRO3(param_dtype=dtype))
+        ours = dp.parallelize(build("transformer", seed=7), dp.ZeRO3(precision=dp.MixedPrecision(param_dtype=dtype)))
         theirs = build("transformer", seed=7)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
         for block in theirs.blocks:
@@ -346,8 +346,8 @@ def test_checkpoints_in_plain_form(world_size):
 
 # -- logic that needs no process group ---------------------------------------------------------
 def test_flat_layout_pads_and_slices():
-    layout = plan_flat([7, 5, 11], world_size=3)  # 23 elements -> 8 per rank, 1 of padding
-    assert (layout.shard_numel, layout.padded_numel) == (8, 24)
+    layout = ShardLayout.pack([7, 5, 11], world_size=3)  # 23 elements -> 8 per rank, 1 of padding
+    assert (layout.shard_numel, layout.numel) == (8, 24)
     assert [layout.local_slice(0, r) for r in range(3)] == [(0, 7, 0), (0, 0, 0), (0, 0, 0)]
     assert [layout.local_slice(1, r) for r in range(3)] == [(7, 8, 0), (0, 4, 1), (0, 0, 0)]
     assert [layout.local_slice(2, r) for r in range(3)] == [(0, 0, 0), (4, 8, 0), (0, 7, 4)]
@@ -378,12 +378,12 @@ def test_an_optimizer_over_part_of_a_unit_gets_fresh_gradients_each_step():
 
 
 def test_policy_errors_name_the_field():
-    with pytest.raises(ValueError, match="float16 would need loss scaling"):
-        dp.ZeRO3(param_dtype=torch.float16)
+    with pytest.raises(ValueError, match="precision="):
+        dp.ZeRO3(precision=torch.float16)
     assert dp.ZeRO3(wrap=nn.Linear).wrap == (nn.Linear,)
     with pytest.raises(ValueError, match="reduce="):
         dp.ZeRO3(reduce="ring")
     with pytest.raises(ValueError, match="param_dtype="):
-        dp.ZeRO3(param_dtype=torch.int8)
+        dp.MixedPrecision(param_dtype=torch.int8)
     with pytest.raises(ValueError, match="wrap="):
         dp.ZeRO3(wrap=("Block",))

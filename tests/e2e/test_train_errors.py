@@ -80,9 +80,23 @@ CASES = {
         ],
     ),
     "unknown precision": (
-        ["--precision", "fp16"],
+        ["--precision", "fp8"],
         None,
-        ["--precision (train.precision)", "unknown value 'fp16'", "choose one of fp32, bf16"],
+        [
+            "--precision (train.precision)",
+            "unknown value 'fp8'",
+            "choose one of bf16, bf16-params, fp16, fp32",
+        ],
+    ),
+    "shard group that does not divide the ranks": (
+        ["--strategy", "zero3", "--shard-group", "3"],
+        None,
+        ["--shard-group (launch.shard_group)", "3 does not divide the 2 ranks", "use a divisor"],
+    ),
+    "shard group with ddp": (
+        ["--shard-group", "2"],
+        None,
+        ["--shard-group (launch.shard_group)", "ddp replicates everything", "use zero1, zero2"],
     ),
     "window longer than the model's context": (
         ["--block-size", "512"],

@@ -57,7 +57,7 @@ def test_pairwise_must_be_a_bool_or_none():
 
 def test_the_reducer_needs_room_for_one_reduction_in_flight():
     from dataparallel.comm import Comm, HookState, allreduce_hook
-    from dataparallel.strategies.reducer import GradientReducer
+    from dataparallel.strategies.parts.reducer import GradientReducer
 
     comm = Comm()
     with pytest.raises(ValueError, match="max_in_flight=0 must be >= 1 or None"):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dataparallel.strategies.buckets import plan_buckets
+from dataparallel.strategies.parts.buckets import plan_buckets
 
 F32, BF16, CPU = torch.float32, torch.bfloat16, torch.device("cpu")
 

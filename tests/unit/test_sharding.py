@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import dataparallel as dp
-from dataparallel.strategies.buckets import Bucket, plan_buckets
-from dataparallel.strategies.sharding import Piece, ShardLayout, padded_numel
+from dataparallel.strategies.parts.buckets import Bucket, plan_buckets
+from dataparallel.strategies.parts.layout import Piece, ShardLayout, padded_numel
 
 F32, CPU = torch.float32, torch.device("cpu")
 
@@ -180,7 +180,9 @@ def test_step_without_gradients_changes_nothing():
 
 
 def test_mixed_precision_casts_inputs_and_keeps_fp32_masters():
-    model = dp.parallelize(_model(), dp.ZeRO2(param_dtype=torch.bfloat16))
+    model = dp.parallelize(
+        _model(), dp.ZeRO2(precision=dp.MixedPrecision(param_dtype=torch.bfloat16))
+    )
     opt = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2)
     out = model(_data(0)[0])  # an fp32 input, cast to bf16 by the strategy
     out.float().pow(2).mean().backward()

@@ -8,6 +8,8 @@ from .hooks import (
     bf16_compress_hook,
     compressed_allreduce_hook,
     fp16_compress_hook,
+    low_precision_hook,
+    reduce_hook,
     reduce_scatter_hook,
 )
 
@@ -21,5 +23,7 @@ __all__ = [
     "bf16_compress_hook",
     "compressed_allreduce_hook",
     "fp16_compress_hook",
+    "low_precision_hook",
+    "reduce_hook",
     "reduce_scatter_hook",
 ]

@@ -3,6 +3,8 @@
 from .base import Strategy
 from .ddp import DDP, DDPStrategy
 from .fsdp import ZeRO3, ZeRO3Strategy
+from .parts.mesh import Groups, Mesh, init_mesh
+from .parts.precision import MixedPrecision
 from .zero import ZeRO1, ZeRO2, ZeROStrategy
 
 # Registry: strategy name -> policy class (called with no arguments for the defaults).
@@ -26,6 +28,9 @@ def resolve_policy(strategy):
 __all__ = [
     "DDP",
     "DDPStrategy",
+    "Groups",
+    "Mesh",
+    "MixedPrecision",
     "POLICIES",
     "Strategy",
     "ZeRO1",
@@ -33,5 +38,6 @@ __all__ = [
     "ZeRO3",
     "ZeRO3Strategy",
     "ZeROStrategy",
+    "init_mesh",
     "resolve_policy",
 ]

@@ -12,6 +12,11 @@ The contract (what `parallelize(model, DDP(...))` guarantees):
 - With `broadcast_buffers`, buffers (BatchNorm statistics) are broadcast from rank 0 at the
   start of each training forward (only in `train()` mode with grad enabled, so an evaluation
   that runs on one rank alone never waits for the others).
+- `precision=MixedPrecision(...)` ([Note: mixed precision] in parts/precision.py): with a
+  `param_dtype` narrower than the model's, the parameters are held in it and fp32 masters with
+  the optimizer state beside them: that is ZeRO-1 on shard groups of one rank (a 2-D mesh with
+  S = 1, [Note: mesh]), and DDP builds exactly that. The reduced gradients are then the
+  masters' `.grad`, not the model's.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..comm import Comm, HookState, allreduce_hook
+from ..comm import Comm, HookState, allreduce_hook, low_precision_hook
 from .base import (
     Strategy,
     check_optimizer_params,
@@ -32,8 +37,10 @@ from .base import (
     tensor_bytes,
     verify_same_model,
 )
-from .buckets import plan_buckets
-from .reducer import GradientReducer
+from .parts.buckets import plan_buckets
+from .parts.mesh import Groups, init_mesh
+from .parts.precision import MixedPrecision, check_precision, install_casts
+from .parts.reducer import GradientReducer
 
 MB = 1024 * 1024
 
@@ -49,9 +56,12 @@ class DDP:
     reduce_op: "mean" averages gradients across ranks (N-rank training equals one rank on the
         N-times batch); "sum" adds them.
     broadcast_buffers: broadcast buffers from rank 0 at each training forward.
-    comm_hook: `hook(state, bucket) -> Future` that reduces one bucket (see comm/hooks.py);
-        None is the plain all-reduce. `dataparallel.comm.bf16_compress_hook` halves the bytes.
+    comm_hook: `hook(state, bucket) -> future` that reduces one bucket ([Note: reduction
+        interface] in comm/hooks.py); None is the plain all-reduce (in `reduce_dtype` when the
+        precision policy names a narrower one). `dataparallel.comm.bf16_compress_hook` halves
+        the bytes.
     hook_state: the state passed to `comm_hook`; None builds a `HookState` for the group.
+    precision: a `MixedPrecision` ([Note: mixed precision]); None computes in the model's dtype.
     """
 
     name: ClassVar[str] = "ddp"
@@ -61,6 +71,7 @@ class DDP:
     broadcast_buffers: bool = True
     comm_hook: Callable | None = None
     hook_state: object | None = None
+    precision: MixedPrecision | None = None
 
     def __post_init__(self):
         if not self.bucket_mb > 0:
@@ -69,9 +80,38 @@ class DDP:
             raise ValueError(f"DDP: first_bucket_mb={self.first_bucket_mb} must be > 0")
         if self.reduce_op not in ("mean", "sum"):
             raise ValueError(f"DDP: reduce_op={self.reduce_op!r} must be 'mean' or 'sum'")
+        check_precision(self.precision, "DDP")
 
-    def apply(self, model: nn.Module, comm: Comm) -> DDPStrategy:
-        return DDPStrategy(model, comm, self)
+    def apply(self, model: nn.Module, groups: Groups) -> Strategy:
+        if groups.shard is not groups.world:
+            raise ValueError(
+                "parallelize: DDP replicates every parameter, so a mesh with shard_size > 1 "
+                "means nothing to it; use zero1, zero2 or zero3 with the mesh"
+            )
+        precision = check_precision(self.precision, "DDP")
+        first = next(model.parameters(), None)
+        if first is not None and precision.masters(first.dtype) is not None:
+            return self._with_masters(model, groups)
+        return DDPStrategy(model, groups.world, self)
+
+    def _with_masters(self, model: nn.Module, groups: Groups) -> Strategy:
+        """Low-precision parameters with fp32 masters: ZeRO-1 on shard groups of one rank."""
+        from .zero import ZeRO1, ZeROStrategy  # zero.py builds on this module
+
+        if self.reduce_op != "mean":
+            raise ValueError("DDP: reduce_op='sum' is not supported with a low param_dtype")
+        mesh = init_mesh(1, groups.world.group)
+        solo = Groups.build(None, mesh, groups.world.tracer, groups.world.pairwise)
+        policy = ZeRO1(
+            bucket_mb=self.bucket_mb,
+            first_bucket_mb=self.first_bucket_mb,
+            precision=self.precision,
+            grad_reduce="all_reduce",
+            comm_hook=self.comm_hook,
+            hook_state=self.hook_state,
+            broadcast_buffers=self.broadcast_buffers,
+        )
+        return ZeROStrategy(model, solo, policy, name="ddp")
 
 
 def broadcast_model(model: nn.Module, comm: Comm) -> None:
@@ -99,6 +139,7 @@ class DDPStrategy(Strategy):
         self.policy = policy
         verify_same_model(model, comm)
         broadcast_model(model, comm)
+        precision = check_precision(policy.precision, "DDP")
         trainable = [p for p in model.parameters() if p.requires_grad]
         planned = list(reversed(trainable))  # [Note: bucket order]
         specs = plan_buckets(
@@ -106,14 +147,19 @@ class DDPStrategy(Strategy):
             bucket_bytes=int(policy.bucket_mb * MB),
             first_bucket_bytes=int(policy.first_bucket_mb * MB),
         )
+        hook = policy.comm_hook or allreduce_hook
+        wire = precision.wire_dtype(planned[0].dtype) if planned else None
+        if policy.comm_hook is None and wire is not None:
+            hook = low_precision_hook(wire)
         self.reducer = GradientReducer(
             planned,
             specs,
             comm,
-            policy.comm_hook or allreduce_hook,
+            hook,
             policy.hook_state or HookState(comm),
-            mean=policy.reduce_op == "mean",
+            divisor=comm.world_size if policy.reduce_op == "mean" else 1,
         )
+        self.casts = install_casts(model, precision, planned[0].dtype if planned else torch.float32)
         self.buffers = [b for b in model.buffers()]
         self._pre_hook = model.register_forward_pre_hook(self._before_forward)
 

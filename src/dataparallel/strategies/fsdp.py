@@ -26,12 +26,15 @@ run in), start this unit's, and free the unit: one reduction is in flight at a t
 callback reduces the units autograd did not call back for (the root, whose inputs are token
 ids), waits for everything, agrees on which parameters no rank used, and frees all units.
 
-[Note: mixed precision] With param_dtype=torch.bfloat16 the gathered parameters, the
-gradients and every collective are bf16: each shard is cast to bf16 just before its all-gather,
-and gradients are divided by the world size before the bf16 sum. Master weights, gradient
-shards and optimizer state stay fp32, so a rank holds 4 + 4 + 8 = 16 bytes per parameter / N,
-as in the ZeRO paper (there 2 + 2 + 12: bf16 parameter and gradient shards where we keep one
-fp32 gradient shard; our bf16 parameters exist only while gathered).
+Mixed precision ([Note: mixed precision] in parts/precision.py): with
+`MixedPrecision(param_dtype=torch.bfloat16)` the gathered parameters, the gradients and every
+collective are bf16: each shard is cast to bf16 just before its all-gather, and gradients are
+divided before the bf16 sum. Master weights, gradient shards and optimizer state stay fp32, so
+a rank holds 4 + 4 + 8 = 16 bytes per parameter / S, as in the ZeRO paper (there 2 + 2 + 12:
+bf16 parameter and gradient shards where we keep one fp32 gradient shard; our bf16 parameters
+exist only while gathered). Normalisation layers become units of their own, held in fp32.
+Under a 2-D mesh ([Note: mesh] in parts/mesh.py) units shard over the S ranks of a shard group
+and each reduced shard is all-reduced across the replicas.
 """
 
 from __future__ import annotations
@@ -46,10 +49,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.autograd.variable import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..comm import Comm
+from ..comm import HookState, allreduce_hook, low_precision_hook, reduce_hook
 from . import fsdp_checkpoint
 from .base import (
     Strategy,
@@ -59,8 +61,19 @@ from .base import (
     verify_same_model,
 )
 from .ddp import broadcast_model
-from .fsdp_plan import plan_units
+from .fsdp_plan import plan_units, select_units
 from .fsdp_unit import FlatUnit
+from .parts.clip import clip_grad_norm_
+from .parts.mesh import Groups
+from .parts.plain_state import gather_plain_state, load_plain_state
+from .parts.precision import (
+    MixedPrecision,
+    cast_floats,
+    check_precision,
+    install_casts,
+    is_norm,
+)
+from .parts.round import BackwardRound
 
 REDUCE_KINDS = ("auto", "reduce_scatter", "all_reduce")
 # Optimizers that run on the 1-D shard pieces but then differ from the whole-model algorithm.
@@ -84,22 +97,27 @@ class ZeRO3:
         backward (except the unit that ran last in the previous step's forward, whose backward
         comes right after); False keeps every unit gathered from its forward to its backward
         (one gather less per unit, the memory of the whole model at the end of forward).
-    param_dtype: None computes in the parameters' own dtype; torch.bfloat16 gathers, computes,
-        and reduces in bf16 while master weights, gradient shards and optimizer state stay fp32
-        ([Note: mixed precision]).
+    precision: a `MixedPrecision`; None computes in the parameters' own dtype. With
+        `param_dtype=torch.bfloat16` units are gathered, computed and reduced in bf16 while
+        master weights, gradient shards and optimizer state stay fp32 (module docstring).
     reduce: how gradients are averaged: "reduce_scatter" (each rank receives its shard, the
         ZeRO collective, half the bytes), "all_reduce" (every rank receives everything and
         keeps its shard), or "auto": reduce_scatter, from point-to-point messages on gloo
         ([Note: pairwise collectives] in comm/pairwise.py); all_reduce on gloo when
         `parallelize(..., pairwise=False)`, as gloo's own reduce-scatter is the slower there.
+    comm_hook: `hook(state, bucket) -> future` reducing one unit's gradients ([Note: reduction
+        interface] in comm/hooks.py); None picks the built-in one `reduce` names.
+    hook_state: passed to `comm_hook`; None builds a `HookState` for the strategy's groups.
     """
 
     name: ClassVar[str] = "zero3"
     wrap: Callable[[nn.Module], bool] | tuple[type, ...] | None = None
     prefetch: bool = True
     reshard_after_forward: bool = True
-    param_dtype: torch.dtype | None = None
+    precision: MixedPrecision | None = None
     reduce: str = "auto"
+    comm_hook: Callable | None = None
+    hook_state: object | None = None
 
     def __post_init__(self):
         if isinstance(self.wrap, type):  # wrap=Block means wrap=(Block,), not Block(module)
@@ -112,16 +130,12 @@ class ZeRO3:
                     f"ZeRO3: wrap={self.wrap!r} must be None, a tuple of nn.Module classes, or "
                     "a callable module -> bool"
                 )
-        if self.param_dtype not in (None, torch.bfloat16, torch.float32):
-            raise ValueError(
-                f"ZeRO3: param_dtype={self.param_dtype!r} must be None, torch.float32 or "
-                "torch.bfloat16 (float16 would need loss scaling, which is not implemented)"
-            )
+        check_precision(self.precision, "ZeRO3")
         if self.reduce not in REDUCE_KINDS:
             raise ValueError(f"ZeRO3: reduce={self.reduce!r} must be one of {REDUCE_KINDS}")
 
-    def apply(self, model: nn.Module, comm: Comm) -> ZeRO3Strategy:
-        return ZeRO3Strategy(model, comm, self)
+    def apply(self, model: nn.Module, groups: Groups) -> ZeRO3Strategy:
+        return ZeRO3Strategy(model, groups, self)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -141,30 +155,50 @@ class _PostBackward(torch.autograd.Function):
 class ZeRO3Strategy(Strategy):
     name = "zero3"
 
-    def __init__(self, model: nn.Module, comm: Comm, policy: ZeRO3):
-        super().__init__(model, comm)
+    def __init__(self, model: nn.Module, groups: Groups, policy: ZeRO3):
+        super().__init__(model, groups.world)
         self.policy = policy
-        verify_same_model(model, comm)
-        broadcast_model(model, comm)
+        self.groups = groups
+        self.precision = precision = check_precision(policy.precision, "ZeRO3")
+        verify_same_model(model, groups.world)
+        broadcast_model(model, groups.world)
+        first = next(model.parameters(), None)
+        model_dtype = first.dtype if first is not None else torch.float32
+        self.compute = precision.compute_dtype(model_dtype)
         reduce = policy.reduce
         if reduce == "auto":
-            first = next(model.parameters(), None)
-            reduce = comm.sharded_reduce(first.device if first is not None else comm.device)
+            reduce = groups.shard.sharded_reduce(
+                first.device if first is not None else self.comm.device
+            )
         self.reduce = reduce
-        plans = plan_units(model, policy.wrap)
-        self.units = [
-            FlatUnit(i, plan, comm, policy.param_dtype, reduce) for i, plan in enumerate(plans)
-        ]
+        self.hook = policy.comm_hook or (allreduce_hook if reduce == "all_reduce" else reduce_hook)
+        wire = precision.wire_dtype(self.compute)
+        if policy.comm_hook is None and wire is not None:
+            self.hook = low_precision_hook(wire, self.hook)
+        self.hook_state = policy.hook_state or HookState(groups.shard, groups.replicate)
+        plans = plan_units(model, self._wrap(model, model_dtype))
+        self.units = []
+        for i, plan in enumerate(plans):
+            norm = is_norm(plan.module) and self.compute != model_dtype
+            compute = model_dtype if norm else self.compute  # norms stay fp32
+            bucket = precision.bucket_dtype(compute)
+            self.units.append(FlatUnit(i, plan, groups.shard, compute, bucket, groups.divisor))
+        self.round = BackwardRound(sum(len(u.params) for u in self.units), groups.world)
+        self.first_index = [0]
+        for u in self.units:
+            self.first_index.append(self.first_index[-1] + len(u.params))
+        self.casts = install_casts(model, precision, self.compute)
         self.root = self.units[0]
         self.piece_of = {
-            id(p): piece for u in self.units for p, piece in zip(u.params, u.pieces, strict=True)
+            id(p): piece
+            for u in self.units
+            for p, piece in zip(u.params, u.shard.pieces, strict=True)
         }
         self.forward_order: list[int] = []  # this step's pre-forward order
         self.prefetch_order: list[int] = []  # the previous step's, for forward prefetch
         self.post_forward_order: list[int] = []
         self.backward_order: list[int] = []
         self.pending: FlatUnit | None = None  # the unit whose reduction is in flight
-        self.callback_queued = False
         self.original_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.handles = []
         for unit in self.units:
@@ -178,8 +212,21 @@ class ZeRO3Strategy(Strategy):
             )
             for position, p in enumerate(unit.params):
                 if p.requires_grad:
-                    hook = partial(unit.on_grad_accumulated, position)
+                    hook = partial(self._on_grad, unit, position)
                     self.handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _wrap(self, model: nn.Module, model_dtype: torch.dtype):
+        """The policy's units, plus every normalisation layer under a low param_dtype (held
+        in fp32, [Note: mixed precision])."""
+        if self.compute == model_dtype:
+            return self.policy.wrap
+        chosen = {id(m) for m in select_units(model, self.policy.wrap)}
+        chosen |= {id(m) for m in model.modules() if m is not model and is_norm(m)}
+        return lambda m: id(m) in chosen
+
+    def _on_grad(self, unit: FlatUnit, position: int, param) -> None:
+        unit.on_grad_accumulated(position, divide=self.sync_enabled)
+        self.round.mark_used(self.first_index[unit.index] + position)
 
     # -- forward ------------------------------------------------------------------------------
     def _pre_forward(self, unit: FlatUnit, module, args, kwargs):
@@ -194,13 +241,15 @@ class ZeRO3Strategy(Strategy):
             self.units[self.prefetch_order[position + 1]].start_gather(prefetch=True)
         unit.gather()
         self.comm.tracer.mark("forward_start", unit=unit.index)
+        if self.precision.cast_forward_inputs and self.precision.param_dtype is not None:
+            args, kwargs = cast_floats((args, kwargs), unit.compute_dtype)
         if not torch.is_grad_enabled():
-            return None
+            return args, kwargs
         unit.forward_count += 1
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
         if not positions:
-            return None
+            return args, kwargs
         wrapped = _PostBackward.apply(
             partial(self._post_backward, unit), *(flat[i] for i in positions)
         )
@@ -232,9 +281,7 @@ class ZeRO3Strategy(Strategy):
 
     # -- backward -----------------------------------------------------------------------------
     def _pre_backward(self, unit: FlatUnit, grad) -> None:
-        if not self.callback_queued:
-            Variable._execution_engine.queue_callback(self._finish_backward)
-            self.callback_queued = True
+        self.round.open(self._finish_backward)
         unit.start_gather()
         if self.policy.prefetch and unit.index in self.backward_order:
             position = self.backward_order.index(unit.index)
@@ -257,7 +304,7 @@ class ZeRO3Strategy(Strategy):
             return
         if self.pending is not None:
             self.pending.finish_reduce()
-        unit.start_reduce()
+        unit.start_reduce(self.hook, self.hook_state)
         self.pending = unit
 
     def _finish_backward(self) -> None:
@@ -268,30 +315,25 @@ class ZeRO3Strategy(Strategy):
             ]
             for index in order:
                 self._reduce(self.units[index])
-            used = torch.tensor(
-                [flag for u in self.units for flag in u.used],
-                dtype=torch.int32,
-                device=self.comm.device,
-            )
-            work = None
-            if self.comm.world_size > 1 and used.numel():
-                work = self.comm.all_reduce(used, async_op=True)
+            agreement = self.round.start_agreement()
             if self.pending is not None:
                 self.pending.finish_reduce()
                 self.pending = None
-            if work is not None:
-                work.wait()
-            flags, start = used.tolist(), 0
+            used = self.round.finish_agreement(agreement)
             for u in self.units:
-                u.attach_grads([f > 0 for f in flags[start : start + len(u.params)]])
-                start += len(u.params)
-                u.end_round()
+                u.end_round(used[self.first_index[u.index] : self.first_index[u.index + 1]])
+            if self.precision.float16:  # [Note: found inf] in parts/round.py
+                local = any(u.shard.nonfinite() for u in self.units)
+                if self.round.agree_nonfinite(local):
+                    for u in self.units:
+                        u.shard.poison()
         else:
             for u in self.units:
                 u.forward_count = 0
+                u.grads_attached = False
         for u in self.units:
             u.free()
-        self.callback_queued = False
+        self.round.reset()
         self.comm.tracer.mark("reduce_end")
 
     # -- the public calls ---------------------------------------------------------------------
@@ -325,44 +367,24 @@ class ZeRO3Strategy(Strategy):
         return optimizer
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global norm: each rank's shard norms, combined by one all-reduce."""
-        norm_type = float(norm_type)
+        """Clip by the global norm: each rank's shard norms, combined over the shard group."""
         grads = [g for u in self.units for g in u.piece_grads()]
-        if norm_type == float("inf"):
-            local = max((g.detach().abs().max().float() for g in grads), default=None)
-            total = torch.zeros((), device=self.comm.device) if local is None else local
-            if self.comm.world_size > 1:
-                self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
-        else:
-            norms = [torch.linalg.vector_norm(g.detach(), norm_type).float() for g in grads]
-            total = (
-                torch.stack(norms).pow(norm_type).sum()
-                if norms
-                else torch.zeros((), device=self.comm.device)  # NCCL needs it on the GPU
-            )
-            if self.comm.world_size > 1:
-                self.comm.all_reduce(total)
-            total = total.pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
-        return total
+        return clip_grad_norm_(grads, max_norm, norm_type, self.groups.shard)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return fsdp_checkpoint.full_state_dict(self.model, self.units, self.comm)
+        return fsdp_checkpoint.full_state_dict(self.model, self.units, self.groups.shard)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        fsdp_checkpoint.load_full_state_dict(self.model, self.units, self.comm, state_dict)
+        fsdp_checkpoint.load_full_state_dict(self.model, self.units, state_dict)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        return fsdp_checkpoint.optimizer_state_dict(
-            optimizer, self._originals(optimizer), self.units, self.comm
-        )
+        sharded = [(u.shard, u.params) for u in self.units]
+        originals = self._originals(optimizer)
+        return gather_plain_state(optimizer, sharded, originals, self.groups.shard)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        fsdp_checkpoint.load_optimizer_state_dict(
-            optimizer, self._originals(optimizer), self.units, self.comm, state
-        )
+        sharded = [(u.shard, u.params) for u in self.units]
+        load_plain_state(optimizer, sharded, self._originals(optimizer), state)
 
     def _originals(self, optimizer) -> list[list[nn.Parameter]]:
         if optimizer not in self.original_groups:

@@ -50,6 +50,8 @@ def save_run_checkpoint(state: TrainState, run_dir: Path) -> None:
             "world_size": state.world.world_size,
             "corpus_sha256": state.corpus.sha256,
         }
+        if state.scaler is not None:  # --precision fp16: the loss scale and its growth count
+            train_state["scaler"] = state.scaler.state_dict()
         save_checkpoint(
             Path(run_dir) / CHECKPOINTS, state.step, weights, weights_metadata(state), train_state
         )
@@ -85,6 +87,8 @@ def restore(state: TrainState, run_dir: Path) -> None:
     dp.load_full_state_dict(state.model, weights)
     dp.load_optimizer_state_dict(state.model, state.optimizer, train_state["optimizer"])
     state.sampler.load_state_dict(train_state["sampler"])
+    if state.scaler is not None and "scaler" in train_state:
+        state.scaler.load_state_dict(train_state["scaler"])
     state.step = int(train_state["step"])
 
 

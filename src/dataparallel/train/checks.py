@@ -17,6 +17,7 @@ from ..models import MODEL_CONFIGS
 from ..strategies import POLICIES
 from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
+from .precision import PRECISIONS
 
 # Files that mark a directory as holding a run (see docs/train.md, "The run directory").
 RUN_MARKERS = ("config.toml", "metrics.jsonl", "checkpoint", "model.safetensors")
@@ -64,7 +65,7 @@ def check_values(config: RunConfig) -> None:
     """Check every value on its own and against the others (no I/O)."""
     _choose(field_label("model", "name"), config.model.name, sorted(MODEL_CONFIGS))
     _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(POLICIES))
-    _choose(field_label("train", "precision"), config.train.precision, ["fp32", "bf16"])
+    _choose(field_label("train", "precision"), config.train.precision, sorted(PRECISIONS))
     _choose(field_label("optim", "lr_scaling"), config.optim.lr_scaling, ["none", "linear"])
     for section, name, minimum in [
         ("train", "steps", 1),
@@ -88,6 +89,7 @@ def check_values(config: RunConfig) -> None:
             ("optim", "grad_clip"),
             ("launch", "threads"),
             ("launch", "node_rank"),
+            ("launch", "shard_group"),
         ]
     ]:
         _at_least(config, section, name, minimum)
@@ -131,6 +133,15 @@ def check_values(config: RunConfig) -> None:
                 f"{launch.rdzv_endpoint!r} is not host:port",
                 "give node 0's address and a free port, e.g. --rdzv-endpoint 10.0.0.1:29500",
             )
+    world = config.world_size
+    if launch.shard_group and (world % launch.shard_group or launch.strategy == "ddp"):
+        why = (
+            "ddp replicates everything and takes no shard group"
+            if launch.strategy == "ddp"
+            else f"{launch.shard_group} does not divide the {world} ranks"
+        )
+        fix = "use zero1, zero2 or zero3" if launch.strategy == "ddp" else "use a divisor"
+        raise ConfigError(field_label("launch", "shard_group"), why, f"{fix}, or 0 for none")
     if launch.node_rank >= launch.nnodes:
         raise ConfigError(
             field_label("launch", "node_rank"),

@@ -106,8 +106,11 @@ class TrainConfig:
         as global_batch / (accum x world size), which must divide exactly, and the resolved
         config records that batch (and 0 here). 0: batch decides.
     accum: micro-steps accumulated per optimizer step (gradient accumulation).
-    precision: "fp32", or "bf16" for bfloat16 autocast (on CPU and CUDA; weights, gradients
-        and optimizer state stay fp32).
+    precision: "fp32"; "bf16" for bfloat16 autocast (on CPU and CUDA; weights, gradients
+        and optimizer state stay fp32); "bf16-params" for bf16 parameters, gradients and
+        communication with fp32 master weights and optimizer state; "fp16" for the same in
+        float16 with dynamic loss scaling (torch.amp.GradScaler's defaults; a step whose
+        gradients overflow is skipped on every rank and counted as `skipped_steps`).
     seed: seeds the model's initialisation and the data order; the same seed and world size
         give the same loss curve.
     eval_every: steps between validation passes (also at step 0 and at the end); 0: only at
@@ -137,6 +140,9 @@ class LaunchConfig:
 
     nproc: worker processes on this machine (started through torch.distributed.run).
     strategy: data-parallel strategy, a name from dataparallel.strategies.POLICIES ("ddp"...).
+    shard_group: ranks per shard group for zero1/2/3 on a 2-D mesh (HSDP: shard within groups
+        of this many consecutive ranks, replicate across the groups); must divide the world
+        size. 0: shard over every rank.
     out: run directory for metrics, checkpoints and the report; empty: runs/<time>-<model>.
     threads: torch threads per worker; 0: a fair share, max(1, cores // nproc).
     nnodes: machines in the job; more than 1 needs node_rank and rdzv_endpoint.
@@ -146,6 +152,7 @@ class LaunchConfig:
 
     nproc: int = 2
     strategy: str = "ddp"
+    shard_group: int = 0
     out: str = ""
     threads: int = 0
     nnodes: int = 1

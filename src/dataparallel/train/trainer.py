@@ -31,6 +31,7 @@ import dataparallel as dp
 from ..data.corpus import Corpus, TokenWindows, evenly_spaced, load_corpus
 from ..models import build_model
 from .config import RunConfig
+from .precision import autocast_dtype, grad_scaler, strategy_policy
 from .schedule import WarmupCosine, scaled_lr
 
 
@@ -45,6 +46,9 @@ class StepRecord:
     tokens: target tokens in the global batch.
     step_time_s: wall time of the step (data, forward, backward, communication, update).
     elapsed_s: wall time since `fit` began.
+    loss_scale: the loss scaler's scale after this step (`--precision fp16`), else 1.
+    skipped_steps: steps of this session whose gradients overflowed and were skipped on every
+        rank (they do not count in `step`, nor move the LR schedule).
     """
 
     step: int
@@ -54,6 +58,8 @@ class StepRecord:
     tokens: int
     step_time_s: float
     elapsed_s: float
+    loss_scale: float = 1.0
+    skipped_steps: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -91,7 +97,9 @@ class TrainState:
     train_windows: TokenWindows
     val_windows: TokenWindows
     corpus: Corpus
+    scaler: torch.amp.GradScaler | None = None
     step: int = 0
+    skipped_steps: int = 0
     history: list = field(default_factory=list)  # the StepRecords of this session
     evals: list = field(default_factory=list)  # the EvalRecords of this session
 
@@ -150,7 +158,12 @@ def setup(
         torch.manual_seed(config.train.seed)  # the same initial weights on every rank and run
         model = build_model(config.model.name)
     model = model.to(world.device)
-    dp.parallelize(model, config.launch.strategy, group=world.group)
+    launch, precision = config.launch, config.train.precision
+    policy = strategy_policy(launch.strategy, precision)
+    if 0 < launch.shard_group < world.world_size:  # a 2-D mesh (HSDP)
+        dp.parallelize(model, policy, mesh=dp.init_mesh(launch.shard_group, world.group))
+    else:
+        dp.parallelize(model, policy, group=world.group)
     optim = config.optim
     peak_lr = scaled_lr(
         optim.lr,
@@ -189,6 +202,7 @@ def setup(
         train_windows=train_windows,
         val_windows=val_windows,
         corpus=corpus,
+        scaler=grad_scaler(precision, world.device),
     )
 
 
@@ -218,8 +232,8 @@ def _all_reduce_sum(values: list[float], world: dp.World) -> list[float]:
 
 
 def _autocast(state: TrainState):
-    enabled = state.config.train.precision == "bf16"
-    return torch.autocast(state.world.device.type, dtype=torch.bfloat16, enabled=enabled)
+    dtype = autocast_dtype(state.config.train.precision)
+    return torch.autocast(state.world.device.type, dtype=dtype, enabled=dtype is not None)
 
 
 def _token_loss_sum(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor):
@@ -243,19 +257,34 @@ def train_step(state: TrainState) -> StepRecord:
     for group in state.optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
+    scaler = state.scaler
     for k, (inputs, targets) in enumerate(micro):
         # Every micro-step but the last accumulates locally; the last one's backward reduces.
         sync = contextlib.nullcontext() if k == accum - 1 else dp.no_sync(model)
         with sync:
             summed = _token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
-            (summed * scale).backward()
+            loss = summed * scale
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += summed.detach().double()
     max_norm = config.optim.grad_clip if config.optim.grad_clip > 0 else math.inf
+    if scaler is not None:
+        scaler.unscale_(state.optimizer)  # clip the true gradients
     grad_norm = float(dp.clip_grad_norm_(model, max_norm))
-    state.optimizer.step()
+    if scaler is not None:
+        # Every rank agrees on an overflow ([Note: found inf]), so all skip or all step.
+        before = scaler.get_scale()
+        scaler.step(state.optimizer)
+        scaler.update()
+        skipped = scaler.get_scale() < before
+    else:
+        state.optimizer.step()
+        skipped = False
     state.optimizer.zero_grad(set_to_none=True)
     (total_loss,) = _all_reduce_sum([float(loss_sum)], world)
-    state.step += 1
+    if skipped:
+        state.skipped_steps += 1
+    else:
+        state.step += 1
     return StepRecord(
         step=state.step,
         loss=total_loss / global_tokens,
@@ -264,6 +293,8 @@ def train_step(state: TrainState) -> StepRecord:
         tokens=int(global_tokens),
         step_time_s=time.perf_counter() - started,
         elapsed_s=0.0,
+        loss_scale=scaler.get_scale() if scaler is not None else 1.0,
+        skipped_steps=state.skipped_steps,
     )
 
 

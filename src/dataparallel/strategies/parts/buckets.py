@@ -117,13 +117,23 @@ EMPTY, SCALED, RAW = 0, 1, 2
 class Bucket:
     """A flat gradient buffer shared by a few parameters, and its reduction in flight.
 
+    What a communication hook sees ([Note: reduction interface] in comm/hooks.py): `index`
+    (launch position), `buffer` (the flat gradients, already divided for the mean) and `shard`
+    (None: reduce the whole buffer; (start, stop): this rank keeps only that slice, so the hook
+    may reduce-scatter into it).
+
     Life cycle, once per synchronised backward: `attach_grads` before the forward,
     `adopt_grad` and `mark_ready` for each parameter as autograd finishes it, `launch` once all
     are ready (zeros for what never came, the mean's division for what is not divided yet),
-    `wait` before the optimizer reads the gradients, `reset` for the next round.
+    `wait` before the result is read, `reset` for the next round.
 
-    divisor: the world size when gradients are averaged (the bucket then holds this rank's
-        gradient divided by it, so the hook only sums), 1 for a plain sum.
+    divisor: the number of ranks averaged over (the bucket then holds this rank's gradient
+        divided by it, so the hook only sums), 1 for a plain sum.
+    lazy: hold no buffer between rounds ([Note: lazy buckets]).
+    shard: this rank's [start, stop) of the buffer when only that slice is kept, or None.
+    grad_views: whether the parameters' `.grad` are views into the buffer ([Note: gradient
+        views]); only possible when the buffer has the parameters' dtype. Otherwise (a wider
+        `reduce_dtype`) each gradient is added into the buffer and `.grad` goes back to None.
     """
 
     def __init__(
@@ -132,18 +142,21 @@ class Bucket:
         params: list[torch.nn.Parameter],
         lazy: bool = False,
         divisor: int = 1,
+        shard: tuple[int, int] | None = None,
     ):
         self.spec = spec
         self.index = spec.index
         self.params = params
         self.divisor = divisor
+        self.shard = shard
+        self.grad_views = all(p.dtype == spec.dtype for p in params)
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         self.held: list[int] = [EMPTY] * len(params)  # per position: EMPTY, SCALED or RAW
         if not lazy:  # [Note: lazy buckets]
             self.allocate()
         self.pending = len(params)
-        self.future: torch.futures.Future | None = None
+        self.future = None
 
     def allocate(self) -> None:
         """Create the flat buffer (padding zeroed) and the per-parameter views into it."""
@@ -164,8 +177,14 @@ class Bucket:
         self.buffer, self.views = None, []
         self.held = [EMPTY] * len(self.params)
 
+    def reduced(self) -> torch.Tensor:
+        """What this rank keeps of the reduction: its shard of the buffer, or the whole."""
+        if self.shard is None:
+            return self.buffer
+        return self.buffer[self.shard[0] : self.shard[1]]
+
     def attach_grads(self) -> list[bool]:
-        """Before a forward: bring existing grads into their views; note which had none.
+        """Before a forward: bring existing grads into the buffer; note which had none.
 
         A parameter without a grad keeps None: autograd hands over a fresh gradient, which
         `adopt_grad` copies into the view ([Note: gradient views]). Returns, per parameter,
@@ -180,16 +199,20 @@ class Bucket:
             zip(self.params, self.views, was_none, strict=True)
         ):
             if none:
-                self.held[position] = EMPTY
-                continue
-            self.held[position] = RAW  # a local sum: autograd may add to it in place
+                if self.grad_views:  # no grad: none accumulated (or zero_grad dropped it)
+                    self.held[position] = EMPTY
+                continue  # without views, `held` keeps what the buffer accumulated
             if param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)
-                param.grad = view
+                if self.held[position] == EMPTY or self.grad_views:
+                    view.copy_(param.grad)
+                else:
+                    view.add_(param.grad)
+                param.grad = view if self.grad_views else None
+            self.held[position] = RAW  # a local sum: autograd may add to it in place
         return was_none
 
     def adopt_grad(self, position: int, divide: bool = True) -> None:
-        """Bring the grad autograd just produced into its view.
+        """Bring the grad autograd just produced into the buffer.
 
         A fresh gradient into an empty view is copied, divided by `divisor` in the same pass
         when `divide` (a synchronised backward); a grad autograd accumulated into the view in
@@ -201,17 +224,25 @@ class Bucket:
         grad = param.grad
         if grad is None or grad.data_ptr() == view.data_ptr():
             return
-        if self.held[position] == EMPTY and divide and self.divisor != 1:
-            torch.div(grad, self.divisor, out=view)
+        held = self.held[position]
+        if held == EMPTY and divide and self.divisor != 1:
+            if grad.dtype == view.dtype or view.dtype.itemsize > grad.dtype.itemsize:
+                torch.div(grad, self.divisor, out=view)  # the division and the copy in one pass
+            else:
+                view.copy_(grad).div_(self.divisor)
             self.held[position] = SCALED
-        else:  # a first gradient without division, or one autograd rebuilt (create_graph)
+        elif held == EMPTY or self.grad_views:
+            # a first gradient without division, or one autograd rebuilt (create_graph: it
+            # already holds what the view held)
             view.copy_(grad)
             self.held[position] = RAW
-        param.grad = view
+        else:  # the buffer accumulates, .grad does not: add this backward's gradient
+            view.add_(grad, alpha=1.0 / self.divisor if held == SCALED else 1.0)
+        param.grad = view if self.grad_views else None
 
     def complete(self) -> None:
-        """Before the reduction: zeros, as views, for parameters that got no gradient this
-        round; the division by `divisor` for what holds a local sum."""
+        """Before the reduction: zeros for parameters that got no gradient this round; the
+        division by `divisor` for what holds a local sum."""
         if self.buffer is None:
             self.allocate()
         if self.divisor != 1 and all(h == RAW for h in self.held):
@@ -222,7 +253,8 @@ class Bucket:
             view = self.views[position]
             if held == EMPTY:
                 view.zero_()
-                self.params[position].grad = view
+                if self.grad_views:
+                    self.params[position].grad = view
             elif held == RAW and self.divisor != 1:
                 view.div_(self.divisor)
             self.held[position] = SCALED
@@ -237,15 +269,21 @@ class Bucket:
         self.future = hook(state, self)
 
     def wait(self) -> None:
+        """Wait for the hook's result and bring it into the buffer (or the shard) if it is
+        not there already."""
         if self.future is None:
             return
         result = self.future.wait()
         if isinstance(result, list):
             result = result[0]
-        if result is not self.buffer and result.data_ptr() != self.buffer.data_ptr():
-            self.buffer.copy_(result)
+        target = self.buffer if result.numel() == self.buffer.numel() else self.reduced()
+        if result.data_ptr() != target.data_ptr():
+            target.copy_(result.view(-1))
         self.future = None
 
     def reset(self) -> None:
+        """After a synchronised round: nothing accumulated any more."""
         self.pending = len(self.params)
         self.future = None
+        if not self.grad_views:
+            self.held = [EMPTY] * len(self.params)

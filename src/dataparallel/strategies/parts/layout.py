@@ -1,12 +1,13 @@
-"""Shard layouts: which rank owns which slice of a flat bucket, and which parameters it touches.
+"""The shard layout every sharded strategy uses: which rank owns which slice of a flat buffer.
 
 Pure arithmetic, no process group, so it is tested on its own (tests/unit/test_sharding.py).
 
-[Note: shard layout] A bucket is a flat buffer of parameters laid end to end (offsets from the
-bucket plan), padded with zeros to a multiple of the world size so it splits evenly: rank r
+[Note: shard layout] A flat buffer holds parameters laid end to end (a ZeRO-1/2 bucket, a
+ZeRO-3 unit), padded with zeros to a multiple of the shard count so it splits evenly: shard r
 owns elements [r * s, (r + 1) * s) with s = numel / world_size. A parameter may straddle two
-ranks' slices; a `Piece` is the part of one parameter inside one rank's slice. Padding is
-never part of any piece: it stays zero (zero gradient, zero value) and is never read back.
+shards; a `Piece` is the part of one parameter inside one shard. Padding is never part of any
+piece: it stays zero (zero gradient, zero value) and is never read back. `world_size` here is
+the number of shards (the shard group's size under a 2-D mesh, docs/mesh.md), not of ranks.
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ class Piece:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """How one flat bucket splits evenly over the ranks ([Note: shard layout]).
+    """How one flat buffer splits evenly over the shards ([Note: shard layout]).
 
-    sizes: elements of each parameter, in bucket order.
-    offsets: where each parameter starts in the flat bucket (same order).
-    numel: elements in the flat bucket, padding included; a multiple of `world_size`.
-    world_size: number of ranks sharing the bucket.
+    sizes: elements of each parameter, in flat order.
+    offsets: where each parameter starts in the flat buffer (same order).
+    numel: elements in the flat buffer, padding included; a multiple of `world_size`.
+    world_size: number of shards the buffer splits into.
     """
 
     sizes: tuple[int, ...]
@@ -64,9 +65,8 @@ class ShardLayout:
                 f"ShardLayout: numel={self.numel} must be a multiple of "
                 f"world_size={self.world_size}; pad it with padded_numel"
             )
-        end = max((o + n for o, n in zip(self.offsets, self.sizes, strict=True)), default=0)
-        if end > self.numel:
-            raise ValueError(f"ShardLayout: parameters end at {end}, past numel={self.numel}")
+        if self.end > self.numel:
+            raise ValueError(f"ShardLayout: parameters end at {self.end}, past numel={self.numel}")
 
     @property
     def shard_numel(self) -> int:
@@ -87,6 +87,30 @@ class ShardLayout:
             if start < stop:
                 out.append(Piece(position, start - offset, stop - offset, start - lo))
         return out
+
+    @classmethod
+    def pack(cls, sizes: list[int] | tuple[int, ...], world_size: int) -> ShardLayout:
+        """Parameters of `sizes` elements laid end to end, padded to split over `world_size`."""
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += n
+        return cls(tuple(sizes), tuple(offsets), padded_numel(total, world_size), world_size)
+
+    @property
+    def end(self) -> int:
+        """One past the last parameter element (where the padding starts)."""
+        return max((o + n for o, n in zip(self.offsets, self.sizes, strict=True)), default=0)
+
+    def local_slice(self, param: int, rank: int) -> tuple[int, int, int]:
+        """(start, stop) of parameter `param` inside `rank`'s shard, and where that part starts
+        inside the parameter; (0, 0, 0) when the parameter has no element there."""
+        lo, hi = self.shard_range(rank)
+        start = max(self.offsets[param], lo)
+        stop = min(self.offsets[param] + self.sizes[param], hi)
+        if stop <= start:
+            return 0, 0, 0
+        return start - lo, stop - lo, start - self.offsets[param]
 
     def owner(self, param: int) -> int:
         """The rank whose slice holds the first element of parameter `param`."""

@@ -10,15 +10,15 @@ only then does `loss.backward()` return, so `.grad` is always the reduced gradie
 [Note: unused parameters] Detection is automatic, no flag. A parameter that gets no gradient
 in a step (a branch not taken, a frozen path) never fires its hook, so its bucket cannot fill
 during backward; the end-of-backward callback launches such buckets, in order, with zeros for
-the missing gradients (bucket views were zeroed when the round began), which is exactly that
-rank's contribution. One small all-reduce of a used-flag per parameter tells every rank which
-parameters no rank used; those get `.grad = None` back if they had none when the round began,
-so optimizers skip them just as they would in single-process training.
+the missing gradients, which is exactly that rank's contribution. The round's agreement ([Note:
+backward round] in round.py) tells every rank which parameters no rank used; those get
+`.grad = None` back if they had none when the round began, so optimizers skip them just as they
+would in single-process training.
 
 Sharded strategies extend the reducer without branching it: `on_bucket_reduced(bucket)` is
 called on the training thread for each bucket once its reduction has arrived, in launch order
-(during backward for those already done, the rest at the end), and `on_round_end(unused)` after
-each synchronised round with the positions of the parameters no rank used. With
+(during backward for those already done, the rest at the end), and `on_round_end(used)` after
+each synchronised round with, per parameter, whether any rank used it. With
 `max_in_flight=k`, launching a bucket first collects (waiting if need be) the oldest ones until
 at most k are uncollected, also for the buckets launched late at the end of backward: it
 bounds the reductions in flight, and the memory they hold (ZeRO-2's full-size buckets, a
@@ -33,31 +33,38 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-from torch.autograd.variable import Variable
 
-from ..comm import Comm, HookState
+from ...comm import Comm, HookState
 from .buckets import Bucket, BucketSpec
+from .round import BackwardRound
 
 
 class GradientReducer:
-    """Bucketed, overlapped reduction of the gradients of `params` (given in planned order)."""
+    """Bucketed, overlapped reduction of the gradients of `params` (given in planned order).
+
+    world: every rank that contributes gradients (used flags are agreed over it).
+    divisor: the ranks the mean divides by (1 for a sum).
+    shards: per bucket, this rank's [start, stop) when it keeps only that slice (sharded
+        strategies), or None for the whole bucket.
+    """
 
     def __init__(
         self,
         params: list[torch.nn.Parameter],
         specs: list[BucketSpec],
-        comm: Comm,
+        world: Comm,
         hook,
         hook_state: HookState,
         *,
-        mean: bool = True,
+        divisor: int = 1,
+        shards: list[tuple[int, int] | None] | None = None,
         lazy_buffers: bool = False,
         on_bucket_reduced: Callable[[Bucket], None] | None = None,
-        on_round_end: Callable[[list[int]], None] | None = None,
+        on_round_end: Callable[[list[bool]], None] | None = None,
         max_in_flight: int | None = None,
     ):
         self.params = params
-        self.comm = comm
+        self.comm = world
         self.hook = hook
         self.hook_state = hook_state
         self.on_bucket_reduced = on_bucket_reduced
@@ -65,24 +72,21 @@ class GradientReducer:
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"GradientReducer: max_in_flight={max_in_flight} must be >= 1 or None")
         self.max_in_flight = max_in_flight
-        divisor = comm.world_size if mean else 1
+        shards = shards or [None] * len(specs)
         self.buckets = [
-            Bucket(s, [params[i] for i in s.param_indices], lazy=lazy_buffers, divisor=divisor)
-            for s in specs
+            Bucket(s, [params[i] for i in s.param_indices], lazy_buffers, divisor, shard)
+            for s, shard in zip(specs, shards, strict=True)
         ]
         self.location: dict[int, tuple[Bucket, int]] = {}
         for bucket in self.buckets:
             for position, i in enumerate(bucket.spec.param_indices):
                 self.location[i] = (bucket, position)
         self.sync_enabled = True
-        # Per-parameter 'got a gradient' flags, set in a plain bytearray from the hooks (a
-        # tensor write per parameter would be a kernel launch each on CUDA); sent at the end.
-        self.used = bytearray(len(params))
+        self.round = BackwardRound(len(params), world)
         self.was_none = [True] * len(params)
         self.round_open = False
         self.next_launch = 0
         self.next_collect = 0
-        self.callback_queued = False
         self.planned_order = [i for b in self.buckets for i in b.spec.param_indices]
         self.handles = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i))
@@ -90,8 +94,8 @@ class GradientReducer:
         ]
 
     def prepare(self) -> None:
-        """Before a forward: make every .grad a bucket view; remember which had none."""
-        if self.callback_queued:
+        """Before a forward: bring every .grad into its bucket; remember which had none."""
+        if self.round.queued:
             # A synchronised backward raised (say, out of memory) and autograd dropped its
             # end-of-backward callback: wait out the collectives it launched (they write into the
             # buckets) and start the next round clean instead of half-way through this one.
@@ -110,12 +114,10 @@ class GradientReducer:
         if not self.round_open:
             self.was_none[i] = False  # a backward with no forward through the root module
             self.round_open = True
-        self.used[i] = 1
+        self.round.mark_used(i)
         if not self.sync_enabled:
             return
-        if not self.callback_queued:
-            Variable._execution_engine.queue_callback(self._finish)
-            self.callback_queued = True
+        self.round.open(self._finish)
         if self.comm.tracer.enabled:
             self.comm.tracer.mark("grad_ready", param=i)
         if bucket.mark_ready():
@@ -157,30 +159,24 @@ class GradientReducer:
         self.comm.tracer.mark("backward_end")
         for bucket in self.buckets[self.next_launch :]:
             self._launch(bucket, late=True)
-        used = torch.tensor(list(self.used), dtype=torch.int32, device=self.comm.device)
-        used_work = None
-        if self.comm.world_size > 1:
-            used_work = self.comm.all_reduce(used, async_op=True)
+        agreement = self.round.start_agreement()
         for bucket in self.buckets[self.next_collect :]:
             self._collect(bucket)
-        if used_work is not None:
-            used_work.wait()
+        used = self.round.finish_agreement(agreement)
         self.comm.tracer.mark("reduce_end")
-        unused = torch.nonzero(used == 0).flatten().tolist()
-        for i in unused:
-            if self.was_none[i]:
+        for i, was_used in enumerate(used):
+            if not was_used and self.was_none[i]:
                 self.params[i].grad = None
-        if self.on_round_end is not None:
-            self.on_round_end(unused)
         self._reset()
+        if self.on_round_end is not None:
+            self.on_round_end(used)
 
     def _reset(self) -> None:
         for bucket in self.buckets:
             bucket.reset()
-        self.used = bytearray(len(self.params))
+        self.round.reset()
         self.next_launch = 0
         self.next_collect = 0
-        self.callback_queued = False
         self.round_open = False
 
     def remove(self) -> None:

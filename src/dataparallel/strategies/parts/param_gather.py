@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import Comm
+from ...comm import Comm
 
 
 class ParamGather:

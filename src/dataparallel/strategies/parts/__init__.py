@@ -1,0 +1,13 @@
+"""The parts every strategy is composed of, one concept per module (docs/core.md).
+
+layout.py       ShardLayout: which shard owns which slice of a flat buffer (pure arithmetic)
+flat_shard.py   FlatShard: this rank's shard of a flat buffer, its pieces and their gradients
+buckets.py      the bucket plan and Bucket: flat gradients, divided for the mean, handed to hooks
+reducer.py      GradientReducer: buckets launched as backward fills them, overlapped
+round.py        BackwardRound: the end of a synchronised backward, used flags, found-inf
+plain_state.py  optimizer state in plain per-parameter form, to and from shards
+clip.py         global-norm clipping over shards
+param_gather.py ZeRO-1/2's parameter all-gather after the step, optionally overlapped
+precision.py    MixedPrecision: the dtypes a strategy computes, reduces and returns in
+mesh.py         2-D meshes: shard within groups, replicate across them
+"""

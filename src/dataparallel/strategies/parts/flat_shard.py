@@ -1,0 +1,146 @@
+"""A flat shard: this rank's part of one flat buffer of parameters, as its optimizer sees it.
+
+[Note: flat shard] Every sharded strategy builds its state from the same two things: a
+`ShardLayout` ([Note: shard layout] in layout.py) and, per rank, a `FlatShard`. A ZeRO-1/2
+bucket is one, a ZeRO-3 unit is one. The shard holds
+- `data`: this rank's elements in the dtype the optimizer steps: fp32 master weights when the
+  parameters are held in low precision, otherwise the parameters' own memory (a slice of the
+  flat parameter buffer for ZeRO-1/2, the unit's shard for ZeRO-3);
+- `pieces`: per parameter of the layout, an nn.Parameter viewing that parameter's part of
+  `data`, or None where it has no element on this rank. The optimizer is the user's class built
+  over the pieces, one tensor per piece, so param groups, per-parameter scalars (Adam's `step`)
+  and LR schedulers keep their meaning, and an elementwise update is exactly the one-process
+  update of that part of the parameter;
+- the gradient: each synchronised backward hands the shard its reduced (averaged) gradient,
+  which `take_reduced` keeps in a flat store of `data`'s dtype; at the end of the round
+  `attach_grads` makes each piece's `.grad` a view into it. A plain optimizer, the global-norm
+  clip and `torch.amp.GradScaler` therefore see ordinary gradients, and `zero_grad` clears them.
+
+[Note: skipped parameters] In one process a parameter whose .grad is None is skipped by the
+step: no weight decay, no momentum, no `step` count. A piece gets a .grad only if some rank used
+its parameter since the last zero_grad, so the step skips the same parameters, exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layout import ShardLayout
+
+
+class FlatShard:
+    """This rank's shard of one flat buffer ([Note: flat shard]).
+
+    layout: how the flat buffer splits over the shard group.
+    rank: this rank's index in the shard group.
+    data: the shard's `layout.shard_numel` elements that the optimizer updates.
+    trainable: per parameter of the layout, whether it requires a gradient (pieces of frozen
+        parameters exist, for checkpoints, but are not given to the optimizer).
+    """
+
+    def __init__(self, layout: ShardLayout, rank: int, data: torch.Tensor, trainable: list[bool]):
+        self.layout = layout
+        self.rank = rank
+        self.data = data
+        self.ranges: list[tuple[int, int]] = []  # per parameter: its [start, stop) in the shard
+        self.pieces: list[nn.Parameter | None] = []
+        for position, requires_grad in enumerate(trainable):
+            start, stop, _ = layout.local_slice(position, rank)
+            self.ranges.append((start, stop))
+            piece = nn.Parameter(data[start:stop], requires_grad=requires_grad)
+            self.pieces.append(piece if stop > start else None)
+        self.store: torch.Tensor | None = None  # the gradient; pieces' .grad are views into it
+        self.borrowed = False  # whether `store` is memory someone else reuses (take_reduced)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """What the optimizer steps: the trainable pieces, in layout order."""
+        return [p for p in self.pieces if p is not None and p.requires_grad]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    # -- gradients -------------------------------------------------------------------------
+    @torch.no_grad()
+    def take_reduced(self, reduced: torch.Tensor, borrow: bool = False) -> None:
+        """Add one synchronised backward's averaged gradient of this shard (`shard_numel`
+        elements, any float dtype): pieces without a .grad start from it, the others add it.
+
+        borrow: when the dtypes agree, keep `reduced` itself as the store instead of copying it
+            (ZeRO-1's full buckets: what pieces held is added into it); the owner of that
+            memory calls `stop_borrowing` before it writes there again.
+        """
+        trainable = [p for p in self.pieces if p is not None and p.requires_grad]
+        held = [p.grad is not None for p in trainable]
+        if borrow and reduced.dtype == self.data.dtype:
+            if any(held):  # what earlier rounds summed moves into `reduced`
+                self._add_held_into(reduced)
+            self.store, self.borrowed = reduced, True
+            self._point_grads(keep_only_held=True)
+            return
+        if not any(held):
+            self._own_store().copy_(reduced)
+        elif all(held):
+            self.store.add_(reduced)
+        else:
+            for piece, (start, stop) in zip(self.pieces, self.ranges, strict=True):
+                if piece is None or not piece.requires_grad:
+                    continue
+                if piece.grad is None:
+                    self.store[start:stop].copy_(reduced[start:stop])
+                else:
+                    self.store[start:stop].add_(reduced[start:stop])
+
+    def _add_held_into(self, target: torch.Tensor) -> None:
+        for piece, (start, stop) in zip(self.pieces, self.ranges, strict=True):
+            if piece is not None and piece.grad is not None:
+                target[start:stop].add_(self.store[start:stop])
+
+    def _own_store(self) -> torch.Tensor:
+        """The shard's own gradient store, allocated once (padding zero) and then reused."""
+        if self.store is None or self.borrowed:
+            self.store = torch.zeros_like(self.data)
+            self.borrowed = False
+        return self.store
+
+    @torch.no_grad()
+    def stop_borrowing(self) -> None:
+        """Copy a borrowed store into the shard's own memory (pieces' .grad follow), or drop it
+        when no piece holds a gradient any more."""
+        if not self.borrowed:
+            return
+        borrowed, self.store, self.borrowed = self.store, None, False
+        if not any(p.grad is not None for p in self.params):
+            return
+        self._own_store().copy_(borrowed)
+        self._point_grads(keep_only_held=True)
+
+    def clear_grads(self) -> None:
+        for piece in self.params:
+            piece.grad = None
+
+    def attach_grads(self, used: list[bool]) -> None:
+        """At the end of a synchronised round: each trainable piece whose parameter some rank
+        used gets its view of the store as .grad ([Note: skipped parameters])."""
+        if self.store is None:
+            return
+        for piece, was_used, (start, stop) in zip(self.pieces, used, self.ranges, strict=True):
+            if piece is not None and piece.requires_grad and (was_used or piece.grad is not None):
+                piece.grad = self.store[start:stop]
+
+    def _point_grads(self, keep_only_held: bool) -> None:
+        for piece, (start, stop) in zip(self.pieces, self.ranges, strict=True):
+            if piece is not None and (piece.grad is not None or not keep_only_held):
+                piece.grad = self.store[start:stop]
+
+    def nonfinite(self) -> bool:
+        """Whether the gradient this shard holds has an inf or NaN (the padding is zero)."""
+        return self.store is not None and not bool(torch.isfinite(self.store).all())
+
+    @torch.no_grad()
+    def poison(self) -> None:
+        """Make every held piece gradient non-finite: another shard found an inf or NaN, and all
+        ranks must skip the step together ([Note: found inf] in round.py)."""
+        for grad in self.grads():
+            grad.fill_(float("nan"))

@@ -1,0 +1,72 @@
+"""The end of a synchronised backward, shared by every strategy: one callback, one agreement.
+
+[Note: backward round] The first gradient hook of a synchronised backward opens a round and
+queues a callback that autograd runs once the whole backward is done. The strategy's callback
+launches what is left to reduce and waits for it; the round meanwhile agrees, across every rank
+of the job (replicas included), on two things, in one small all-reduce of integers:
+- which parameters no rank used ([Note: unused parameters]): a parameter that got no gradient
+  anywhere keeps `.grad = None`, so the optimizer skips it as one process would;
+- [Note: found inf] whether any rank's reduced gradient holds an inf or NaN (only when the
+  strategy asks, under float16: a loss scaler's overflow). Each rank sees only its own shard,
+  so without this one rank could step while another skips; with it, a rank that finds one makes
+  every shard's gradient non-finite on every rank (`FlatShard.poison`), and an unmodified
+  `torch.amp.GradScaler` then skips the step everywhere, together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.autograd.variable import Variable
+
+from ...comm import Comm
+
+
+class BackwardRound:
+    """Used-parameter flags for `n` parameters, and the callback at the end of backward.
+
+    comm: every rank that contributes gradients (the whole job, not just the shard group).
+    """
+
+    def __init__(self, n: int, comm: Comm):
+        self.comm = comm
+        # Set from the hooks in a plain bytearray: a tensor write per parameter would be a
+        # kernel launch each on CUDA. Sent as one tensor at the end.
+        self.used = bytearray(n)
+        self.queued = False
+
+    def open(self, at_end: Callable[[], None]) -> None:
+        """Queue `at_end` to run when autograd finishes this backward (once per round)."""
+        if not self.queued:
+            Variable._execution_engine.queue_callback(at_end)
+            self.queued = True
+
+    def mark_used(self, i: int) -> None:
+        self.used[i] = 1
+
+    def start_agreement(self):
+        """Start the all-reduce of the used flags; `finish_agreement` waits for it."""
+        flags = torch.tensor(list(self.used), dtype=torch.int32, device=self.comm.device)
+        work = None
+        if self.comm.world_size > 1 and flags.numel():
+            work = self.comm.all_reduce(flags, async_op=True)
+        return flags, work
+
+    def finish_agreement(self, pending) -> list[bool]:
+        """Per parameter, whether any rank used it this round."""
+        flags, work = pending
+        if work is not None:
+            work.wait()
+        return [f > 0 for f in flags.tolist()]
+
+    def agree_nonfinite(self, local: bool) -> bool:
+        """Whether any rank found a non-finite gradient ([Note: found inf]). Collective."""
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=self.comm.device)
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(flag)
+        return bool(flag.item())
+
+    def reset(self) -> None:
+        self.used = bytearray(len(self.used))
+        self.queued = False
