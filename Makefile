@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test lint bench clean
+.PHONY: train test lint bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,5 +27,16 @@ test: lint
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/bench_step.py $(ARGS)
 
+# The GPU check (benchmarks/gpu_check.py) on a machine with one NVIDIA GPU: its own venv with
+# PyPI's torch 2.13.0 for Linux, which is the CUDA build (or wheels carried in .whl/ when the
+# machine has no network: WHEELS=.whl), then one table of every CUDA/NCCL path.
+GPU_VENV ?= .venv-gpu
+WHEELS ?=
+gpu-check:
+	python3 -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) 'torch==2.13.0'
+	$(GPU_VENV)/bin/pip install -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) -e .
+	$(GPU_VENV)/bin/python benchmarks/gpu_check.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) runs .pytest_cache

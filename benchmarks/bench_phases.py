@@ -33,9 +33,9 @@ from bench_step import (
     make_batches,
     setup_everywhere,
 )
+from contenders import MODELS
 
 import dataparallel as dp
-from dataparallel.models import build_model
 
 PHASES = ("zero_grad", "forward", "backward", "step")
 COLUMNS = (*PHASES, "finish", "thread", "process", "wall")
@@ -68,7 +68,7 @@ def phased_step(prepared, x, y, group) -> dict[str, float]:
 
 def run_rank(rank: int, args, port: int, queue) -> None:
     world = join_world(rank, args, port)
-    batches = make_batches(args, build_model(args.model).config.vocab_size, rank)
+    batches = make_batches(args, MODELS[args.model].vocab_size, rank)
     prepared = {}
     for name in args.contenders:
         ready, error = setup_everywhere(name, args, world)

@@ -4,6 +4,7 @@
         --rounds 7 --steps 10 --warmup 3 --nproc 2
     python benchmarks/bench_step.py --model gpt-small            # every available contender
     python benchmarks/bench_step.py --model gpt-medium --json medium.json
+    python benchmarks/bench_step.py --baseline HEAD~1 --contenders ddp,old-ddp,zero2,old-zero2,bound
 
 One invocation starts `--nproc` ranks (gloo on 127.0.0.1, one thread each) and, inside that
 one world, runs the contenders interleaved: round 1 runs A, B, C, round 2 runs B, C, A, and so
@@ -15,12 +16,9 @@ for the method and how to read the ratios.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
-import shlex
 import socket
 import statistics
 import sys
@@ -28,28 +26,38 @@ import tempfile
 import time
 import warnings
 
+import baseline
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from contenders import CONTENDERS, PEERS, unavailable
+from contenders import (
+    CONTENDERS,
+    MODELS,
+    OLD_IN_ALL,
+    OURS,
+    PEERS,
+    bench_model,
+    old_contenders,
+    unavailable,
+)
+from step_report import machine_info, render
 
 import dataparallel as dp
-from dataparallel.models import MODEL_CONFIGS, GPTConfig, build_model
-
-MIB = 1024 * 1024
-# The memory the table adds up; reports may carry more (e.g. master_params, a part of the
-# optimizer state, or a transient peak), which the JSON keeps.
-HELD = ("params", "grads", "optimizer_state")
 
 
 def add_world_args(parser: argparse.ArgumentParser, contenders: str, steps: int) -> None:
     """The options every benchmark here shares: model, contenders, steps, ranks, batch."""
-    gpts = [name for name, config in MODEL_CONFIGS.items() if isinstance(config, GPTConfig)]
-    parser.add_argument("--model", default="gpt-small", choices=gpts)
+    parser.add_argument("--model", default="gpt-small", choices=list(MODELS))
     parser.add_argument(
         "--contenders",
         default=contenders,
-        help=f"comma-separated, or 'all' (unavailable ones are skipped): {', '.join(CONTENDERS)}",
+        help=f"comma-separated, or 'all' (unavailable ones are skipped): {', '.join(CONTENDERS)}"
+        ", and with --baseline old-<name> for any of ours",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="a git commit (HEAD~1, a hash) whose package runs the old-* contenders",
     )
     parser.add_argument(
         "--steps", type=int, default=steps, help="timed steps per contender (per round)"
@@ -59,21 +67,43 @@ def add_world_args(parser: argparse.ArgumentParser, contenders: str, steps: int)
     )
     parser.add_argument("--nproc", type=int, default=2, help="ranks (one thread each)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    parser.add_argument(
+        "--seq", type=int, help="tokens per sequence (default: the model's, at most 256)"
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
 def check_world_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse bad shared options with one line each; turn --contenders into a list."""
-    names = list(CONTENDERS) if args.contenders == "all" else args.contenders.split(",")
-    unknown = [n for n in names if n not in CONTENDERS]
+    """Refuse bad shared options with one line each; turn --contenders into a list.
+
+    With --baseline, check out and import the old package here, once, so that a bad ref or an
+    old package that does not import fails in one line before any rank starts.
+    """
+    if args.contenders == "all":
+        names = list(CONTENDERS) + list(OLD_IN_ALL if args.baseline else ())
+    else:
+        names = args.contenders.split(",")
+    old = [f"old-{n}" for n in OURS]
+    unknown = [n for n in names if n not in CONTENDERS and n not in old]
     if unknown:
-        parser.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+        parser.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}, old-*")
+    if any(n in old for n in names) and not args.baseline:
+        parser.error("old-* contenders need --baseline REF (the commit to compare with)")
+    block_size = MODELS[args.model].block_size
+    args.seq = min(256, block_size) if args.seq is None else args.seq
     if min(args.steps, args.nproc, args.batch, args.seq) < 1 or args.warmup < 0:
         parser.error("--steps, --nproc, --batch and --seq must be >= 1, --warmup >= 0")
-    if args.seq > MODEL_CONFIGS[args.model].block_size:
-        parser.error(f"--seq {args.seq} exceeds {args.model}'s block_size")
+    if args.seq > block_size:
+        parser.error(f"--seq {args.seq} exceeds {args.model}'s block_size {block_size}")
     args.contenders = names
+    args.baseline_commit = args.baseline_path = None
+    if args.baseline:
+        try:
+            args.baseline_commit = baseline.resolve(args.baseline)
+            args.baseline_path = str(baseline.checkout(args.baseline))
+            baseline.load(args.baseline_path)
+        except baseline.BaselineError as exc:
+            parser.error(str(exc))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -170,7 +200,7 @@ def setup_everywhere(name: str, args, world):
     and the contender dropped, instead of ending the run.
     """
     torch.manual_seed(args.seed)
-    model = build_model(args.model)
+    model = bench_model(args.model)
     try:
         prepared, error = CONTENDERS[name](model, world), None
     except Exception as exc:  # reported, then skipped on every rank alike
@@ -195,14 +225,18 @@ def join_world(rank: int, args, port: int):
     warnings.filterwarnings(
         "ignore", message=r".* is deprecated\. Please use", category=FutureWarning
     )
-    return dp.init(backend="gloo", threads=1)
+    world = dp.init(backend="gloo", threads=1)
+    if args.baseline_path:
+        # The old package shares this process' default group; its old-* contenders join the
+        # registry that setup_everywhere reads.
+        CONTENDERS.update(old_contenders(baseline.load(args.baseline_path)))
+    return world
 
 
 def run_rank(rank: int, args, port: int, out_path: str) -> None:
     """One rank: every round runs every contender in a rotated order; rank 0 saves results."""
     world = join_world(rank, args, port)
-    vocab_size = build_model(args.model).config.vocab_size
-    batches = make_batches(args, vocab_size, rank)
+    batches = make_batches(args, MODELS[args.model].vocab_size, rank)
     names = list(args.contenders)
     timing_group = dist.new_group(backend="gloo")  # barriers only: see timed_step
     results = {n: {"times": [], "cpu_times": [], "memory": {}, "loss": None} for n in names}
@@ -247,28 +281,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def machine_info() -> dict:
-    return {
-        "command": "python " + shlex.join(sys.argv),
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "cpu_model": cpu_model(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "load_average_start": os.getloadavg(),
-    }
-
-
 def summarize(results: dict, args) -> dict:
     """Per contender: median step time, spread, tokens/s, memory (max over ranks), ratios."""
     tokens = args.nproc * args.batch * args.seq
@@ -306,67 +318,32 @@ def summarize(results: dict, args) -> dict:
         for p in peers
         if o in rows and p in rows
     ]
-    return {"rows": rows, "pairs": pairs, "tokens_per_step": tokens}
+    # Each of ours over its old- twin: the cost of a change, measured side by side.
+    versus_old = [
+        {
+            "new": name,
+            "old": old,
+            "ratio": rows[name]["median_s"] / rows[old]["median_s"],
+            "paired": paired_ratio(results, name, old),
+            "paired_cpu": paired_ratio(results, name, old, key="cpu_times"),
+        }
+        for name in rows
+        if (old := f"old-{name}") in rows
+    ]
+    return {"rows": rows, "pairs": pairs, "versus_old": versus_old, "tokens_per_step": tokens}
 
 
-def paired_ratio(results: dict, a: str, b: str) -> float | None:
+def paired_ratio(results: dict, a: str, b: str, key: str = "times") -> float | None:
     """Median over timed steps of a's step time over b's at the same step of the same round.
 
     With `--interleave step` the two steps ran moments apart, so drift of the machine cancels
-    in each ratio; None when the two did not run the same steps.
+    in each ratio; None when the two did not run the same steps. `key="cpu_times"` pairs the
+    process CPU times instead.
     """
-    ta, tb = results[a]["times"], results[b]["times"]
+    ta, tb = results[a][key], results[b][key]
     if len(ta) != len(tb) or not ta:
         return None
     return statistics.median(x / y for x, y in zip(ta, tb, strict=True))
-
-
-def table_row(name: str, row: dict) -> str:
-    mem = row["memory_bytes"]
-    cells = [
-        name,
-        f"{row['median_s'] * 1e3:.1f}",
-        f"{row['p25_s'] * 1e3:.1f}-{row['p75_s'] * 1e3:.1f}",
-        f"{row['cpu_median_s'] * 1e3:.1f}",
-        f"{row['tokens_per_s']:,.0f}",
-        f"{row['vs_bound']:.3f}x" if row["vs_bound"] else "-",
-        f"{row['vs_bound_paired']:.3f}x" if row["vs_bound_paired"] else "-",
-        *(f"{mem.get(k, 0) / MIB:.1f}" for k in HELD),
-        f"{sum(mem.get(k, 0) for k in HELD) / MIB:.1f}",
-        f"{row['final_loss']:.4f}",
-    ]
-    return "| " + " | ".join(cells) + " |"
-
-
-def render(meta: dict, summary: dict, skipped: dict, args) -> str:
-    params = sum(p.numel() for p in build_model(args.model).parameters())
-    lines = [
-        f"## Step time: {args.model} ({params / 1e6:.2f}M params), {args.nproc} ranks x 1 "
-        f"thread, {summary['tokens_per_step']:,} tokens/step, fp32 AdamW",
-        "",
-        f"- command: `{meta['command']}`",
-        f"- torch {meta['torch']}; {meta['cpus']} CPUs ({meta['cpu_model']}); {meta['date']}",
-        f"- load average at start {meta['load_average_start'][0]:.2f}, "
-        f"at end {meta['load_average_end'][0]:.2f} (1 min)",
-        f"- {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) steps, "
-        f"interleaved by {args.interleave}; median over all timed steps, each the slowest "
-        "rank's; paired: median of per-step ratios",
-        "",
-        "| contender | median ms | p25-p75 ms | CPU ms | tokens/s | vs bound | paired "
-        "| params MiB | grads MiB | optimizer MiB | total MiB | final loss |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
-    ]
-    lines += [table_row(name, row) for name, row in summary["rows"].items()]
-    if summary["pairs"]:
-        lines += ["", "| ours | peer | ours / peer (medians) | paired |", "|---|---|--:|--:|"]
-        lines += [
-            f"| {p['ours']} | {p['peer']} | {p['ratio']:.3f}x | "
-            + (f"{p['paired']:.3f}x |" if p["paired"] else "- |")
-            for p in summary["pairs"]
-        ]
-    if skipped:
-        lines += [""] + [f"- skipped {name}: {why}" for name, why in skipped.items()]
-    return "\n".join(lines)
 
 
 def main(argv=None) -> None:

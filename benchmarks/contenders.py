@@ -1,4 +1,4 @@
-"""The contenders of bench_step.py: each is `setup(model, world) -> Prepared`.
+"""The models and contenders of bench_step.py; a contender is `setup(model, world) -> Prepared`.
 
 A setup wraps a freshly built model (same seed on every rank and for every contender) the way
 its users would, builds fp32 AdamW (torch's defaults, lr 3e-4), and returns the step to time and
@@ -9,6 +9,9 @@ Memory is counted as distinct tensor storages (`tensor_bytes`): parameters, grad
 optimizer state held between steps, not the transient peak inside a step (FSDP2's and ZeRO-3's
 gathered parameters, activations), and not the process' resident size, which several contenders
 sharing one process would blur.
+
+With `--baseline REF`, `old-<name>` runs our contender `<name>` from the package of commit REF
+(baseline.py), the same way through that package's own public API.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 import dataparallel as dp
+from dataparallel.models import GPT, MODEL_CONFIGS, GPTConfig, build_model
 from dataparallel.strategies import POLICIES
 from dataparallel.strategies.base import optimizer_state_tensors, tensor_bytes
 
@@ -87,6 +91,25 @@ def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR)
 
 
+# -- the models -------------------------------------------------------------------------------
+# dataparallel.models' GPTs, and one more: many small parameters and little arithmetic, so that
+# a step is mostly the engine's per-parameter Python work (hooks, bucket and shard bookkeeping,
+# the optimizer's loop over 292 tensors) rather than matrix products. Its step of 2 x 4 x 32
+# tokens takes ~75 ms on one core of the 2-core VM, most of it per-operation overhead.
+EXTRA_MODELS = {
+    "gpt-deep-narrow": GPTConfig(n_layer=24, n_head=4, n_embd=64, block_size=32),  # ~1.22M
+}
+MODELS: dict[str, GPTConfig] = {
+    **{name: c for name, c in MODEL_CONFIGS.items() if isinstance(c, GPTConfig)},
+    **EXTRA_MODELS,
+}
+
+
+def bench_model(name: str) -> torch.nn.Module:
+    """A fresh model by name (a key of MODELS), from the current torch seed."""
+    return GPT(EXTRA_MODELS[name]) if name in EXTRA_MODELS else build_model(name)
+
+
 # -- the contenders ---------------------------------------------------------------------------
 def bound(model, world) -> Prepared:
     """The compute-only bound: every rank trains its own copy, no communication at all."""
@@ -94,19 +117,50 @@ def bound(model, world) -> Prepared:
     return Prepared(plain_step(model, optimizer), lambda: held_bytes(model.parameters(), optimizer))
 
 
-def ours(strategy, **options) -> Callable:
-    """Our strategy `strategy` ("ddp", "zero1", ... or a policy), through the public API."""
+# Ours, by contender name: (strategy name, policy options, `parallelize` options). A table
+# rather than closures over policy objects, so that `old-<name>` can build the same contender
+# from the old package's own policy classes.
+OURS: dict[str, tuple[str, dict, dict]] = {
+    "ddp": ("ddp", {}, {}),
+    "zero1": ("zero1", {}, {}),
+    "zero1-overlap": ("zero1", {"overlap_param_gather": True}, {}),
+    # gloo's own collectives instead of pairwise ones: all_reduce for the gradients, gloo's
+    # all_gather for the parameters (what every stage did before [Note: pairwise collectives])
+    "zero1-gloo": ("zero1", {}, {"pairwise": False}),
+    "zero2": ("zero2", {}, {}),
+    "zero2-overlap": ("zero2", {"overlap_param_gather": True}, {}),
+    "zero2-gloo": ("zero2", {}, {"pairwise": False}),
+    "zero3": ("zero3", {}, {}),
+    "zero3-gloo": ("zero3", {}, {"pairwise": False}),
+}
+
+
+def ours(name: str, package=dp) -> Callable:
+    """Our contender `name` (a key of OURS) through `package`'s public API: the current
+    dataparallel, or an older one loaded by baseline.py."""
+    strategy, policy_options, options = OURS[name]
 
     def setup(model, world) -> Prepared:
-        dp.parallelize(model, strategy, group=world.group, **options)
-        optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=LR)
+        policies = package.strategies.POLICIES
+        if strategy not in policies:
+            raise ValueError(f"{package.__name__} has no strategy {strategy!r}")
+        policy = policies[strategy](**policy_options)
+        package.parallelize(model, policy, group=world.group, **options)
+        optimizer = package.build_optimizer(model, torch.optim.AdamW, lr=LR)
+        # Older commits may lack finish_param_gather: nothing was left in flight then.
+        finish = getattr(package, "finish_param_gather", lambda model: None)
         return Prepared(
             plain_step(model, optimizer),
-            lambda: dp.memory_report(model, optimizer),
-            lambda: dp.finish_param_gather(model),
+            lambda: package.memory_report(model, optimizer),
+            lambda: finish(model),
         )
 
     return setup
+
+
+def old_contenders(package) -> dict[str, Callable]:
+    """`old-<name>` for each of ours, run from `package` (the baseline's dataparallel)."""
+    return {f"old-{name}": ours(name, package) for name in OURS}
 
 
 def torch_ddp_buckets(model) -> int:
@@ -238,19 +292,19 @@ CONTENDERS: dict[str, Callable] = {
     "zero1": ours("zero1"),
     "zero-redundancy": zero_redundancy,
     "deepspeed-zero1": deepspeed_zero(1),
-    "zero1-overlap": ours(dp.ZeRO1(overlap_param_gather=True)),
-    # gloo's own collectives instead of pairwise ones: all_reduce for the gradients, gloo's
-    # all_gather for the parameters (what every stage did before [Note: pairwise collectives])
-    "zero1-gloo": ours("zero1", pairwise=False),
+    "zero1-overlap": ours("zero1-overlap"),
+    "zero1-gloo": ours("zero1-gloo"),
     "zero2": ours("zero2"),
-    "zero2-overlap": ours(dp.ZeRO2(overlap_param_gather=True)),
-    "zero2-gloo": ours("zero2", pairwise=False),
+    "zero2-overlap": ours("zero2-overlap"),
+    "zero2-gloo": ours("zero2-gloo"),
     "deepspeed-zero2": deepspeed_zero(2),
     "zero3": ours("zero3"),
-    "zero3-gloo": ours("zero3", pairwise=False),
+    "zero3-gloo": ours("zero3-gloo"),
     "fsdp2": fsdp2,
     "deepspeed-zero3": deepspeed_zero(3),
 }
+# The old twins that `--contenders all` adds when there is a --baseline.
+OLD_IN_ALL = ("old-ddp", "old-zero1", "old-zero2", "old-zero3")
 
 # ours -> the peers it is compared with.
 PEERS = {
