@@ -33,7 +33,7 @@ def parallelize(
         `DDP(bucket_mb=25)`.
     group: the process group to train over; None is every rank (call `dataparallel.init()`).
     mesh: a 2-D replicate x shard layout of the ranks from `dataparallel.init_mesh(shard_size)`
-        (HSDP, docs/mesh.md): sharded strategies shard within each group of `shard_size` ranks
+        (HSDP, docs/core.md): sharded strategies shard within each group of `shard_size` ranks
         and all-reduce across the groups. None shards over every rank. Replaces `group`.
     tracer: records when collectives start and finish (see `comm.Tracer`).
     pairwise: build reduce-scatter and all-gather from point-to-point messages; None means

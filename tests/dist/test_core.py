@@ -13,6 +13,7 @@ gradients differ by a few roundings, and so do the updates made of them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
@@ -79,9 +80,12 @@ class Reference:
                 p.copy_(m)
 
 
-def train(world, name, precision_name, mesh, model_name="transformer") -> tuple[float, float]:
+def train(
+    world, name, precision_name, mesh, model_name="transformer", accum: str | None = None
+) -> tuple[float, float]:
     """max |ours - reference| over every parameter after STEPS steps, and the largest distance
-    a reference parameter moved."""
+    a reference parameter moved. `accum`: two micro-batches per step, the first backward under
+    `no_sync` ("no_sync") or both synchronised ("sync")."""
     precision = PRECISIONS[precision_name]
     param_dtype = precision.param_dtype if precision is not None else None
     autocast = precision_name == "bf16-autocast"
@@ -93,8 +97,18 @@ def train(world, name, precision_name, mesh, model_name="transformer") -> tuple[
     for step in range(STEPS):
         x, y = batch(model_name, step, PER_RANK * n)
         reference.step(model_name, x, y, step, n, autocast)
+        mine = x.chunk(n)[rank], y.chunk(n)[rank]
+        if accum is not None:
+            for micro_x, micro_y in zip(mine[0].chunk(2), mine[1].chunk(2), strict=True):
+                sync = dp.no_sync(model) if accum == "no_sync" and micro_x is mine[0].chunk(2)[0] else contextlib.nullcontext()
+                with sync:
+                    loss = loss_fn(model_name, model, micro_x, micro_y, step, rank) / 2
+                    loss.backward()
+            opt.step()
+            opt.zero_grad()
+            continue
         with torch.autocast("cpu", BF16, enabled=autocast):
-            loss = loss_fn(model_name, model, x.chunk(n)[rank], y.chunk(n)[rank], step, rank)
+            loss = loss_fn(model_name, model, *mine, step, rank)
         if scaler is not None:
             scaler.scale(loss.float()).backward()
             scaler.step(opt)
@@ -164,6 +178,14 @@ def grid(world) -> dict:
             out[name, precision_name, "1-D"] = train(world, name, precision_name, None)
             if name != "ddp":  # DDP is the S = 1 case: it takes no mesh
                 out[name, precision_name, "2x2"] = train(world, name, precision_name, mesh)
+    for accum in ("no_sync", "sync"):  # accumulation, in the buckets' dtype (fp32 for the 2nd)
+        for precision_name in ("fp32", "bf16-params-fp32-reduce"):
+            for name in ("ddp", "zero1", "zero2", "zero3"):
+                for layout, mesh_or_none in (("1-D", None), ("2x2", mesh)):
+                    if name == "ddp" and mesh_or_none is not None:
+                        continue
+                    key = (name, f"{precision_name} accum {accum}", layout)
+                    out[key] = train(world, name, precision_name, mesh_or_none, accum=accum)
     return out
 
 
@@ -183,6 +205,16 @@ def test_every_strategy_and_mesh_matches_one_process(precision_name):
                 assert diff < TOL, cases
             else:
                 assert diff < LOW_TOL * moved, cases
+
+
+@pytest.mark.parametrize("accum", ["no_sync", "sync"])
+def test_accumulated_micro_batches_match_the_whole_batch(accum):
+    for results in grid_results():
+        cases = {k: v for k, v in results.items() if k[1].endswith(f"accum {accum}")}
+        assert len(cases) == 14, cases
+        for (_, precision_name, _), (diff, moved) in cases.items():
+            tol = TOL if precision_name.startswith("fp32") else LOW_TOL * moved
+            assert diff < tol, cases
 
 
 def test_2x2_memory_is_sharded_over_the_shard_group():
@@ -216,10 +248,12 @@ def test_six_ranks_as_2x3_and_3x2():
 
 
 def scaling(world) -> dict:
-    """fp16 parameters and torch.amp.GradScaler; rank 1 injects an inf into one element."""
+    """torch.amp.GradScaler with fp16 parameters, and with fp32 parameters under fp16
+    autocast; rank 1 injects an inf into one element of its local gradient."""
     out = {}
-    for name in ("ddp", "zero1", "zero2", "zero3"):
-        model = dp.parallelize(build("mlp", 5), policy(name, PRECISIONS["fp16-params"]))
+    for name, autocast in [(n, a) for n in ("ddp", "zero1", "zero2", "zero3") for a in (0, 1)]:
+        precision = None if autocast else PRECISIONS["fp16-params"]
+        model = dp.parallelize(build("mlp", 5), policy(name, precision))
         opt = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-3)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
         first = next(model.parameters())
@@ -237,7 +271,8 @@ def scaling(world) -> dict:
             poison["on"] = step == 2
             x, y = batch("mlp", step, 2 * world.world_size)
             n, rank = world.world_size, world.rank
-            loss = loss_fn("mlp", model, x.chunk(n)[rank], y.chunk(n)[rank], step, rank)
+            with torch.autocast("cpu", FP16, enabled=bool(autocast)):
+                loss = loss_fn("mlp", model, x.chunk(n)[rank], y.chunk(n)[rank], step, rank)
             before_params = dp.full_state_dict(model)
             before_state = copy.deepcopy(dp.optimizer_state_dict(model, opt))
             scaler.scale(loss.float()).backward()
@@ -254,7 +289,10 @@ def scaling(world) -> dict:
                 skipped.append(_same_state(before_state, after_state))
                 skipped.append(scaler.get_scale() == scale * 0.5)
             opt.zero_grad()
-        out[name] = {"scales": scales, "skipped": skipped}
+        out[name, "fp16 autocast" if autocast else "fp16 parameters"] = {
+            "scales": scales,
+            "skipped": skipped,
+        }
     return out
 
 
@@ -272,6 +310,7 @@ def _same_state(a: dict, b: dict) -> bool:
 
 def test_loss_scaling_skips_together_and_backs_off():
     for results in run_world(2, scaling):
+        assert len(results) == 8
         for name, r in results.items():
             # 2**8, doubled after 2 finite steps, halved at the inf, then doubled again
             assert r["scales"] == [2.0**8, 2.0**9, 2.0**8, 2.0**8, 2.0**9], (name, r)

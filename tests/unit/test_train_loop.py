@@ -97,3 +97,27 @@ def test_indices_run_on_into_the_next_epoch(world):
     first, second = next_indices(sampler, 4), next_indices(sampler, 4)
     assert sorted(first + second[:1]) == [0, 1, 2, 3, 4]
     assert (sampler.epoch, sampler.position) == (1, 3)
+
+
+def test_an_overflowing_fp16_step_is_skipped_without_moving_anything(world):
+    state = setup(_config(batch=2, precision="fp16"), world, _corpus())
+    assert state.scaler is not None and state.scaler.get_scale() == 2.0**16
+    state.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # fp16 overflows at once
+    weights = {k: v.clone() for k, v in dp.full_state_dict(state.model).items()}
+    record = train_step(state)
+    assert (state.step, state.skipped_steps, record.skipped_steps) == (0, 1, 1)
+    assert record.loss_scale == 2.0**39 and not state.optimizer.state  # no step was taken
+    after = dp.full_state_dict(state.model)
+    assert all(torch.equal(after[k], v) for k, v in weights.items())
+    for _ in range(40):  # the scale backs off until the steps are finite
+        if train_step(state).step == 1:
+            break
+    assert state.step == 1 and 0 < state.scaler.get_scale() <= 2.0**16  # halved each skip
+
+
+def test_bf16_parameters_train_close_to_fp32():
+    fp32, _ = _run(2, batch=4)
+    bf16, weights = _run(2, batch=4, precision="bf16-params")
+    assert bf16 == pytest.approx(fp32, abs=0.05)
+    assert bf16 != fp32
+    assert weights["head.weight"].dtype == torch.bfloat16  # the model computes in bf16

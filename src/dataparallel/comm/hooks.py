@@ -11,7 +11,7 @@ all reach the hook as a bucket with
 The state (`HookState`) names the groups: `comm`, over which the bucket is reduced (for a sharded
 bucket, the shard group: `shard` is this rank's slice in it), and `replicate`, the ranks that
 hold the same shard under a 2-D mesh (None without one), over which the result is all-reduced
-after (docs/mesh.md).
+after (docs/core.md).
 
 The future's `wait()` returns the reduced values: the buffer itself (reduced in place), the
 shard's slice of it, or a new tensor of either size, which the bucket copies in. `done()` says
@@ -122,7 +122,15 @@ def compressed_allreduce_hook(dtype: torch.dtype):
     """DDP's name for `low_precision_hook(dtype)`: the whole bucket all-reduced in `dtype`."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"compressed_allreduce_hook: dtype={dtype} must be float16 or bfloat16")
-    return low_precision_hook(dtype)
+    return low_precision_hook(dtype, allreduce_hook)
+
+
+def default_hook(kind: str, wire: torch.dtype | None = None):
+    """The built-in hook a strategy uses when given none: `kind` "all_reduce" reduces whole
+    buckets everywhere, "reduce_scatter" each sharded bucket to its shard (`reduce_hook`);
+    `wire`, a dtype narrower than the buckets' to send them in (a policy's `reduce_dtype`)."""
+    first = allreduce_hook if kind == "all_reduce" else reduce_hook
+    return low_precision_hook(wire, first) if wire is not None else first
 
 
 fp16_compress_hook = low_precision_hook(torch.float16)

@@ -28,7 +28,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..comm import Comm, HookState, allreduce_hook, low_precision_hook
+from ..comm import Comm, HookState
+from ..comm.hooks import default_hook
 from .base import (
     Strategy,
     check_optimizer_params,
@@ -147,10 +148,14 @@ class DDPStrategy(Strategy):
             bucket_bytes=int(policy.bucket_mb * MB),
             first_bucket_bytes=int(policy.first_bucket_mb * MB),
         )
-        hook = policy.comm_hook or allreduce_hook
-        wire = precision.wire_dtype(planned[0].dtype) if planned else None
-        if policy.comm_hook is None and wire is not None:
-            hook = low_precision_hook(wire)
+        dtype = planned[0].dtype if planned else torch.float32
+        if precision.bucket_dtype(dtype) != dtype:
+            raise ValueError(
+                f"DDP: reduce_dtype={precision.reduce_dtype} is wider than the parameters "
+                f"({dtype}); hold them in it and set param_dtype={dtype} for masters, or drop "
+                "reduce_dtype"
+            )
+        hook = policy.comm_hook or default_hook("all_reduce", precision.wire_dtype(dtype))
         self.reducer = GradientReducer(
             planned,
             specs,
@@ -159,7 +164,7 @@ class DDPStrategy(Strategy):
             policy.hook_state or HookState(comm),
             divisor=comm.world_size if policy.reduce_op == "mean" else 1,
         )
-        self.casts = install_casts(model, precision, planned[0].dtype if planned else torch.float32)
+        self.casts = install_casts(model, precision, dtype, dtype)
         self.buffers = [b for b in model.buffers()]
         self._pre_hook = model.register_forward_pre_hook(self._before_forward)
 

@@ -16,25 +16,26 @@ The contract (what `parallelize(model, ZeRO3(...))` guarantees):
   unit's forward a parameter reads as NaN ([Note: parameters at rest] in fsdp_unit.py).
 
 [Note: schedule] Pre-forward hook of a unit: start its gather (unless prefetched), start the
-gather of the next unit in the previous step's forward order (prefetch), wait for its own, wrap its inputs so that autograd calls
-back when their gradient is computed (the unit's backward is then over). Post-forward hook:
-free the unit (not the root, nor the unit that ran last in forward: their backward comes first,
-so a free would be followed by an exposed gather at once) and hook its outputs' gradient
-(pre-backward: gather again, prefetch the unit whose backward comes next, attach gradient
-views). Post-backward: finish the previous unit's reduction (it had this unit's backward to
-run in), start this unit's, and free the unit: one reduction is in flight at a time. When autograd has finished, a queued
-callback reduces the units autograd did not call back for (the root, whose inputs are token
-ids), waits for everything, agrees on which parameters no rank used, and frees all units.
+gather of the next unit in the previous step's forward order (prefetch), wait for its own, wrap
+its inputs so that autograd calls back when their gradient is computed (the unit's backward is
+then over). Post-forward hook: free the unit (not the root, nor the unit that ran last in
+forward: their backward comes first, so a free would be followed by an exposed gather at once)
+and hook its outputs' gradient (pre-backward: gather again, prefetch the unit whose backward
+comes next). Post-backward: finish the previous unit's reduction (it had this unit's backward
+to run in), start this unit's, and free the unit: one reduction is in flight at a time. When
+autograd has finished, a queued callback reduces the units autograd did not call back for (the
+root, whose inputs are token ids), waits for everything, agrees with every rank on which
+parameters none used and on found-inf ([Note: backward round]), and frees all units.
 
 Mixed precision ([Note: mixed precision] in parts/precision.py): with
-`MixedPrecision(param_dtype=torch.bfloat16)` the gathered parameters, the gradients and every
-collective are bf16: each shard is cast to bf16 just before its all-gather, and gradients are
-divided before the bf16 sum. Master weights, gradient shards and optimizer state stay fp32, so
-a rank holds 4 + 4 + 8 = 16 bytes per parameter / S, as in the ZeRO paper (there 2 + 2 + 12:
-bf16 parameter and gradient shards where we keep one fp32 gradient shard; our bf16 parameters
-exist only while gathered). Normalisation layers become units of their own, held in fp32.
-Under a 2-D mesh ([Note: mesh] in parts/mesh.py) units shard over the S ranks of a shard group
-and each reduced shard is all-reduced across the replicas.
+`MixedPrecision(param_dtype=torch.bfloat16)` the gathered parameters, the gradients and their
+reduction are bf16 (the reduction in `reduce_dtype` when one is set): each shard is cast just
+before its all-gather, and gradients are divided before the sum. Master weights, gradient
+shards and optimizer state stay fp32: 4 + 4 + 8 = 16 bytes per parameter / S, as in the ZeRO
+paper (there 2 + 2 + 12: bf16 parameter and gradient shards where we keep one fp32 gradient
+shard; our bf16 parameters exist only while gathered). Normalisation layers become units of
+their own, held in fp32. Under a 2-D mesh ([Note: mesh] in parts/mesh.py) units shard over the
+S ranks of a shard group and each reduced shard is all-reduced across the replicas.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..comm import HookState, allreduce_hook, low_precision_hook, reduce_hook
+from ..comm import HookState
+from ..comm.hooks import default_hook
 from . import fsdp_checkpoint
 from .base import (
     Strategy,
@@ -66,13 +68,7 @@ from .fsdp_unit import FlatUnit
 from .parts.clip import clip_grad_norm_
 from .parts.mesh import Groups
 from .parts.plain_state import gather_plain_state, load_plain_state
-from .parts.precision import (
-    MixedPrecision,
-    cast_floats,
-    check_precision,
-    install_casts,
-    is_norm,
-)
+from .parts.precision import MixedPrecision, cast_floats, check_precision, install_casts, is_norm
 from .parts.round import BackwardRound
 
 REDUCE_KINDS = ("auto", "reduce_scatter", "all_reduce")
@@ -171,15 +167,12 @@ class ZeRO3Strategy(Strategy):
                 first.device if first is not None else self.comm.device
             )
         self.reduce = reduce
-        self.hook = policy.comm_hook or (allreduce_hook if reduce == "all_reduce" else reduce_hook)
-        wire = precision.wire_dtype(self.compute)
-        if policy.comm_hook is None and wire is not None:
-            self.hook = low_precision_hook(wire, self.hook)
+        self.hook = policy.comm_hook or default_hook(reduce, precision.wire_dtype(self.compute))
         self.hook_state = policy.hook_state or HookState(groups.shard, groups.replicate)
         plans = plan_units(model, self._wrap(model, model_dtype))
         self.units = []
         for i, plan in enumerate(plans):
-            norm = is_norm(plan.module) and self.compute != model_dtype
+            norm = is_norm(plan.module) and precision.masters(model_dtype) is not None
             compute = model_dtype if norm else self.compute  # norms stay fp32
             bucket = precision.bucket_dtype(compute)
             self.units.append(FlatUnit(i, plan, groups.shard, compute, bucket, groups.divisor))
@@ -187,7 +180,7 @@ class ZeRO3Strategy(Strategy):
         self.first_index = [0]
         for u in self.units:
             self.first_index.append(self.first_index[-1] + len(u.params))
-        self.casts = install_casts(model, precision, self.compute)
+        self.casts = install_casts(model, precision, self.compute, model_dtype)
         self.root = self.units[0]
         self.piece_of = {
             id(p): piece
@@ -218,7 +211,7 @@ class ZeRO3Strategy(Strategy):
     def _wrap(self, model: nn.Module, model_dtype: torch.dtype):
         """The policy's units, plus every normalisation layer under a low param_dtype (held
         in fp32, [Note: mixed precision])."""
-        if self.compute == model_dtype:
+        if self.precision.masters(model_dtype) is None:
             return self.policy.wrap
         chosen = {id(m) for m in select_units(model, self.policy.wrap)}
         chosen |= {id(m) for m in model.modules() if m is not model and is_norm(m)}
@@ -315,18 +308,13 @@ class ZeRO3Strategy(Strategy):
             ]
             for index in order:
                 self._reduce(self.units[index])
-            agreement = self.round.start_agreement()
             if self.pending is not None:
                 self.pending.finish_reduce()
                 self.pending = None
-            used = self.round.finish_agreement(agreement)
+            shards = [u.shard for u in self.units]
+            used = self.round.finish_agreement(self.round.start_agreement(shards))
             for u in self.units:
                 u.end_round(used[self.first_index[u.index] : self.first_index[u.index + 1]])
-            if self.precision.float16:  # [Note: found inf] in parts/round.py
-                local = any(u.shard.nonfinite() for u in self.units)
-                if self.round.agree_nonfinite(local):
-                    for u in self.units:
-                        u.shard.poison()
         else:
             for u in self.units:
                 u.forward_count = 0
@@ -368,7 +356,7 @@ class ZeRO3Strategy(Strategy):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm: each rank's shard norms, combined over the shard group."""
-        grads = [g for u in self.units for g in u.piece_grads()]
+        grads = [g for u in self.units for g in u.shard.grad_tensors()]
         return clip_grad_norm_(grads, max_norm, norm_type, self.groups.shard)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -22,10 +22,6 @@ def _gather_flat(unit: FlatUnit, comm: Comm, local: torch.Tensor) -> torch.Tenso
     return out
 
 
-def _locate(units: list[FlatUnit]) -> dict[int, tuple[FlatUnit, int]]:
-    return {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
-
-
 def full_state_dict(model: nn.Module, units: list[FlatUnit], comm: Comm) -> dict:
     """The whole model on CPU with the plain model's keys, on every rank. Collective."""
     whole: dict[int, torch.Tensor] = {}

@@ -96,7 +96,6 @@ class FlatUnit:
         self.largest_gathered = 0
         self.forward_count = 0
         self.grads_attached = False
-        self.used = [False] * len(self.params)
         self.reduced = False
         self.reducing = False
 
@@ -177,7 +176,6 @@ class FlatUnit:
                 f"ZeRO3: a gradient of unit '{self.name}' arrived after the unit was reduced; "
                 "does a module outside the unit use its parameters? wrap differently"
             )
-        self.used[position] = True
         self.bucket.adopt_grad(position, divide=divide)
 
     def start_reduce(self, hook, state: HookState) -> None:
@@ -206,15 +204,11 @@ class FlatUnit:
     def end_round(self, used: list[bool]) -> None:
         """The round is over: pieces of parameters some rank used get their .grad."""
         self.shard.attach_grads(used)
-        self.used = [False] * len(self.params)
         self.reduced = False
         self.forward_count = 0
         self.grads_attached = False
 
     # -- what this rank holds ---------------------------------------------------------------
-    def piece_grads(self) -> list[torch.Tensor]:
-        return self.shard.grads()
-
     def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(parameter storages, gradient storages) this unit holds right now."""
         params = [self.shard.data, self.full]

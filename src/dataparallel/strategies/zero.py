@@ -12,8 +12,9 @@ The contract (docs/zero.md has it in full, with the memory theory and measuremen
   the policy's communication hook ([Note: reduction interface] in comm/hooks.py); what happens
   to a reduced bucket is the only difference between the stages: ZeRO-1 keeps full-size
   buckets, ZeRO-2 frees each once its shard is kept ([Note: lazy buckets]). At the end of
-  backward the reduced shard gradients are the pieces' `.grad` ([Note: flat shard]) and the
-  model's own `.grad` are None.
+  backward the reduced shard gradients are the pieces' `.grad` ([Note: flat shard]); the
+  model's own `.grad` are not the reduced gradient (ZeRO-2: None; ZeRO-1: this rank's
+  consumed local sums, so that `model.zero_grad()` reaches the shards too).
 - `no_sync` accumulates full local gradients; synchronised backwards between steps add up, as
   in one process, until `optimizer.zero_grad()`. Each synchronised backward follows a forward.
 - Parameters no rank used are skipped by the step ([Note: skipped parameters]).
@@ -31,7 +32,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..comm import HookState, allreduce_hook, low_precision_hook, reduce_hook
+from ..comm import HookState
+from ..comm.hooks import default_hook
 from .base import (
     Strategy,
     normalize_param_groups,
@@ -39,7 +41,7 @@ from .base import (
     tensor_bytes,
     verify_same_model,
 )
-from .ddp import broadcast_buffers, broadcast_model
+from .ddp import MB, broadcast_buffers, broadcast_model
 from .parts.buckets import Bucket, plan_buckets
 from .parts.clip import clip_grad_norm_
 from .parts.flat_shard import FlatShard
@@ -49,7 +51,6 @@ from .parts.precision import MixedPrecision, check_precision, install_casts, nor
 from .parts.reducer import GradientReducer
 from .zero_step import BucketShard, ShardedStep, flatten_bucket, gather_full_params, load_masters
 
-MB = 1024 * 1024
 # Bucket reductions in flight at once in backward: bounds ZeRO-2's full-size buckets and the
 # receive buffers of pairwise reduce-scatters (`max_in_flight` in reducer.py).
 MAX_IN_FLIGHT = 2
@@ -57,23 +58,29 @@ MAX_IN_FLIGHT = 2
 
 class KeepBuckets:
     """ZeRO-1: full-size gradient buckets stay allocated; the reduced slice of each becomes the
-    shard's gradient in place (no copy) when the dtypes agree. The model's `.grad` stay views
-    of the buckets (this rank's local sums, consumed), so `model.zero_grad()` reaches them."""
+    shard's gradient in place (no copy) when the dtypes agree. After each synchronised round the
+    model's `.grad` are views of the buckets (this rank's local sums, consumed), so that
+    `model.zero_grad()` reaches the shard's gradient too."""
 
     lazy = False
 
     def reduced(self, shard: FlatShard, bucket: Bucket) -> None:
         shard.take_reduced(bucket.reduced(), borrow=True)
 
-    def before_round(self, shard: FlatShard, params: list[nn.Parameter]) -> None:
-        """First forward after a synchronised backward: the next backward writes into the
-        bucket, so the shard's gradient moves out of it (or goes, if `model.zero_grad()`
-        dropped the model's), and the consumed local sums are forgotten."""
-        if all(p.grad is None for p in params):
+    def after_round(self, shard: FlatShard, bucket: Bucket) -> None:
+        if bucket.grad_views:
+            for param, view in zip(bucket.params, bucket.views, strict=True):
+                param.grad = view
+
+    def before_round(self, shard: FlatShard, bucket: Bucket) -> None:
+        """First forward after a synchronised round: the next backward writes into the bucket,
+        so the shard's gradient moves out of it (or goes, if `model.zero_grad()` dropped the
+        views `after_round` set), and the consumed local sums are forgotten."""
+        if bucket.grad_views and all(p.grad is None for p in bucket.params):
             shard.clear_grads()
         shard.stop_borrowing()
-        for p in params:
-            p.grad = None
+        for param in bucket.params:
+            param.grad = None
 
 
 class FreeBuckets:
@@ -86,7 +93,10 @@ class FreeBuckets:
         shard.take_reduced(bucket.reduced())
         bucket.release()
 
-    def before_round(self, shard: FlatShard, params: list[nn.Parameter]) -> None:
+    def after_round(self, shard: FlatShard, bucket: Bucket) -> None:
+        pass
+
+    def before_round(self, shard: FlatShard, bucket: Bucket) -> None:
         pass
 
 
@@ -145,14 +155,6 @@ class ZeROPolicy:
         """The gradient collective `grad_reduce` means on `comm`, for gradients on `device`."""
         return comm.sharded_reduce(device) if self.grad_reduce == "auto" else self.grad_reduce
 
-    def hook_for(self, groups: Groups, device: torch.device, wire: torch.dtype | None):
-        """The communication hook: the policy's own, or the built-in one for `grad_reduce`."""
-        if self.comm_hook is not None:
-            return self.comm_hook
-        kind = self.collective_for(groups.shard, device)
-        first = allreduce_hook if kind == "all_reduce" else reduce_hook
-        return low_precision_hook(wire, first) if wire is not None else first
-
     def apply(self, model: nn.Module, groups: Groups) -> ZeROStrategy:
         return ZeROStrategy(model, groups, self)
 
@@ -190,6 +192,9 @@ class ZeROStrategy(Strategy):
         verify_same_model(model, groups.world)
         broadcast_model(model, groups.world)
         self.original_dtypes = {id(p): p.dtype for p in model.parameters()}
+        first = next(model.parameters(), None)
+        self.model_dtype = first.dtype if first is not None else torch.float32
+        self.compute = self.precision.compute_dtype(self.model_dtype)
         self.norms = norm_params(model)  # held in fp32 ([Note: mixed precision])
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = None
@@ -200,12 +205,8 @@ class ZeROStrategy(Strategy):
         self.round_done = False  # a synchronised backward ended, no forward since
         self._shard_parameters([list(self.trainable)], values={})
         self.buffers = list(model.buffers())
-        self.casts = install_casts(model, self.precision, self._compute_dtype(model))
+        self.casts = install_casts(model, self.precision, self.compute, self.model_dtype)
         self._pre_hook = model.register_forward_pre_hook(self._before_forward)
-
-    def _compute_dtype(self, model: nn.Module) -> torch.dtype:
-        first = next(model.parameters(), None)
-        return self.precision.compute_dtype(first.dtype if first is not None else torch.float32)
 
     def _dtype_of(self, p: nn.Parameter) -> torch.dtype:
         original = self.original_dtypes[id(p)]
@@ -240,11 +241,19 @@ class ZeROStrategy(Strategy):
         for p in planned:
             p.grad = None
         device = planned[0].device if planned else self.comm.device
-        compute = self._compute_dtype(self.model)
-        wire = self.precision.wire_dtype(compute)
-        hook = self.policy.hook_for(self.groups, device, wire)
-        state = self.policy.hook_state or HookState(shard_comm, self.groups.replicate)
+        wire = self.precision.wire_dtype(self.compute)
+        hook = self.policy.comm_hook or default_hook(
+            self.policy.collective_for(shard_comm, device), wire
+        )
         grad_specs = [replace(s, dtype=self.precision.bucket_dtype(s.dtype)) for s in specs]
+        if shard_comm.world_size == 1 and self.groups.replicate is not None:
+            # Shard groups of one rank (DDP with masters): the hook sees DDP's whole buckets.
+            state = HookState(self.groups.replicate)
+            shards = None
+        else:
+            state = HookState(shard_comm, self.groups.replicate)
+            shards = [b.shard.layout.shard_range(b.shard.rank) for b in self.buckets]
+        state = self.policy.hook_state or state
         self.reducer = GradientReducer(
             planned,
             grad_specs,
@@ -252,11 +261,12 @@ class ZeROStrategy(Strategy):
             hook,
             state,
             divisor=self.groups.divisor,
-            shards=[b.shard.layout.shard_range(b.shard.rank) for b in self.buckets],
+            shards=shards,
             lazy_buffers=self.keeper.lazy,
             max_in_flight=MAX_IN_FLIGHT,
             on_bucket_reduced=self._on_bucket_reduced,
             on_round_end=self._on_round_end,
+            flat_shards=[b.shard for b in self.buckets],
         )
         self.reducer.sync_enabled = self.sync_enabled
 
@@ -265,8 +275,8 @@ class ZeROStrategy(Strategy):
         if torch.is_grad_enabled():
             if self.round_done:
                 self.round_done = False
-                for bucket in self.buckets:
-                    self.keeper.before_round(bucket.shard, bucket.params)
+                for bucket, grads in zip(self.buckets, self.reducer.buckets, strict=True):
+                    self.keeper.before_round(bucket.shard, grads)
             self.reducer.prepare()
             if self.policy.broadcast_buffers:
                 broadcast_buffers(module, self.buffers, self.comm)
@@ -275,14 +285,10 @@ class ZeROStrategy(Strategy):
         self.keeper.reduced(self.buckets[bucket.index].shard, bucket)
 
     def _on_round_end(self, used: list[bool]) -> None:
-        for bucket, spec in zip(self.buckets, self.reducer.buckets, strict=True):
-            bucket.shard.attach_grads([used[i] for i in spec.spec.param_indices])
+        for bucket, grads in zip(self.buckets, self.reducer.buckets, strict=True):
+            bucket.shard.attach_grads([used[i] for i in grads.spec.param_indices])
+            self.keeper.after_round(bucket.shard, grads)
         self.round_done = True
-        if self.precision.float16:  # [Note: found inf] in parts/round.py
-            local = any(b.shard.nonfinite() for b in self.buckets)
-            if self.reducer.round.agree_nonfinite(local):
-                for b in self.buckets:
-                    b.shard.poison()
 
     def _set_sync(self, enabled: bool) -> None:
         self.sync_enabled = enabled
@@ -311,8 +317,8 @@ class ZeROStrategy(Strategy):
                     **{k: v for k, v in group.items() if k != "params"},
                     "params": [
                         t
-                        for b, spec in zip(self.buckets, self.reducer.buckets, strict=True)
-                        if spec.spec.group == g
+                        for b, grads in zip(self.buckets, self.reducer.buckets, strict=True)
+                        if grads.spec.group == g
                         for t in b.shard.params
                     ],
                 }
@@ -332,7 +338,7 @@ class ZeROStrategy(Strategy):
             self.sharded_step.gather.finish()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        grads = [g for b in self.buckets for g in b.shard.grads()]
+        grads = [g for b in self.buckets for g in b.shard.grad_tensors()]
         return clip_grad_norm_(grads, max_norm, norm_type, self.groups.shard)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

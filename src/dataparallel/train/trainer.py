@@ -349,7 +349,10 @@ def fit(state: TrainState, callbacks: list[Callback]) -> TrainState:
         _evaluate_and_report(state, callbacks)
     started = time.perf_counter()
     while state.step < state.last_step:
+        before = state.step
         record = train_step(state)
+        if state.step == before:
+            continue  # the loss scaler skipped it: counted in the next record's skipped_steps
         record = dataclasses.replace(record, elapsed_s=time.perf_counter() - started)
         state.history.append(record)
         if not math.isfinite(record.loss):

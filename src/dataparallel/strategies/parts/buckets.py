@@ -226,9 +226,9 @@ class Bucket:
             return
         held = self.held[position]
         if held == EMPTY and divide and self.divisor != 1:
-            if grad.dtype == view.dtype or view.dtype.itemsize > grad.dtype.itemsize:
+            if grad.dtype == view.dtype:
                 torch.div(grad, self.divisor, out=view)  # the division and the copy in one pass
-            else:
+            else:  # widen first, then divide in the bucket's precision
                 view.copy_(grad).div_(self.divisor)
             self.held[position] = SCALED
         elif held == EMPTY or self.grad_views:

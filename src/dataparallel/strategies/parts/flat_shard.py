@@ -50,16 +50,22 @@ class FlatShard:
             self.ranges.append((start, stop))
             piece = nn.Parameter(data[start:stop], requires_grad=requires_grad)
             self.pieces.append(piece if stop > start else None)
+        # What the optimizer steps: the trainable pieces, in layout order.
+        self.params = [p for p in self.pieces if p is not None and p.requires_grad]
         self.store: torch.Tensor | None = None  # the gradient; pieces' .grad are views into it
         self.borrowed = False  # whether `store` is memory someone else reuses (take_reduced)
 
-    @property
-    def params(self) -> list[nn.Parameter]:
-        """What the optimizer steps: the trainable pieces, in layout order."""
-        return [p for p in self.pieces if p is not None and p.requires_grad]
-
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradient as few tensors as possible, for norms and scaling: the whole store
+        when every piece holds its part (padding and frozen parameters' parts are zero),
+        else the pieces' own."""
+        grads = self.grads()
+        if self.store is not None and grads and len(grads) == len(self.params):
+            return [self.store]
+        return grads
 
     # -- gradients -------------------------------------------------------------------------
     @torch.no_grad()
@@ -71,8 +77,7 @@ class FlatShard:
             (ZeRO-1's full buckets: what pieces held is added into it); the owner of that
             memory calls `stop_borrowing` before it writes there again.
         """
-        trainable = [p for p in self.pieces if p is not None and p.requires_grad]
-        held = [p.grad is not None for p in trainable]
+        held = [p.grad is not None for p in self.params]
         if borrow and reduced.dtype == self.data.dtype:
             if any(held):  # what earlier rounds summed moves into `reduced`
                 self._add_held_into(reduced)
@@ -134,13 +139,14 @@ class FlatShard:
             if piece is not None and (piece.grad is not None or not keep_only_held):
                 piece.grad = self.store[start:stop]
 
-    def nonfinite(self) -> bool:
-        """Whether the gradient this shard holds has an inf or NaN (the padding is zero)."""
-        return self.store is not None and not bool(torch.isfinite(self.store).all())
+    def nonfinite(self) -> torch.Tensor:
+        """A 0-d bool tensor: whether the gradient this shard holds has an inf or NaN (the
+        padding is zero). No host sync."""
+        return ~torch.isfinite(self.store).all()
 
     @torch.no_grad()
     def poison(self) -> None:
-        """Make every held piece gradient non-finite: another shard found an inf or NaN, and all
-        ranks must skip the step together ([Note: found inf] in round.py)."""
-        for grad in self.grads():
-            grad.fill_(float("nan"))
+        """Make the shard's gradient non-finite: some shard found an inf or NaN, and all ranks
+        must skip the step together ([Note: found inf] in round.py)."""
+        if self.store is not None:
+            self.store.fill_(float("nan"))

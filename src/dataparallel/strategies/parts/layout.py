@@ -7,7 +7,7 @@ ZeRO-3 unit), padded with zeros to a multiple of the shard count so it splits ev
 owns elements [r * s, (r + 1) * s) with s = numel / world_size. A parameter may straddle two
 shards; a `Piece` is the part of one parameter inside one shard. Padding is never part of any
 piece: it stays zero (zero gradient, zero value) and is never read back. `world_size` here is
-the number of shards (the shard group's size under a 2-D mesh, docs/mesh.md), not of ranks.
+the number of shards (the shard group's size under a 2-D mesh, docs/core.md), not of ranks.
 """
 
 from __future__ import annotations

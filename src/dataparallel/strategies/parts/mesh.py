@@ -40,7 +40,9 @@ class Mesh:
 
 def init_mesh(shard_size: int, group: dist.ProcessGroup | None = None) -> Mesh:
     """Split `group` (default: every rank) into shard groups of `shard_size` consecutive ranks
-    and the replicate groups across them. Collective: every rank of `group` calls it."""
+    and the replicate groups across them. Collective over `group`: each rank creates the two
+    groups it belongs to, synchronising only with their members, so ranks outside `group` need
+    not call it."""
     group = group if group is not None else dist.group.WORLD
     n = dist.get_world_size(group)
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
@@ -52,17 +54,14 @@ def init_mesh(shard_size: int, group: dist.ProcessGroup | None = None) -> Mesh:
         )
     ranks = [dist.get_global_rank(group, r) for r in range(n)]
     me = dist.get_rank(group)
-    rows = [ranks[i : i + shard_size] for i in range(0, n, shard_size)]
-    columns = [ranks[i::shard_size] for i in range(shard_size)]
-    # every rank creates every group, in the same order (new_group is collective)
-    row_groups = [dist.new_group(row) for row in rows]
-    column_groups = [dist.new_group(column) for column in columns]
+    row = ranks[me - me % shard_size : me - me % shard_size + shard_size]
+    column = ranks[me % shard_size :: shard_size]
     return Mesh(
         shard_size=shard_size,
         replicate_size=n // shard_size,
         group=group,
-        shard_group=row_groups[me // shard_size],
-        replicate_group=column_groups[me % shard_size],
+        shard_group=dist.new_group(row, use_local_synchronization=True),
+        replicate_group=dist.new_group(column, use_local_synchronization=True),
     )
 
 

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-LOW = (torch.float16, torch.bfloat16)
 FLOATS = (None, torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -106,9 +105,13 @@ def cast_floats(tree, dtype: torch.dtype | None):
     return tree_map(cast, tree)
 
 
-def install_casts(model: nn.Module, policy: MixedPrecision, compute: torch.dtype) -> list:
+def install_casts(
+    model: nn.Module, policy: MixedPrecision, compute: torch.dtype, held: torch.dtype
+) -> list:
     """Forward hooks for the policy's casts: inputs to `compute` at the model, outputs to
-    `output_dtype`, and fp32 around every normalisation layer. Returns the handles."""
+    `output_dtype`, and `held` (the model's own dtype, the masters') around every
+    normalisation layer when the policy computes in a narrower one. Returns the handles (none
+    for a policy that changes nothing)."""
     handles = []
     if policy.cast_forward_inputs and policy.param_dtype is not None:
         handles.append(
@@ -120,13 +123,11 @@ def install_casts(model: nn.Module, policy: MixedPrecision, compute: torch.dtype
         handles.append(
             model.register_forward_hook(lambda m, a, out: cast_floats(out, policy.output_dtype))
         )
-    if compute != torch.float32:
+    if policy.masters(held) is not None:
         for module in model.modules():
             if is_norm(module):
                 handles.append(
-                    module.register_forward_pre_hook(
-                        lambda m, args: cast_floats(args, torch.float32)
-                    )
+                    module.register_forward_pre_hook(lambda m, args: cast_floats(args, held))
                 )
                 handles.append(
                     module.register_forward_hook(lambda m, a, out: cast_floats(out, compute))

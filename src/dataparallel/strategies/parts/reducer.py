@@ -46,6 +46,9 @@ class GradientReducer:
     divisor: the ranks the mean divides by (1 for a sum).
     shards: per bucket, this rank's [start, stop) when it keeps only that slice (sharded
         strategies), or None for the whole bucket.
+    flat_shards: a sharded strategy's FlatShards, whose gradients the round's agreement checks
+        for inf/NaN once every bucket is collected ([Note: found inf] in round.py); None: the
+        flags are agreed while the last buckets are still being reduced.
     """
 
     def __init__(
@@ -62,8 +65,10 @@ class GradientReducer:
         on_bucket_reduced: Callable[[Bucket], None] | None = None,
         on_round_end: Callable[[list[bool]], None] | None = None,
         max_in_flight: int | None = None,
+        flat_shards: list | None = None,
     ):
         self.params = params
+        self.flat_shards = flat_shards  # checked for inf/NaN at the round's end (round.py)
         self.comm = world
         self.hook = hook
         self.hook_state = hook_state
@@ -159,9 +164,11 @@ class GradientReducer:
         self.comm.tracer.mark("backward_end")
         for bucket in self.buckets[self.next_launch :]:
             self._launch(bucket, late=True)
-        agreement = self.round.start_agreement()
+        agreement = None if self.flat_shards else self.round.start_agreement()
         for bucket in self.buckets[self.next_collect :]:
             self._collect(bucket)
+        if agreement is None:
+            agreement = self.round.start_agreement(self.flat_shards)
         used = self.round.finish_agreement(agreement)
         self.comm.tracer.mark("reduce_end")
         for i, was_used in enumerate(used):

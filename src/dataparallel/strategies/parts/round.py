@@ -6,11 +6,14 @@ launches what is left to reduce and waits for it; the round meanwhile agrees, ac
 of the job (replicas included), on two things, in one small all-reduce of integers:
 - which parameters no rank used ([Note: unused parameters]): a parameter that got no gradient
   anywhere keeps `.grad = None`, so the optimizer skips it as one process would;
-- [Note: found inf] whether any rank's reduced gradient holds an inf or NaN (only when the
-  strategy asks, under float16: a loss scaler's overflow). Each rank sees only its own shard,
-  so without this one rank could step while another skips; with it, a rank that finds one makes
-  every shard's gradient non-finite on every rank (`FlatShard.poison`), and an unmodified
-  `torch.amp.GradScaler` then skips the step everywhere, together.
+- [Note: found inf] whether any rank's reduced gradient holds an inf or NaN (sharded
+  strategies: a loss scaler's overflow under fp16 parameters or fp16 autocast, or a numerical
+  fault). Each rank sees only its own shard, so without this one rank could step while another
+  skips, and the parameter all-gather of the one would wait forever for the other; with it, a
+  rank that finds one makes every shard's gradient non-finite on every rank
+  (`FlatShard.poison`), and an unmodified `torch.amp.GradScaler` then skips the step
+  everywhere, together. It costs one pass over this rank's gradient shard (`isfinite`) and no
+  extra collective. DDP needs none: every rank holds the same reduced gradients.
 """
 
 from __future__ import annotations
@@ -45,27 +48,31 @@ class BackwardRound:
     def mark_used(self, i: int) -> None:
         self.used[i] = 1
 
-    def start_agreement(self):
-        """Start the all-reduce of the used flags; `finish_agreement` waits for it."""
-        flags = torch.tensor(list(self.used), dtype=torch.int32, device=self.comm.device)
+    def start_agreement(self, shards: list | None = None):
+        """Start the all-reduce of the used flags and, given the sharded strategy's flat
+        shards (after their last reduction), of whether any of them holds an inf or NaN
+        ([Note: found inf]); `finish_agreement` waits for it."""
+        n = len(self.used)
+        flags = torch.tensor([*self.used, 0], dtype=torch.int32, device=self.comm.device)
+        bad = [s.nonfinite() for s in shards or () if s.store is not None]
+        if bad:  # computed where the gradients are: no host sync before the all-reduce
+            flags[n:] = torch.stack(bad).any().to(flags.device, torch.int32)
         work = None
-        if self.comm.world_size > 1 and flags.numel():
+        if self.comm.world_size > 1:
             work = self.comm.all_reduce(flags, async_op=True)
-        return flags, work
+        return flags, work, shards
 
     def finish_agreement(self, pending) -> list[bool]:
-        """Per parameter, whether any rank used it this round."""
-        flags, work = pending
+        """Per parameter, whether any rank used it this round. If any rank found a non-finite
+        gradient, every shard's gradient is made non-finite here ([Note: found inf])."""
+        flags, work, shards = pending
         if work is not None:
             work.wait()
-        return [f > 0 for f in flags.tolist()]
-
-    def agree_nonfinite(self, local: bool) -> bool:
-        """Whether any rank found a non-finite gradient ([Note: found inf]). Collective."""
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=self.comm.device)
-        if self.comm.world_size > 1:
-            self.comm.all_reduce(flag)
-        return bool(flag.item())
+        values = flags.tolist()
+        if values[-1]:
+            for shard in shards or ():
+                shard.poison()
+        return [f > 0 for f in values[:-1]]
 
     def reset(self) -> None:
         self.used = bytearray(len(self.used))
