@@ -70,7 +70,8 @@ class KeepBuckets:
     def after_round(self, shard: FlatShard, bucket: Bucket) -> None:
         if bucket.grad_views:
             for param, view in zip(bucket.params, bucket.views, strict=True):
-                param.grad = view
+                if param.grad is None:  # the reducer dropped it (unused); the rest are views
+                    param.grad = view
 
     def before_round(self, shard: FlatShard, bucket: Bucket) -> None:
         """First forward after a synchronised round: the next backward writes into the bucket,

@@ -53,6 +53,8 @@ class FlatShard:
         # What the optimizer steps: the trainable pieces, in layout order.
         self.params = [p for p in self.pieces if p is not None and p.requires_grad]
         self.store: torch.Tensor | None = None  # the gradient; pieces' .grad are views into it
+        self._views: list[torch.Tensor] = []  # per parameter, its part of `store`
+        self._views_of: torch.Tensor | None = None  # the store `_views` view
         self.borrowed = False  # whether `store` is memory someone else reuses (take_reduced)
 
     def grads(self) -> list[torch.Tensor]:
@@ -130,9 +132,14 @@ class FlatShard:
         used gets its view of the store as .grad ([Note: skipped parameters])."""
         if self.store is None:
             return
-        for piece, was_used, (start, stop) in zip(self.pieces, used, self.ranges, strict=True):
-            if piece is not None and piece.requires_grad and (was_used or piece.grad is not None):
-                piece.grad = self.store[start:stop]
+        if self._views_of is not self.store:  # views of the current store, made once per store
+            self._views = [self.store[start:stop] for start, stop in self.ranges]
+            self._views_of = self.store
+        for piece, was_used, view in zip(self.pieces, used, self._views, strict=True):
+            if piece is None or not piece.requires_grad or piece.grad is view:
+                continue
+            if was_used or piece.grad is not None:
+                piece.grad = view
 
     def _point_grads(self, keep_only_held: bool) -> None:
         for piece, (start, stop) in zip(self.pieces, self.ranges, strict=True):
