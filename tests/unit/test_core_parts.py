@@ -66,7 +66,7 @@ def test_found_inf_poisons_every_held_gradient():
 # -- MixedPrecision: what each field means ---------------------------------------------------
 def test_precision_rules():
     full = dp.MixedPrecision()
-    assert full.masters(F32) is None and full.bucket_dtype(F32) == F32 and not full.float16
+    assert full.masters(F32) is None and full.bucket_dtype(F32) == F32
     bf16 = dp.MixedPrecision(param_dtype=BF16)
     assert bf16.masters(F32) == F32 and bf16.bucket_dtype(BF16) == BF16
     assert bf16.wire_dtype(BF16) is None
@@ -74,7 +74,7 @@ def test_precision_rules():
     assert wide.bucket_dtype(BF16) == F32 and wide.wire_dtype(BF16) is None
     narrow = dp.MixedPrecision(reduce_dtype=BF16)  # fp32 buckets, bf16 on the wire
     assert narrow.bucket_dtype(F32) == F32 and narrow.wire_dtype(F32) == BF16
-    assert dp.MixedPrecision(param_dtype=F16).float16
+    assert dp.MixedPrecision(param_dtype=F16).masters(F32) == F32
 
 
 @pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "output_dtype"])

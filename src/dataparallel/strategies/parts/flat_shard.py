@@ -84,7 +84,7 @@ class FlatShard:
             if any(held):  # what earlier rounds summed moves into `reduced`
                 self._add_held_into(reduced)
             self.store, self.borrowed = reduced, True
-            self._point_grads(keep_only_held=True)
+            self._repoint_held_grads()
             return
         if not any(held):
             self._own_store().copy_(reduced)
@@ -121,7 +121,7 @@ class FlatShard:
         if not any(p.grad is not None for p in self.params):
             return
         self._own_store().copy_(borrowed)
-        self._point_grads(keep_only_held=True)
+        self._repoint_held_grads()
 
     def clear_grads(self) -> None:
         for piece in self.params:
@@ -132,19 +132,24 @@ class FlatShard:
         used gets its view of the store as .grad ([Note: skipped parameters])."""
         if self.store is None:
             return
-        if self._views_of is not self.store:  # views of the current store, made once per store
-            self._views = [self.store[start:stop] for start, stop in self.ranges]
-            self._views_of = self.store
-        for piece, was_used, view in zip(self.pieces, used, self._views, strict=True):
+        for piece, was_used, view in zip(self.pieces, used, self._store_views(), strict=True):
             if piece is None or not piece.requires_grad or piece.grad is view:
                 continue
             if was_used or piece.grad is not None:
                 piece.grad = view
 
-    def _point_grads(self, keep_only_held: bool) -> None:
-        for piece, (start, stop) in zip(self.pieces, self.ranges, strict=True):
-            if piece is not None and (piece.grad is not None or not keep_only_held):
-                piece.grad = self.store[start:stop]
+    def _store_views(self) -> list[torch.Tensor]:
+        """Per parameter, its part of the current store (made once per store)."""
+        if self._views_of is not self.store:
+            self._views = [self.store[start:stop] for start, stop in self.ranges]
+            self._views_of = self.store
+        return self._views
+
+    def _repoint_held_grads(self) -> None:
+        """The store moved: the pieces that hold a gradient view the new one."""
+        for piece, view in zip(self.pieces, self._store_views(), strict=True):
+            if piece is not None and piece.grad is not None:
+                piece.grad = view
 
     def nonfinite(self) -> torch.Tensor:
         """A 0-d bool tensor: whether the gradient this shard holds has an inf or NaN (the

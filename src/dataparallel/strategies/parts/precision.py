@@ -58,11 +58,6 @@ class MixedPrecision:
                     "torch.bfloat16 or torch.float16"
                 )
 
-    @property
-    def float16(self) -> bool:
-        """Whether anything is held or reduced in float16 (loss scaling territory)."""
-        return torch.float16 in (self.param_dtype, self.reduce_dtype)
-
     def compute_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return self.param_dtype or model_dtype
 
