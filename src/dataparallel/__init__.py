@@ -8,9 +8,10 @@ with dp.no_sync(model):                             # accumulate without communi
     ...
 """
 
-from . import comm
+from . import comm, compression
 from .api import (
     build_optimizer,
+    bytes_sent,
     clip_grad_norm_,
     finish_param_gather,
     full_state_dict,
@@ -21,8 +22,10 @@ from .api import (
     no_sync,
     optimizer_state_dict,
     parallelize,
+    refresh_params,
     strategy_of,
 )
+from .averaging import DiLoCo, LocalSGD
 from .comm import Tracer
 from .data import DistributedSampler
 from .runtime import World, destroy, init
@@ -31,6 +34,8 @@ from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
     "DDP",
+    "DiLoCo",
+    "LocalSGD",
     "DistributedSampler",
     "Mesh",
     "MixedPrecision",
@@ -41,8 +46,10 @@ __all__ = [
     "ZeRO2",
     "ZeRO3",
     "build_optimizer",
+    "bytes_sent",
     "clip_grad_norm_",
     "comm",
+    "compression",
     "convert_sync_batchnorm",
     "destroy",
     "finish_param_gather",
@@ -56,5 +63,6 @@ __all__ = [
     "no_sync",
     "optimizer_state_dict",
     "parallelize",
+    "refresh_params",
     "strategy_of",
 ]
