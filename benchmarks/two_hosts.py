@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 PYTHON = sys.executable
