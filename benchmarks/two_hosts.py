@@ -23,6 +23,7 @@ import time
 import uuid
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
+PORT = 29517  # node 0's rendezvous port (inside its own namespace, so always free)
 PYTHON = sys.executable
 
 
@@ -76,18 +77,15 @@ def linked_namespaces(rate: str | None = "100mbit"):
             _ip("netns", "del", space, check=False)
 
 
-def train_on_two_hosts(args: list[str], out: str, rate: str | None = "100mbit", timeout=1800):
-    """Run `dataparallel train --nnodes 2 --nproc 1 ARGS --out OUT` with one node per namespace;
-    return (exit status of node 0, of node 1, node 0's output, seconds)."""
-    port = "29517"
+def run_on_two_hosts(command, rate: str | None = "100mbit", timeout: float = 1800):
+    """Run `command(node_rank, interface)` (an argv) in each namespace at once; return (exit
+    status of node 0, of node 1, their output, seconds). Node 0 is at ADDRESSES[0]."""
     with linked_namespaces(rate) as nodes:
         procs = []
         started = time.perf_counter()
         for node_rank, (space, link, _) in enumerate(nodes):
             env = dict(os.environ, GLOO_SOCKET_IFNAME=link, PYTHONUNBUFFERED="1")
-            cmd = ["ip", "netns", "exec", space, PYTHON, "-m", "dataparallel.cli", "train",
-                   "--nnodes", "2", "--nproc", "1", "--node-rank", str(node_rank),
-                   "--rdzv-endpoint", f"{ADDRESSES[0]}:{port}", "--out", out, *args]  # fmt: skip
+            cmd = ["ip", "netns", "exec", space, *command(node_rank, link)]
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             )
@@ -100,6 +98,18 @@ def train_on_two_hosts(args: list[str], out: str, rate: str | None = "100mbit", 
                     p.wait()
         seconds = time.perf_counter() - started
     return procs[0].returncode, procs[1].returncode, outputs[0] + outputs[1], seconds
+
+
+def train_on_two_hosts(args: list[str], out: str, rate: str | None = "100mbit", timeout=1800):
+    """`dataparallel train --nnodes 2 --nproc 1 ARGS --out OUT` with one node per namespace;
+    see `run_on_two_hosts` for what it returns."""
+
+    def command(node_rank: int, link: str) -> list[str]:
+        return [PYTHON, "-m", "dataparallel.cli", "train", "--nnodes", "2", "--nproc", "1",
+                "--node-rank", str(node_rank), "--rdzv-endpoint", f"{ADDRESSES[0]}:{PORT}",
+                "--out", out, *args]  # fmt: skip
+
+    return run_on_two_hosts(command, rate, timeout)
 
 
 def main() -> int:

@@ -275,3 +275,53 @@ def test_low_precision_trains_close_to_fp32(precision, strategy, reference_run, 
     assert all(r["skipped_steps"] == 0 for r in train_records)
     expected_scale = 2.0**16 if precision == "fp16" else 1.0  # GradScaler's initial scale
     assert all(r["loss_scale"] == expected_scale for r in train_records)
+
+
+def _train_records(run_dir: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize(
+    "flags, strategy",
+    [(["--compress", "powersgd:rank=2,start=3"], "ddp"), (["--compress", "int8"], "zero3")],
+)
+def test_compressed_gradients_train_the_reference_curve_with_fewer_bytes(
+    flags, strategy, reference_run, tmp_path
+):
+    """The reference run compressed: after `start`, far fewer bytes per step (counted in the
+    metrics), and a loss curve within 5% of the exact one over 6 steps."""
+    run_dir, _ = reference_run
+    args = _override(REFERENCE_ARGS, strategy=strategy, stop_after="6")
+    _check_ok(train([*args, *flags], tmp_path / "run"))
+    exact, got = _train_records(run_dir)[:6], _train_records(tmp_path / "run")
+    for mine, theirs in zip(got, exact, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=0.05), mine["step"]
+    if strategy == "ddp":  # gpt-tiny's 1.06M fp32 gradients all-reduced, then rank-2 factors
+        assert got[0]["bytes_sent"] > 4.2e6 and got[5]["bytes_sent"] < 0.1 * got[0]["bytes_sent"]
+    else:  # the fp32 reduce-scatter's 4.2 MB becomes an int8 all-to-all of ~1.06 MB
+        _check_ok(train(args, tmp_path / "exact"))
+        exact_zero3 = _train_records(tmp_path / "exact")[5]["bytes_sent"]
+        saved = exact_zero3 - got[5]["bytes_sent"]
+        assert 0.7 * 4.23e6 < saved < 0.8 * 4.23e6, (exact_zero3, got[5]["bytes_sent"])
+
+
+def test_diloco_with_zero2_inside_synchronises_every_h_steps(reference_run, tmp_path):
+    """4 ranks as 2 replicas of 2 (ZeRO-2 inside), DiLoCo every 3 steps with int8 outer
+    gradients: bytes cross replicas only at steps 3 and 6, and the loss still falls."""
+    run_dir, _ = reference_run
+    args = _override(REFERENCE_ARGS, nproc="4", batch="2", strategy="zero2", stop_after="6")
+    flags = ["--shard-group", "2", "--diloco", "3", "--outer-compress", "int8"]
+    result = train([*args, *flags], tmp_path / "run")
+    _check_ok(result)
+    assert "DiLoCo every 3 steps" in result.stdout
+    records = _train_records(tmp_path / "run")
+    inner = records[0]["bytes_sent"]  # ZeRO-2's reduce-scatter and all-gather in a replica
+    assert inner > 0 and all(r["bytes_sent"] == inner for r in records if r["step"] % 3)
+    for step in (3, 6):
+        # + int8 outer gradients of this rank's shard of 0.53M parameters (0.53 MB sent to
+        # the all-to-all, 0.27 MB to the all-gather) + ZeRO-2's all-gather of the new shard
+        # (2.1 MB of fp32, inside the replica): 2.9 MB.
+        extra = records[step - 1]["bytes_sent"] - inner
+        assert 2.8e6 < extra < 3.0e6, (step, extra)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5

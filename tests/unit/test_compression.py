@@ -9,6 +9,7 @@ import torch
 import dataparallel as dp
 from dataparallel.compression import (
     CompressedHook,
+    ErrorFeedback,
     PowerSGD,
     Quantize,
     TopK,
@@ -142,3 +143,15 @@ def test_hook_counts_rounds_in_any_bucket_order():
     for index in [2, 1, 0, 2]:  # round 2, then round 3 begins
         hook._count_round(index)
     assert hook.rounds == 3
+
+
+def test_a_non_finite_residual_is_dropped_not_fed_back():
+    """An fp16 overflow (skipped by the loss scaler) must not poison every later step."""
+    feedback = ErrorFeedback()
+    assert feedback.remember("k", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.5]))
+    assert not feedback.remember("k", torch.tensor([float("inf"), 2.0]), torch.zeros(2))
+    assert "k" not in feedback.residuals
+    assert torch.equal(feedback.correct("k", torch.ones(2)), torch.ones(2))  # nothing added
+    quantize = Quantize("int8", block=4)
+    quantize.round_trip("q", torch.tensor([[1.0, float("nan"), 0.0, 0.0]]))
+    assert "q" not in quantize.feedback.residuals

@@ -40,17 +40,25 @@ class ErrorFeedback:
             tensor.add_(residual.to(tensor.dtype))
         return tensor
 
-    def remember(self, key, corrected: torch.Tensor, sent: torch.Tensor) -> None:
-        """Keep what `sent` left out of `corrected` for the next exchange under `key`."""
+    def remember(self, key, corrected: torch.Tensor, sent: torch.Tensor) -> bool:
+        """Keep what `sent` left out of `corrected` for the next exchange under `key`; False
+        when that was not finite and was dropped instead."""
         residual = self.residuals.get(key)
         if residual is None or residual.shape != corrected.shape:
-            self.residuals[key] = corrected - sent
+            residual = corrected - sent
         else:
             torch.sub(corrected, sent, out=residual)
+        return self.keep(key, residual)
 
-    def keep(self, key, residual: torch.Tensor) -> None:
-        """Store a residual computed by the compressor itself (top-k's unsent entries)."""
+    def keep(self, key, residual: torch.Tensor) -> bool:
+        """Store a residual (top-k computes its own: the unsent entries). One that is not
+        finite (an overflowing fp16 step, which the loss scaler skips on every rank) is
+        dropped: fed back, it would poison every later step. Returns whether it was kept."""
+        if not torch.isfinite(residual.sum()):
+            self.residuals.pop(key, None)
+            return False
         self.residuals[key] = residual
+        return True
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.residuals.values())

@@ -190,6 +190,10 @@ class PowerSGD:
             if not self.warm_start:
                 self.p_memory.clear()
                 self.q_memory.clear()
+            elif not torch.isfinite(self.q_memory[key].sum()):
+                # An fp16 overflow reached the factors (the same on every rank: Q is summed),
+                # so every rank draws this key's Q afresh next time.
+                del self.p_memory[key], self.q_memory[key]
             return tensor if keep is None else tensor[keep[0] : keep[1]]
 
         return Then(Chain(first, compute_qs), decompress)

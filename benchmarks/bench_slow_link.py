@@ -1,0 +1,164 @@
+"""Communication-efficient training on a slow link: every option against exact DDP and the
+compute-only bound, on two hosts joined by a shaped link (or on loopback).
+
+    python benchmarks/bench_slow_link.py --rate 100mbit --steps 200     # two namespaces, root
+    python benchmarks/bench_slow_link.py --loopback --steps 500 --only bound,ddp,powersgd
+
+Each configuration is a whole `dataparallel train` run of gpt-small on the built-in corpus with
+the same seed and token budget (steps x 2 ranks x 16 x 128 tokens), one rank per host and one
+thread per rank. "bound" is local SGD that never synchronises: the same processes and data
+with no communication at all, so its throughput is the compute-only bound. The peer is PyTorch
+DDP with `powerSGD_hook` (benchmarks/peer_powersgd.py). Runs go one after another (a run is
+minutes long; they cannot be interleaved step by step), in the order given; the table reports
+wall time of the training steps, median step time, throughput against the bound, bytes each
+rank handed to collectives per step (mean over the run), and the final validation loss
+against DDP's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import two_hosts
+
+CONFIGS = {  # name -> dataparallel train flags
+    "bound": ["--local-sgd", "1000000"],
+    "ddp": [],
+    "ddp-bf16": ["--compress", "bf16"],
+    "powersgd": ["--compress", "powersgd:rank=4,start=10"],
+    "powersgd-r16": ["--compress", "powersgd:rank=16,start=10"],
+    "topk": ["--compress", "topk:ratio=0.01"],
+    "int8": ["--compress", "int8"],
+    "local-sgd": ["--local-sgd", "50"],
+    "diloco-int8": ["--diloco", "50", "--outer-compress", "int8"],
+    "local-sgd-h10": ["--local-sgd", "10"],
+    "diloco-int8-h10": ["--diloco", "10", "--outer-compress", "int8"],
+    "peer-powersgd": None,  # PyTorch DDP + powerSGD_hook
+}
+EXTRA = ("powersgd-r16", "local-sgd-h10", "diloco-int8-h10")  # run only when named in --only
+COMMON = ["--model", "gpt-small", "--eval-every", "0", "--threads", "1", "--warmup-steps", "30"]
+
+
+def summarize(out: Path) -> dict:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "val"]
+    return {
+        "train_time_s": sum(r["step_time_s"] for r in train),
+        "step_time_median_s": statistics.median(r["step_time_s"] for r in train[2:]),
+        "bytes_per_step": sum(r["bytes_sent"] for r in train) / len(train),
+        "val_loss": val[-1]["val_loss"],
+        "tokens": sum(r["tokens"] for r in train),
+    }
+
+
+def run_ours(name: str, steps: int, out: Path, rate: str | None, loopback: bool) -> dict:
+    args = [*COMMON, "--steps", str(steps), *CONFIGS[name]]
+    if loopback:
+        cmd = [sys.executable, "-m", "dataparallel.cli", "train", "--nproc", "2", "--out", str(out)]
+        result = subprocess.run([*cmd, *args], capture_output=True, text=True)
+        status, output = result.returncode, result.stdout + result.stderr
+    else:
+        status, _, output, _ = two_hosts.train_on_two_hosts(args, str(out), rate)
+    if status:
+        raise RuntimeError(f"{name} failed:\n{output[-3000:]}")
+    return summarize(out)
+
+
+def run_peer(steps: int, out: Path, rate: str | None, loopback: bool) -> dict:
+    script = str(Path(__file__).with_name("peer_powersgd.py"))
+    peer_args = [script, "--steps", str(steps), "--out", str(out)]
+    env_threads = {"OMP_NUM_THREADS": "1"}
+    if loopback:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *peer_args]
+        result = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), **env_threads})
+        status, output = result.returncode, result.stdout + result.stderr
+    else:
+
+        def command(node_rank: int, link: str) -> list[str]:
+            return ["env", "OMP_NUM_THREADS=1", sys.executable, "-m", "torch.distributed.run",
+                    "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
+                    "--master-addr", two_hosts.ADDRESSES[0], "--master-port",
+                    str(two_hosts.PORT), *peer_args]  # fmt: skip
+
+        status, _, output, _ = two_hosts.run_on_two_hosts(command, rate)
+    if status:
+        raise RuntimeError(f"peer failed:\n{output[-3000:]}")
+    peer = json.loads((out / "peer.json").read_text())
+    start = 10  # uncompressed steps first, each an all-reduce of every gradient
+    full = 4 * 3_300_000
+    compressed = peer["bytes_sent_per_step_compressed"]
+    return {
+        "train_time_s": peer["train_time_s"],
+        "step_time_median_s": peer["step_time_median_s"],
+        "bytes_per_step": (start * full + (steps - start) * compressed) / steps,
+        "val_loss": peer["val_loss"],
+        "tokens": steps * 2 * 16 * 128,
+    }
+
+
+def _env() -> dict:
+    import os
+
+    return dict(os.environ)
+
+
+def table(results: dict, rate: str) -> str:
+    bound = results.get("bound")
+    ddp = results.get("ddp")
+    lines = [
+        f"| {rate} | wall time of steps | step (median) | throughput / bound | bytes/step "
+        "| val loss | vs DDP |",
+        "|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for name, r in results.items():
+        ratio = bound["step_time_median_s"] / r["step_time_median_s"] if bound else float("nan")
+        versus = f"{r['val_loss'] / ddp['val_loss'] - 1:+.1%}" if ddp else "-"
+        lines.append(
+            f"| {name} | {r['train_time_s']:.0f} s | {r['step_time_median_s'] * 1000:.0f} ms | "
+            f"{ratio:.2f}x | {r['bytes_per_step'] / 1e6:.2f} MB | {r['val_loss']:.4f} | {versus} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", default="100mbit", help="tc tbf rate; 'none' for unshaped")
+    parser.add_argument("--loopback", action="store_true", help="2 ranks on 127.0.0.1 instead")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--only",
+        default=",".join(c for c in CONFIGS if c not in EXTRA),
+        help=f"comma-separated configs, from {', '.join(CONFIGS)}",
+    )
+    parser.add_argument("--out", default=f"runs/slow-link-{int(time.time())}")
+    args = parser.parse_args()
+    if not args.loopback:
+        reason = two_hosts.available()
+        if reason:
+            print(f"bench_slow_link: {reason}; use --loopback", file=sys.stderr)
+            return 2
+    rate = None if args.rate == "none" else args.rate
+    label = "loopback" if args.loopback else args.rate
+    results = {}
+    for name in args.only.split(","):
+        out = Path(args.out) / name
+        if name == "peer-powersgd":
+            results[name] = run_peer(args.steps, out, rate, args.loopback)
+        else:
+            results[name] = run_ours(name, args.steps, out, rate, args.loopback)
+        print(f"{name}: {json.dumps(results[name])}", flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results, label))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
