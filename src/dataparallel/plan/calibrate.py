@@ -97,9 +97,7 @@ def measure_collectives(repeats: int, group) -> dict[str, dict[str, float]]:
 
 def _worker(rank: int, port: int, names: list[str], batch: int, path: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = dist.new_group(backend="gloo")
     compute = {n: measure_compute(n, batch, 5, group) for n in names}
     links = measure_collectives(10, group)

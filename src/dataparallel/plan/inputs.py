@@ -143,7 +143,7 @@ def optimizer_bytes(name: str) -> float:
 
 
 def parse_compress(text: str) -> tuple[str, float]:
-    """"powersgd:4" -> ("powersgd", 4.0); "int8" -> ("int8", 0.0)."""
+    """ "powersgd:4" -> ("powersgd", 4.0); "int8" -> ("int8", 0.0)."""
     kind, _, arg = text.partition(":")
     if kind not in COMPRESSORS:
         raise PlanError(

@@ -212,9 +212,7 @@ def llama_activations(shape: ModelShape, config, compute, autocast) -> ModelShap
     return replace(
         shape,
         activation_bytes=per_token * shape.seq_len,
-        largest_activation=widest(
-            config.dim, config.ffn_dim, config.vocab_size, shape.seq_len, 4
-        ),
+        largest_activation=widest(config.dim, config.ffn_dim, config.vocab_size, shape.seq_len, 4),
     )
 
 

@@ -109,7 +109,8 @@ def candidates(x: PlanInputs, hw: HardwareProfile) -> list[Candidate]:
     over nodes; each again with the compressor when one is given."""
     n = x.ranks
     sizes = x.shard_sizes or tuple(s for s in range(2, n + 1) if n % s == 0)
-    sizes = tuple(s for s in sizes if s > 1) or ((n,) if n > 1 else ())
+    # S = 1 is DDP's layout; a sharded strategy on it only makes sense in a world of one.
+    sizes = tuple(s for s in sizes if s > 1 or n == 1) or (n,)
     out = []
     for name in x.strategies:
         if name == "ddp":
@@ -172,6 +173,8 @@ def plan_row(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) ->
 def recommend(rows: list[Row], hw: HardwareProfile) -> tuple[Row | None, str]:
     """The fastest row that fits, with its reason in one line; or what is short by how much."""
     fitting = [r for r in rows if r.fits]
+    if not rows:
+        return None, "no strategy to plan: DiLoCo needs at least two replicas"
     if not fitting:
         least = min(rows, key=lambda r: r.peak_bytes)
         short = least.peak_bytes - hw.memory_bytes

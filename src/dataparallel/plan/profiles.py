@@ -69,8 +69,7 @@ BUILTIN = {
     "ethernet-10g": _gpu_profile(
         "8x H100 per node, NVLink inside, one 10 Gbit/s Ethernet NIC per node",
         Link(bandwidth=1e9, latency=1e-4),
-        "one 10 Gbit/s NIC (1.25 GB/s) per node, ~80% achieved over TCP (assumed); "
-        "100 us latency",
+        "one 10 Gbit/s NIC (1.25 GB/s) per node, ~80% achieved over TCP (assumed); 100 us latency",
     ),
 }
 

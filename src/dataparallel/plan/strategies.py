@@ -197,8 +197,16 @@ def _compress(f: Footprint, c: Candidate, m: ModelShape, x: PlanInputs, target) 
             col = Collective(what=f"{col.what} ({c.compress})", kind=kind, buffer_bytes=size,
                              group=col.group, calls=col.calls, window=col.window)  # fmt: skip
         out.append(col)
-    return Footprint(params=f.params, grads=f.grads, optimizer=f.optimizer, masters=f.masters,
-                     buckets=f.buckets, residuals=residual, outer=f.outer, collectives=out)
+    return Footprint(
+        params=f.params,
+        grads=f.grads,
+        optimizer=f.optimizer,
+        masters=f.masters,
+        buckets=f.buckets,
+        residuals=residual,
+        outer=f.outer,
+        collectives=out,
+    )
 
 
 def _paper(f: Footprint, name: str, psi: float, n: int, k: float) -> Footprint:
