@@ -169,11 +169,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per strategy")
     parser.add_argument("--write-docs", action="store_true", help="update docs/plan.md")
     parser.add_argument("--no-calibrate", action="store_true", help="use the stored profile")
+    parser.add_argument("--measured", help="a JSON of measurements printed by a run: tabulate it")
     args = parser.parse_args()
     models = args.models.split(",")
-    if not args.no_calibrate:
-        calibrate(models, batch=4, out=str(PROFILE))
-    measured = {name: run_model(name, args.steps) for name in models}
+    if args.measured:
+        measured = json.loads(Path(args.measured).read_text())
+    else:
+        if not args.no_calibrate:
+            calibrate(models, batch=4, out=str(PROFILE))
+        measured = {name: run_model(name, args.steps) for name in models}
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = f"Measured {stamp}, torch {torch.__version__}.\n\n" + table(models, measured)
     print(text)

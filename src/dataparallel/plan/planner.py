@@ -31,7 +31,9 @@ class Row:
     activations: bytes kept for backward by one micro-batch.
     working: the widest tensor backward works on, for one micro-batch (on top at the peak).
     held_bytes: bytes held between steps (model states, residuals, DiLoCo's outer state).
-    peak_bytes: held + buffers in flight + activations + the working tensor.
+    peak_bytes: held + gathered parameters + the working tensor + the larger of the
+        activations and the gradient buffers in flight (backward frees the one as the other
+        fills: the peak is at the start of backward).
     sent_bytes: bytes one rank sends per step, all collectives.
     compute_s, comm_s, exposed_s, step_s: [Note: step time].
     tokens_per_s: tokens one rank trains per second.
@@ -140,7 +142,7 @@ def plan_row(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) ->
         activations = kept + activations / m.layers
     working = m.largest_activation * x.micro_batch
     held = f.model_state + f.residuals + f.outer
-    peak = held + f.buckets + activations + working
+    peak = held + f.gathered + working + max(activations, f.buckets - f.gathered)
     tokens = x.micro_batch * x.accumulation * m.seq_len
     flops = tokens * m.flops_per_token * (4 / 3 if x.activation_checkpointing else 1)
     forward_backward = flops / hw.rate_for(m.name)

@@ -56,7 +56,10 @@ class Candidate:
 class Footprint:
     """Bytes one rank holds (held: between steps; in_flight: transient, at the step's peak).
 
-    params, grads, optimizer, masters: model states. buckets: communication buffers in flight.
+    params, grads, optimizer, masters: model states. buckets: communication buffers in flight
+        (gathered: the part of them that is ZeRO-3's gathered parameters, present while the
+        activations are; the rest are gradient buffers, in flight once backward has freed
+        most activations).
     residuals: error-feedback residuals. outer: DiLoCo's fp32 snapshot and momentum.
     """
 
@@ -65,6 +68,7 @@ class Footprint:
     optimizer: float
     masters: float
     buckets: float = 0.0
+    gathered: float = 0.0
     residuals: float = 0.0
     outer: float = 0.0
     collectives: list[Collective] = field(default_factory=list)
@@ -152,7 +156,7 @@ def _zero3(m, psi, s, p, g, k, masters, shard, replicas, micro, gloo) -> Footpri
     in_flight = gathered + IN_FLIGHT * largest * g
     in_flight += IN_FLIGHT * (s - 1) / s * largest * g if gloo else 0.0
     f = Footprint(params=held, grads=held, optimizer=k * psi / s, masters=0.0,
-                  buckets=in_flight)  # fmt: skip
+                  buckets=in_flight, gathered=gathered)  # fmt: skip
     n_units = len(m.unit_params)
     if s > 1:
         # Backward re-gathers every unit but the root and the one that ran last in forward
@@ -177,7 +181,7 @@ def _diloco(f: Footprint, c, psi, s, x: PlanInputs, replicas) -> Footprint:
     outer = Collective(what="outer deltas", kind="all_reduce", buffer_bytes=payload,
                        group=replicas, window="none", every=x.diloco_steps)  # fmt: skip
     return Footprint(params=f.params, grads=f.grads, optimizer=f.optimizer, masters=f.masters,
-                     buckets=f.buckets, outer=8 * psi / s,
+                     buckets=f.buckets, gathered=f.gathered, outer=8 * psi / s,
                      collectives=inner + ([outer] if replicas.size > 1 else []))  # fmt: skip
 
 
