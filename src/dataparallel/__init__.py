@@ -9,9 +9,10 @@ with dp.no_sync(model):                             # accumulate without communi
 dp.plan("llama-8b", ranks=64, precision="bf16-params")   # memory and step time, before launch
 """
 
-from . import comm
+from . import comm, compression
 from .api import (
     build_optimizer,
+    bytes_sent,
     clip_grad_norm_,
     finish_param_gather,
     full_state_dict,
@@ -22,8 +23,10 @@ from .api import (
     no_sync,
     optimizer_state_dict,
     parallelize,
+    refresh_params,
     strategy_of,
 )
+from .averaging import DiLoCo, LocalSGD
 from .comm import Tracer
 from .data import DistributedSampler
 from .plan import plan
@@ -33,6 +36,8 @@ from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
     "DDP",
+    "DiLoCo",
+    "LocalSGD",
     "DistributedSampler",
     "Mesh",
     "MixedPrecision",
@@ -43,8 +48,10 @@ __all__ = [
     "ZeRO2",
     "ZeRO3",
     "build_optimizer",
+    "bytes_sent",
     "clip_grad_norm_",
     "comm",
+    "compression",
     "convert_sync_batchnorm",
     "destroy",
     "finish_param_gather",
@@ -59,5 +66,6 @@ __all__ = [
     "optimizer_state_dict",
     "parallelize",
     "plan",
+    "refresh_params",
     "strategy_of",
 ]

@@ -112,6 +112,19 @@ def finish_param_gather(model: nn.Module) -> None:
     strategy_of(model).finish_param_gather()
 
 
+def refresh_params(model: nn.Module) -> None:
+    """After changing the optimizer's parameters outside `step()` (an averager such as DiLoCo
+    writes into them), make the model's parameters follow: ZeRO-1/2 write their shards back
+    and all-gather them again (collective over the shard group); a no-op for DDP and ZeRO-3."""
+    strategy_of(model).refresh_params()
+
+
+def bytes_sent(model: nn.Module) -> int:
+    """Bytes this rank has handed to the strategy's collectives so far (payload sizes, as
+    `comm.Comm` counts them). Take differences for a step's bytes."""
+    return sum(comm.total_bytes() for comm in strategy_of(model).comms())
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm across ranks and shards; return that norm."""
     return strategy_of(model).clip_grad_norm_(max_norm, norm_type)

@@ -118,6 +118,56 @@ CASES = {
         lambda tmp: ["--config", str(_write(tmp / "c.toml", "[train]\nstpes = 3\n"))],
         ["train.stpes", "unknown key", "did you mean train.steps?"],
     ),
+    "powersgd rank larger than any matrix allows": (
+        ["--compress", "powersgd:rank=500"],
+        None,
+        ["--compress (sync.compress)", "rank=500 exceeds", "at most 144", "use rank <= 144"],
+    ),
+    "top-k ratio outside (0, 1]": (
+        ["--compress", "topk:ratio=1.5"],
+        None,
+        ["--compress (sync.compress)", "ratio=1.5 must be in (0, 1]"],
+    ),
+    "unknown compressor": (
+        ["--compress", "zip"],
+        None,
+        ["--compress (sync.compress)", "unknown compressor 'zip'", "powersgd:rank=4"],
+    ),
+    "unknown compressor option": (
+        ["--compress", "int8:bits=4"],
+        None,
+        ["--compress (sync.compress)", "unknown option 'bits=4'", "options are block, start"],
+    ),
+    "bf16 compression of bf16 gradients": (
+        ["--compress", "bf16", "--precision", "bf16-params"],
+        None,
+        ["--compress (sync.compress)", "already bf16", "int8, topk or powersgd"],
+    ),
+    "compression under DiLoCo": (
+        ["--compress", "int8", "--diloco", "10"],
+        None,
+        ["--compress (sync.compress)", "only inside a replica", "--outer-compress"],
+    ),
+    "local SGD every 0 steps is off, below is an error": (
+        ["--local-sgd", "-1"],
+        None,
+        ["--local-sgd (sync.local_sgd)", "-1 is below 1", "H >= 1"],
+    ),
+    "both local SGD and DiLoCo": (
+        ["--local-sgd", "4", "--diloco", "4"],
+        None,
+        ["--diloco (sync.diloco)", "choose one"],
+    ),
+    "outer compression without DiLoCo": (
+        ["--outer-compress", "int8"],
+        None,
+        ["--outer-compress (sync.outer_compress)", "only DiLoCo has outer gradients"],
+    ),
+    "outer momentum of 1": (
+        ["--diloco", "5", "--outer-momentum", "1"],
+        None,
+        ["--outer-momentum (sync.outer_momentum)", "outside [0, 1)"],
+    ),
     "resume of a directory without a run": (
         [],
         lambda tmp: ["--resume", str(tmp)],

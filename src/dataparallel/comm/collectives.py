@@ -165,6 +165,16 @@ class Comm:
             self._ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         return self._ranks
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Send the i-th of `input`'s world_size equal chunks to rank i; receive rank i's chunk
+        for this rank into the i-th chunk of `output` (compressed reductions, compression/)."""
+        self._count("all_to_all", input)
+        return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+
+    def total_bytes(self) -> int:
+        """Bytes handed to every kind of collective so far."""
+        return sum(self.bytes_sent.values())
+
     def all_gather_object(self, obj) -> list:
         out: list = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)

@@ -7,7 +7,9 @@ all reach the hook as a bucket with
 - `buffer`: the flat gradients, 1-D, padded with zeros to a multiple of the shard group's size;
 - `shard`: None when every rank keeps the whole reduced buffer (DDP), or `(start, stop)`, the
   slice of `buffer` that this rank keeps (sharded strategies): the hook may then deliver only
-  that slice (a reduce-scatter), and nothing outside it is read afterwards.
+  that slice (a reduce-scatter), and nothing outside it is read afterwards;
+- `shapes`: `(offset, shape)` of each parameter's gradient in `buffer` (for hooks that work
+  per matrix, such as PowerSGD).
 The state (`HookState`) names the groups: `comm`, over which the bucket is reduced (for a sharded
 bucket, the shard group: `shard` is this rank's slice in it), and `replicate`, the ranks that
 hold the same shard under a 2-D mesh (None without one), over which the result is all-reduced
@@ -40,6 +42,7 @@ class GradBucket(Protocol):
     index: int
     buffer: torch.Tensor
     shard: tuple[int, int] | None
+    shapes: list[tuple[int, torch.Size]]
 
 
 @dataclass

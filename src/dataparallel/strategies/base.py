@@ -128,6 +128,15 @@ class Strategy:
     def finish_param_gather(self) -> None:
         """Wait for parameter communication still in flight (none, unless a strategy says so)."""
 
+    def refresh_params(self) -> None:
+        """The optimizer's parameters were changed outside `step()` (an averager): bring the
+        model's parameters up to date. Nothing to do where the model's parameters are the ones
+        the optimizer updates (DDP) or are gathered from them at each forward (ZeRO-3)."""
+
+    def comms(self) -> list[Comm]:
+        """Every Comm the strategy sends through (for byte counts)."""
+        return [self.comm]
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         raise NotImplementedError
 
@@ -145,6 +154,22 @@ class Strategy:
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         raise NotImplementedError
+
+
+def distinct_comms(comms: list) -> list[Comm]:
+    """The Comms, each once, Nones dropped (a 1-D layout's shard group is its world)."""
+    out: list[Comm] = []
+    for comm in comms:
+        if comm is not None and all(comm is not c for c in out):
+            out.append(comm)
+    return out
+
+
+def hook_state_report(hook) -> dict[str, int]:
+    """{"compression": bytes} when the communication hook keeps state between steps (error
+    feedback residuals, PowerSGD's factors), else nothing."""
+    tensors = getattr(hook, "state_tensors", None)
+    return {"compression": tensor_bytes(tensors())} if tensors is not None else {}
 
 
 def tensor_bytes(tensors) -> int:

@@ -33,6 +33,7 @@ from ..comm.hooks import default_hook
 from .base import (
     Strategy,
     check_optimizer_params,
+    hook_state_report,
     normalize_param_groups,
     optimizer_state_tensors,
     tensor_bytes,
@@ -207,4 +208,5 @@ class DDPStrategy(Strategy):
             "params": tensor_bytes(p.data for p in self.model.parameters()),
             "grads": tensor_bytes(b.buffer for b in self.reducer.buckets),
             "optimizer_state": tensor_bytes(optimizer_state_tensors(optimizer)) if optimizer else 0,
+            **hook_state_report(self.reducer.hook),
         }

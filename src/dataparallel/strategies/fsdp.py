@@ -57,6 +57,8 @@ from ..comm.hooks import default_hook
 from . import fsdp_checkpoint
 from .base import (
     Strategy,
+    distinct_comms,
+    hook_state_report,
     normalize_param_groups,
     optimizer_state_tensors,
     tensor_bytes,
@@ -394,4 +396,8 @@ class ZeRO3Strategy(Strategy):
             "grads": tensor_bytes(grads),
             "optimizer_state": tensor_bytes(optimizer_state_tensors(optimizer)) if optimizer else 0,
             "largest_gathered_unit": max(u.largest_gathered for u in self.units),
+            **hook_state_report(self.hook),
         }
+
+    def comms(self) -> list:
+        return distinct_comms([self.groups.world, self.groups.shard, self.groups.replicate])

@@ -36,6 +36,8 @@ from ..comm import HookState
 from ..comm.hooks import default_hook
 from .base import (
     Strategy,
+    distinct_comms,
+    hook_state_report,
     normalize_param_groups,
     optimizer_state_tensors,
     tensor_bytes,
@@ -338,6 +340,15 @@ class ZeROStrategy(Strategy):
         if self.sharded_step is not None:
             self.sharded_step.gather.finish()
 
+    def refresh_params(self) -> None:
+        """Masters (or shards) changed outside step(): write them back and all-gather again."""
+        if self.sharded_step is not None:
+            self.sharded_step.gather.finish()
+            self.sharded_step.after(self.optimizer, (), {})
+
+    def comms(self) -> list:
+        return distinct_comms([self.groups.world, self.groups.shard, self.groups.replicate])
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         grads = [g for b in self.buckets for g in b.shard.grad_tensors()]
         return clip_grad_norm_(grads, max_norm, norm_type, self.groups.shard)
@@ -385,4 +396,5 @@ class ZeROStrategy(Strategy):
             "grads": tensor_bytes(grads),
             "optimizer_state": tensor_bytes(state + masters),
             "master_params": tensor_bytes(masters),
+            **hook_state_report(self.reducer.hook),
         }

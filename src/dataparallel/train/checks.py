@@ -11,13 +11,16 @@ import math
 import os
 from pathlib import Path
 
+import torch
+
 from ..checkpoint import latest_checkpoint
 from ..data.corpus import corpus_files, corpus_size, num_windows
-from ..models import MODEL_CONFIGS
+from ..models import MODEL_CONFIGS, build_model
 from ..strategies import POLICIES
 from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
 from .precision import PRECISIONS
+from .sync import averaging, check_sync
 
 # Files that mark a directory as holding a run (see docs/train.md, "The run directory").
 RUN_MARKERS = ("config.toml", "metrics.jsonl", "checkpoint", "model.safetensors")
@@ -134,13 +137,15 @@ def check_values(config: RunConfig) -> None:
                 "give node 0's address and a free port, e.g. --rdzv-endpoint 10.0.0.1:29500",
             )
     world = config.world_size
-    if launch.shard_group and (world % launch.shard_group or launch.strategy == "ddp"):
+    # Under local SGD / DiLoCo the shard group is a replica, which may run DDP inside.
+    ddp_alone = launch.strategy == "ddp" and not averaging(config)
+    if launch.shard_group and (world % launch.shard_group or ddp_alone):
         why = (
             "ddp replicates everything and takes no shard group"
-            if launch.strategy == "ddp"
+            if ddp_alone
             else f"{launch.shard_group} does not divide the {world} ranks"
         )
-        fix = "use zero1, zero2 or zero3" if launch.strategy == "ddp" else "use a divisor"
+        fix = "use zero1, zero2 or zero3" if ddp_alone else "use a divisor"
         raise ConfigError(field_label("launch", "shard_group"), why, f"{fix}, or 0 for none")
     if launch.node_rank >= launch.nnodes:
         raise ConfigError(
@@ -148,6 +153,13 @@ def check_values(config: RunConfig) -> None:
             f"{launch.node_rank} is not below nnodes={launch.nnodes}",
             f"use 0..{launch.nnodes - 1}",
         )
+    check_sync(config, model_shapes(config.model.name))
+
+
+def model_shapes(name: str) -> list:
+    """The parameter shapes of a reference model, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return [p.shape for p in build_model(name).parameters()]
 
 
 def check_data(config: RunConfig) -> None:

@@ -161,6 +161,37 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """How the ranks synchronise: exact by default; compressed, or every few steps, over slow
+    links (docs/compression.md says when each pays).
+
+    compress: send gradients compressed: "powersgd:rank=4,start=10" (low-rank, for matrix-heavy
+        models, the most bytes saved for the least CPU), "topk:ratio=0.01" (the largest 1%,
+        with error feedback), "int8" or "fp8" (a quarter of the bytes, nearly exact), "bf16"
+        or "fp16" (half, no state); "start" is the step before which gradients travel
+        uncompressed. Works with every strategy; on a 2-D mesh only the cross-replica stage
+        is compressed. Empty: exact.
+    local_sgd: average the replicas' parameters every this many steps instead of reducing
+        gradients each step (local SGD); 0: off.
+    diloco: DiLoCo every this many steps: all-reduce the replicas' movement since the last
+        synchronisation and apply it with an outer Nesterov SGD; 0: off. With local_sgd or
+        diloco a replica is one rank, or --shard-group ranks that train together with the
+        chosen strategy.
+    outer_lr: DiLoCo's outer learning rate (0.7 in the DiLoCo paper).
+    outer_momentum: DiLoCo's outer Nesterov momentum (0.9 in the paper); 0: plain SGD.
+    outer_compress: how DiLoCo's outer gradients travel: "" (fp32), "bf16", or "int8" / "fp8"
+        (with error feedback).
+    """
+
+    compress: str = ""
+    local_sgd: int = 0
+    diloco: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_compress: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """A whole run; each attribute is one section (one TOML table).
 
@@ -169,6 +200,7 @@ class RunConfig:
     optim: optimizer and LR schedule.
     train: the loop.
     launch: the processes.
+    sync: how the ranks synchronise.
     """
 
     model: ModelConfig = ModelConfig()
@@ -176,6 +208,7 @@ class RunConfig:
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     launch: LaunchConfig = LaunchConfig()
+    sync: SyncConfig = SyncConfig()
 
     @property
     def world_size(self) -> int:
@@ -204,6 +237,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "train": TrainConfig,
     "launch": LaunchConfig,
+    "sync": SyncConfig,
 }
 # Flags whose name is not the field's name with dashes.
 FLAG_NAMES = {"model.name": "--model", "data.paths": "--data"}

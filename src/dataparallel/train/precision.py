@@ -24,11 +24,12 @@ PRECISIONS: dict[str, tuple] = {
 }
 
 
-def strategy_policy(strategy: str, precision: str):
-    """The named strategy's policy with the precision's MixedPrecision."""
+def strategy_policy(strategy: str, precision: str, comm_hook=None):
+    """The named strategy's policy with the precision's MixedPrecision (and a communication
+    hook, for --compress)."""
     from ..strategies import POLICIES
 
-    return POLICIES[strategy](precision=PRECISIONS[precision][0])
+    return POLICIES[strategy](precision=PRECISIONS[precision][0], comm_hook=comm_hook)
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:

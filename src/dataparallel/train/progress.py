@@ -56,12 +56,26 @@ def describe_run(state: TrainState, threads: int) -> list[str]:
         f"sha256 {corpus.sha256[:12]}; {len(state.train_windows)} train / "
         f"{len(state.val_windows)} val windows of {block} tokens",
         f"world   {world.world_size} ranks ({config.launch.strategy}, {world.backend}, "
-        f"{world.device.type}, {plural(threads, 'thread')} each)",
+        f"{world.device.type}, {plural(threads, 'thread')} each){_sync_text(config)}",
         f"batch   global batch = {train.batch} per rank x {train.accum} accum x "
         f"{world.world_size} ranks = {global_batch} windows = {global_batch * block} tokens/step",
         f"lr      peak {state.peak_lr:.3g} ({scaling}), {optim.warmup_steps} warm-up steps, "
         f"cosine to {state.peak_lr * optim.min_lr_ratio:.3g} at step {train.steps}",
     ]
+
+
+def _sync_text(config) -> str:
+    """How the ranks synchronise, when not exactly every step (train/sync.py)."""
+    sync = config.sync
+    if sync.local_sgd:
+        return f"; local SGD every {sync.local_sgd} steps"
+    if sync.diloco:
+        wire = f", {sync.outer_compress} outer gradients" if sync.outer_compress else ""
+        return (
+            f"; DiLoCo every {sync.diloco} steps (outer lr {sync.outer_lr:g}, momentum "
+            f"{sync.outer_momentum:g}{wire})"
+        )
+    return f"; gradients compressed: {sync.compress}" if sync.compress else ""
 
 
 class ProgressBar(Callback):

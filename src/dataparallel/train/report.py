@@ -89,6 +89,10 @@ def summarize(run_dir: Path) -> dict:
         "final_val_loss": val[-1]["val_loss"] if val else None,
         "tokens_seen": sum(r["tokens"] for r in train),
         "tokens_per_s_median": statistics.median(rates) if rates else 0.0,
+        # rank 0's bytes handed to collectives per step (older runs have no such key)
+        "bytes_sent_per_step": (
+            sum(r.get("bytes_sent", 0) for r in train) / len(train) if train else 0.0
+        ),
         "train_time_s": sum(r["step_time_s"] for r in train),
         "eval_time_s": sum(r["eval_time_s"] for r in val),
         "info": info,
@@ -123,6 +127,8 @@ def summary_text(summary: dict, run_dir: Path) -> str:
     lines += [
         f"  speed     {format_count(summary['tokens_per_s_median'])} tokens/s (median), "
         f"{format_count(summary['tokens_seen'])} tokens trained on",
+        f"  traffic   {format_count(summary['bytes_sent_per_step'])}B sent per step by rank 0 "
+        f"(payload handed to collectives)",
         f"  weights   {run_dir / 'model.safetensors'}",
         f"  metrics   {run_dir / 'metrics.jsonl'}; tensorboard --logdir {run_dir / 'tensorboard'}",
         f"  report    {run_dir / REPORT}/loss.png, throughput.png, summary.txt",

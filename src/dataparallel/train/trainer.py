@@ -33,6 +33,7 @@ from ..models import build_model
 from .config import RunConfig
 from .precision import autocast_dtype, grad_scaler, strategy_policy
 from .schedule import WarmupCosine, scaled_lr
+from .sync import averaging, build_averager, comm_hook
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,8 @@ class StepRecord:
     loss_scale: the loss scaler's scale after this step (`--precision fp16`), else 1.
     skipped_steps: steps of this session whose gradients overflowed and were skipped on every
         rank (they do not count in `step`, nor move the LR schedule).
+    bytes_sent: bytes this rank handed to the strategy's and the averager's collectives in this
+        step (payload sizes; compression shrinks them).
     """
 
     step: int
@@ -60,6 +63,7 @@ class StepRecord:
     elapsed_s: float
     loss_scale: float = 1.0
     skipped_steps: int = 0
+    bytes_sent: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -98,6 +102,7 @@ class TrainState:
     val_windows: TokenWindows
     corpus: Corpus
     scaler: torch.amp.GradScaler | None = None
+    averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (train/sync.py), or None
     step: int = 0
     skipped_steps: int = 0
     history: list = field(default_factory=list)  # the StepRecords of this session
@@ -159,8 +164,13 @@ def setup(
         model = build_model(config.model.name)
     model = model.to(world.device)
     launch, precision = config.launch, config.train.precision
-    policy = strategy_policy(launch.strategy, precision)
-    if 0 < launch.shard_group < world.world_size:  # a 2-D mesh (HSDP)
+    policy = strategy_policy(launch.strategy, precision, comm_hook(config))
+    replicas = None  # the group an averager synchronises over ([Note: composition], sync.py)
+    if averaging(config):  # the strategy runs inside each replica of shard_group ranks
+        mesh = dp.init_mesh(launch.shard_group or 1, world.group)
+        dp.parallelize(model, policy, group=mesh.shard_group)
+        replicas = mesh.replicate_group
+    elif 0 < launch.shard_group < world.world_size:  # a 2-D mesh (HSDP)
         dp.parallelize(model, policy, mesh=dp.init_mesh(launch.shard_group, world.group))
     else:
         dp.parallelize(model, policy, group=world.group)
@@ -203,6 +213,7 @@ def setup(
         val_windows=val_windows,
         corpus=corpus,
         scaler=grad_scaler(precision, world.device),
+        averager=build_averager(config, model, optimizer, replicas) if replicas else None,
     )
 
 
@@ -247,6 +258,7 @@ def train_step(state: TrainState) -> StepRecord:
     """One optimizer step over `accum` micro-batches of this rank's data."""
     started = time.perf_counter()
     config, world, model = state.config, state.world, state.model
+    sent_before = _bytes_sent(state)
     batch, accum = config.train.batch, config.train.accum
     indices = next_indices(state.sampler, batch * accum)
     micro = [state.train_windows.batch(indices[k * batch : (k + 1) * batch]) for k in range(accum)]
@@ -280,6 +292,8 @@ def train_step(state: TrainState) -> StepRecord:
         state.optimizer.step()
         skipped = False
     state.optimizer.zero_grad(set_to_none=True)
+    if state.averager is not None and not skipped:
+        state.averager.step()  # every H steps: synchronise the replicas' parameters
     (total_loss,) = _all_reduce_sum([float(loss_sum)], world)
     if skipped:
         state.skipped_steps += 1
@@ -295,7 +309,14 @@ def train_step(state: TrainState) -> StepRecord:
         elapsed_s=0.0,
         loss_scale=scaler.get_scale() if scaler is not None else 1.0,
         skipped_steps=state.skipped_steps,
+        bytes_sent=_bytes_sent(state) - sent_before,
     )
+
+
+def _bytes_sent(state: TrainState) -> int:
+    """Bytes this rank has handed to the strategy's and the averager's collectives so far."""
+    averager = state.averager.bytes_sent() if state.averager is not None else 0
+    return dp.bytes_sent(state.model) + averager
 
 
 @torch.no_grad()

@@ -177,6 +177,12 @@ class Bucket:
         self.buffer, self.views = None, []
         self.held = [EMPTY] * len(self.params)
 
+    @property
+    def shapes(self) -> list[tuple[int, torch.Size]]:
+        """(offset in `buffer`, shape) of each parameter's gradient, for hooks that compress
+        per matrix (PowerSGD)."""
+        return [(off, p.shape) for off, p in zip(self.spec.offsets, self.params, strict=True)]
+
     def reduced(self) -> torch.Tensor:
         """What this rank keeps of the reduction: its shard of the buffer, or the whole."""
         if self.shard is None:

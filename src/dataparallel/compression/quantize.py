@@ -1,0 +1,134 @@
+"""int8 and fp8 quantisation with per-block scales, reduced as a quantised reduce-scatter.
+
+[Note: quantised reduction] The pattern of ZeRO++'s qgZ and torchft's quantised all-reduce:
+1. each rank quantises its (corrected) buffer, split into W chunks, one per rank, with one fp32
+   scale per block of `block` entries (int8: absmax / 127, rounded to nearest; fp8 e4m3:
+   absmax / 448);
+2. an all-to-all hands chunk j of every rank to rank j (a reduce-scatter of quantised chunks:
+   integers with different scales cannot be summed on the wire), which dequantises and sums
+   them in fp32;
+3. a sharded strategy keeps that sum: it is its shard. For a whole bucket (DDP), rank j
+   quantises its summed chunk again and an all-gather gives every rank every chunk, dequantised
+   the same way everywhere, so replicas stay bit-identical.
+Each quantisation has its own error feedback ([Note: error feedback]): the sender's, over the
+whole buffer, for step 1; the chunk owner's, over its chunk, for step 3. Bytes per rank: about
+n x (1 + 4 / block) in each step, against 4n for fp32 (a quarter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from ..comm.hooks import Chain, Ready, Then, WorkFuture
+from .feedback import ErrorFeedback
+
+FORMATS = {  # name -> (storage dtype, largest magnitude it holds)
+    "int8": (torch.int8, 127.0),
+    "fp8": (torch.float8_e4m3fn, 448.0),
+}
+
+
+class Quantize:
+    """Blockwise int8 or fp8 quantisation with error feedback.
+
+    kind: "int8" or "fp8" (torch.float8_e4m3fn).
+    block: entries sharing one fp32 scale, a multiple of 4.
+    """
+
+    def __init__(self, kind: str = "int8", block: int = 1024):
+        if kind not in FORMATS:
+            raise ValueError(f"quantize: kind={kind!r} must be one of {', '.join(FORMATS)}")
+        if block < 4 or block % 4:
+            raise ValueError(f"quantize: block={block} must be a multiple of 4 (e.g. 1024)")
+        self.name, self.kind, self.block = kind, kind, block
+        self.dtype, self.limit = FORMATS[kind]
+        self.feedback = ErrorFeedback()
+
+    # -- pure verbs -------------------------------------------------------------------------
+    def quantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows (R, c) of fp32, c a multiple of `block`, to packed bytes (R, 4c/block + c):
+        each row's scales, then its quantised entries."""
+        blocks = rows.reshape(rows.shape[0], -1, self.block)
+        scales = blocks.abs().amax(dim=2, keepdim=True) / self.limit
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        scaled = blocks / scales
+        if self.dtype == torch.int8:
+            quantised = scaled.round_().clamp_(-self.limit, self.limit).to(torch.int8)
+        else:
+            quantised = scaled.clamp_(-self.limit, self.limit).to(self.dtype)
+        packed = torch.cat(
+            [
+                scales.reshape(rows.shape[0], -1).view(torch.uint8),
+                quantised.reshape(rows.shape[0], -1).view(torch.uint8),
+            ],
+            dim=1,
+        )
+        return packed
+
+    def dequantize(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed bytes (R, 4c/block + c) back to fp32 rows (R, c)."""
+        c = packed.shape[1] * self.block // (self.block + 4)
+        nblocks = c // self.block
+        scales = packed[:, : 4 * nblocks].contiguous().view(torch.float32)
+        values = packed[:, 4 * nblocks :].contiguous().view(self.dtype).float()
+        return (values.view(-1, nblocks, self.block) * scales.unsqueeze(2)).view(-1, c)
+
+    def round_trip(self, key, rows: torch.Tensor) -> torch.Tensor:
+        """Quantise `rows` plus the residual under `key`, keep the new residual, and return
+        the packed bytes (the one place error feedback meets quantisation)."""
+        corrected = self.feedback.correct(key, rows)
+        packed = self.quantize(corrected)
+        self.feedback.remember(key, corrected, self.dequantize(packed).view_as(corrected))
+        return packed
+
+    # -- the reduction ----------------------------------------------------------------------
+    def reduce(self, comm: Comm, key, tensor: torch.Tensor, keep, shapes=None, window=None):
+        """Sum `tensor` (1-D) over `comm` ([Note: quantised reduction]); the future gives the
+        whole sum, or the `keep` slice (then rank j's chunk)."""
+        world, numel = comm.world_size, tensor.numel()
+        chunk = -(-numel // world)
+        if keep is not None and (keep[1] - keep[0] != chunk or keep[0] != comm.rank * chunk):
+            raise ValueError(
+                f"{self.name}: this rank keeps [{keep[0]}, {keep[1]}) of {numel} entries, not "
+                f"its chunk of {chunk}; shard buckets evenly over the group it reduces in"
+            )
+        padded = -(-chunk // self.block) * self.block
+        flat = torch.zeros(world * chunk, dtype=torch.float32, device=tensor.device)
+        flat[:numel] = tensor
+        rows = torch.zeros(world, padded, dtype=torch.float32, device=tensor.device)
+        rows[:, :chunk] = flat.view(world, chunk)  # rank j's chunk in row j, zero padded
+        packed = self.round_trip((key, "send"), rows)
+
+        def summed(received: torch.Tensor) -> torch.Tensor:
+            return self.dequantize(received.view(world, -1)).sum(dim=0)[:chunk]
+
+        if world == 1:
+            first = Then(Ready(packed), summed)
+        else:
+            received = torch.empty_like(packed)
+            work = comm.all_to_all(received, packed, async_op=True)
+            first = Then(WorkFuture(work, lambda: received), summed)
+        if keep is not None:
+            own = tensor[keep[0] : keep[1]]
+            return Then(first, own.copy_)
+
+        def gather(own_sum: torch.Tensor):
+            row = torch.zeros(1, padded, dtype=torch.float32, device=tensor.device)
+            row[0, :chunk] = own_sum
+            mine = self.round_trip((key, "gather"), row)
+            everyone = torch.empty(world * mine.numel(), dtype=torch.uint8, device=mine.device)
+
+            def unpack(gathered: torch.Tensor) -> torch.Tensor:
+                values = self.dequantize(gathered.view(world, -1))[:, :chunk].reshape(-1)
+                return tensor.copy_(values[:numel])
+
+            if world == 1:
+                return Then(Ready(mine), unpack)
+            work = comm.all_gather(everyone, mine, async_op=True)
+            return Then(WorkFuture(work, lambda: everyone), unpack)
+
+        return Chain(first, gather)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.feedback.tensors()

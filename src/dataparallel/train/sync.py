@@ -1,0 +1,125 @@
+"""What the [sync] section means: the compression hook, the averager, and their checks.
+
+[Note: composition] The order in which the pieces apply, decided here and nowhere else:
+1. precision (the strategy's MixedPrecision) fixes the dtype of the buckets;
+2. the strategy shards within a shard group (`--shard-group`, or every rank);
+3. compression (`--compress`) acts on the reduction's stage that crosses replicas
+   ([Note: where compression acts] in compression/hook.py);
+4. accumulation (`no_sync`) runs before any of it: compressed or not, a bucket is reduced
+   once per optimizer step;
+5. an averager (`--local-sgd`, `--diloco`) replaces the cross-replica gradient reduction
+   altogether: the strategy runs inside each replica, and the averager synchronises the
+   replicas' parameters every H steps after the optimizer step. Compressing gradients would
+   then only compress the fast in-replica links, so the two are not combined; DiLoCo's outer
+   gradients can be compressed instead (`--outer-compress`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+import dataparallel as dp
+
+from ..compression import SPEC_HELP, PowerSGD, build_hook, parse_spec
+from .config import ConfigError, RunConfig, field_label
+
+OUTER_COMPRESS = ("", "bf16", "int8", "fp8")
+
+
+def check_sync(config: RunConfig, model_shapes: list[torch.Size] | None = None) -> None:
+    """One-line errors for a [sync] section that cannot work (no I/O)."""
+    sync, precision = config.sync, config.train.precision
+    for name in ("local_sgd", "diloco"):
+        value = getattr(sync, name)
+        if value < 0:
+            raise ConfigError(
+                field_label("sync", name), f"{value} is below 1", "give H >= 1 steps, or 0 for off"
+            )
+    if sync.local_sgd and sync.diloco:
+        raise ConfigError(
+            field_label("sync", "diloco"),
+            "local SGD and DiLoCo are both asked for",
+            "choose one: --local-sgd H or --diloco H",
+        )
+    if not sync.outer_lr > 0:
+        raise ConfigError(
+            field_label("sync", "outer_lr"), f"{sync.outer_lr} is not positive", "use e.g. 0.7"
+        )
+    if not 0 <= sync.outer_momentum < 1:
+        raise ConfigError(
+            field_label("sync", "outer_momentum"),
+            f"{sync.outer_momentum} is outside [0, 1)",
+            "use e.g. 0.9, or 0 for plain SGD",
+        )
+    if sync.outer_compress not in OUTER_COMPRESS:
+        raise ConfigError(
+            field_label("sync", "outer_compress"),
+            f"unknown value {sync.outer_compress!r}",
+            "choose bf16, int8, fp8 or leave it empty",
+        )
+    if sync.outer_compress and not sync.diloco:
+        raise ConfigError(
+            field_label("sync", "outer_compress"),
+            "only DiLoCo has outer gradients",
+            "add --diloco H, or drop --outer-compress",
+        )
+    if not sync.compress:
+        return
+    label = field_label("sync", "compress")
+    if sync.local_sgd or sync.diloco:
+        raise ConfigError(
+            label,
+            "gradients are reduced only inside a replica under local SGD or DiLoCo",
+            "drop --compress; compress DiLoCo's outer gradients with --outer-compress",
+        )
+    try:
+        name, options = parse_spec(sync.compress)
+        build_hook(sync.compress)  # the compressors check their own options
+    except ValueError as error:
+        raise ConfigError(label, str(error), f"write it as {SPEC_HELP}") from None
+    if name in ("bf16", "fp16") and precision in ("bf16-params", "fp16"):
+        raise ConfigError(
+            label,
+            f"gradients are already {precision.removesuffix('-params')} under --precision "
+            f"{precision}",
+            "drop --compress, or compress further with int8, topk or powersgd",
+        )
+    if name == "powersgd" and model_shapes is not None:
+        rank, largest = options.get("rank", 1), PowerSGD.largest_rank(model_shapes)
+        if rank > largest:
+            raise ConfigError(
+                label,
+                f"rank={rank} exceeds what any gradient matrix of {config.model.name} allows "
+                f"(at most {largest}, its smaller side)",
+                f"use rank <= {largest}",
+            )
+
+
+def comm_hook(config: RunConfig):
+    """The strategy's communication hook for --compress (None: the strategy's own)."""
+    return build_hook(config.sync.compress) if config.sync.compress else None
+
+
+def averaging(config: RunConfig) -> bool:
+    return bool(config.sync.local_sgd or config.sync.diloco)
+
+
+def build_averager(config: RunConfig, model, optimizer, group):
+    """The averager the [sync] section names, over `group` (the replicate group), or None."""
+    sync = config.sync
+    if sync.local_sgd:
+        return dp.LocalSGD(model, optimizer, sync.local_sgd, group=group)
+    if sync.diloco:
+        outer = partial(
+            torch.optim.SGD,
+            lr=sync.outer_lr,
+            momentum=sync.outer_momentum,
+            nesterov=sync.outer_momentum > 0,
+        )
+        compress = sync.outer_compress or None
+        return dp.DiLoCo(
+            model, optimizer, sync.diloco, group=group, outer_optimizer=outer, compress=compress
+        )
+    return None
