@@ -3,7 +3,8 @@
 Two ranks (gloo on 127.0.0.1, one thread each, as the benchmarks run) each train their own copy
 of the model, so both cores compute as they do in a data-parallel run: the median forward +
 backward time gives the FLOP rate for that model (FLOPs per token as model.py counts them),
-the median optimizer step the parameters updated per second. Then the collectives our
+the median optimizer step the parameters updated per second (medians over steps of the slowest
+rank's time, [Note: slowest rank per step]). Then the collectives our
 strategies use on gloo (all_reduce: gloo's; reduce_scatter and all_gather: our pairwise ones,
 docs/zero.md) are timed at two sizes, and the alpha-beta model ([Note: collective cost]) is
 fitted through the two medians.
@@ -30,6 +31,21 @@ from .model import builtin_shape
 SIZES = (1 << 18, 1 << 22)  # fp32 elements: 1 MiB and 16 MiB
 
 
+def slowest_medians(*series: list[float], group=None) -> list[float]:
+    """Per series of per-repeat times (all of one length): the median over repeats of the slowest rank's time.
+
+    [Note: slowest rank per step] A synchronous data-parallel step lasts as long as its slowest
+    rank, and on busy cores which rank is slowest changes from step to step, so the step's
+    median is the median of per-step maxima, above the slowest rank's median (the max of the
+    medians, what calibration took before: 340 ms for gpt-small's forward+backward+AdamW
+    where the no-communication bound measured 368 ms in the run after it). Calibration takes
+    the statistic the validation measures.
+    """
+    times = torch.tensor(series, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return [statistics.median(row) for row in times.tolist()]
+
+
 def _median_times(fn, repeats: int, group) -> float:
     times = []
     for _ in range(repeats):
@@ -37,9 +53,7 @@ def _median_times(fn, repeats: int, group) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest)
+    return slowest_medians(times, group=group)[0]
 
 
 def measure_compute(name: str, batch: int, steps: int, group) -> tuple[float, float]:
@@ -64,9 +78,11 @@ def measure_compute(name: str, batch: int, steps: int, group) -> tuple[float, fl
         if i >= 2:
             fb.append(middle - start)
             opt.append(end - middle)
-    result = torch.tensor([statistics.median(fb), statistics.median(opt)], dtype=torch.float64)
-    dist.all_reduce(result, op=dist.ReduceOp.MAX)
-    return float(result[0]), float(result[1])
+    # [Note: slowest rank per step]: the sum's per-step maximum, split in the median ratio.
+    steps_total = [a + b for a, b in zip(fb, opt, strict=True)]
+    (total,) = slowest_medians(steps_total, group=group)
+    share = statistics.median(fb) / (statistics.median(fb) + statistics.median(opt))
+    return total * share, total * (1 - share)
 
 
 def measure_collectives(repeats: int, group) -> dict[str, dict[str, float]]:
@@ -99,7 +115,7 @@ def _worker(rank: int, port: int, names: list[str], batch: int, path: str) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = dist.new_group(backend="gloo")
-    compute = {n: measure_compute(n, batch, 5, group) for n in names}
+    compute = {n: measure_compute(n, batch, 8, group) for n in names}
     links = measure_collectives(10, group)
     if rank == 0:
         Path(path).write_text(json.dumps({"compute": compute, "links": links}))
@@ -137,8 +153,9 @@ def calibrate(names: list[str], batch: int = 4, out: str | None = None) -> Hardw
         "backend": "gloo",
         "sources": {
             "flops_per_s": f"measured {stamp}: plain AdamW steps of {', '.join(names)}, "
-            f"batch {batch}, 2 ranks at once, median forward+backward",
-            "optimizer_params_per_s": f"measured {stamp}: median AdamW step",
+            f"batch {batch}, 2 ranks at once, median over steps of the slowest rank's "
+            "forward+backward",
+            "optimizer_params_per_s": f"measured {stamp}: median AdamW step (slowest rank)",
             "memory_bytes": "half of this machine's RAM",
             "intra_node": f"measured {stamp}: medians of 10 calls at 1 and 16 MiB, fitted",
             "overlap": "0: gloo's threads need the cores the ranks compute on",
