@@ -6,6 +6,7 @@ model = dp.parallelize(model, strategy="ddp")       # or dp.DDP(bucket_mb=25)
 optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=3e-4)
 with dp.no_sync(model):                             # accumulate without communication
     ...
+dp.plan("llama-8b", ranks=64, precision="bf16-params")   # memory and step time, before launch
 """
 
 from . import comm, compression
@@ -28,6 +29,7 @@ from .api import (
 from .averaging import DiLoCo, LocalSGD
 from .comm import Tracer
 from .data import DistributedSampler
+from .plan import plan
 from .runtime import World, destroy, init
 from .strategies import DDP, Mesh, MixedPrecision, ZeRO1, ZeRO2, ZeRO3, init_mesh
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
@@ -63,6 +65,7 @@ __all__ = [
     "no_sync",
     "optimizer_state_dict",
     "parallelize",
+    "plan",
     "refresh_params",
     "strategy_of",
 ]

@@ -5,6 +5,7 @@
     dataparallel train --config examples/train.toml --lr 1e-3
     dataparallel train --resume runs/small --steps 2000
     dataparallel sample runs/small --prompt "def "
+    dataparallel plan --model llama-8b --ranks 64 --precision bf16-params   # before launch
     torchrun --nproc-per-node 2 -m dataparallel.cli train --steps 50   # under torchrun itself
 
 Every `train` flag is a field of the config (train/config.py; `--print-config` shows them all
@@ -21,6 +22,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from .plan.command import add_plan_parser, cmd_plan
 from .train.config import (
     SECTIONS,
     ConfigError,
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     add_train_parser(commands)
     add_sample_parser(commands)
+    add_plan_parser(commands)
     # `bench` (benchmarks/) will be registered here as a third command.
     return parser
 
@@ -227,7 +230,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"train": cmd_train, "sample": cmd_sample}[args.command]
+    handler = {"train": cmd_train, "sample": cmd_sample, "plan": cmd_plan}[args.command]
     return handler(args)
 
 

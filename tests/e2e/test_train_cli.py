@@ -228,6 +228,49 @@ def test_every_strategy_trains_the_reference_curve(strategy, reference_run, tmp_
     assert got["val_loss"][6] == pytest.approx(reference["val_loss"][6], rel=1e-5)
 
 
+@pytest.mark.parametrize(
+    "strategy, kinds",
+    [("ddp", {"all_reduce"}), ("zero3", {"all_gather", "reduce_scatter", "all_reduce"})],
+)
+def test_trace_accounts_for_the_steps_and_their_bytes(strategy, kinds, tmp_path):
+    """--trace 2-3: a Chrome trace per rank whose spans cover each traced step's wall time
+    within 5%, whose collectives moved the bytes the metrics report, and a report timeline."""
+    args = _override(REFERENCE_ARGS, strategy=strategy, steps="4", eval_every="0", trace="2-3")
+    run_dir = tmp_path / "run"
+    result = train(args, run_dir)
+    _check_ok(result)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    sent = {r["step"]: r["bytes_sent"] for r in records if r["kind"] == "train"}
+    for rank in (0, 1):
+        trace = json.loads((run_dir / "traces" / f"rank{rank}.json").read_text())
+        events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        assert {e["pid"] for e in events} == {rank}
+        steps = [e for e in events if e["cat"] == "step"]
+        assert [e["args"]["step"] for e in steps] == [2, 3]
+        for step in steps:
+            start, end = step["ts"], step["ts"] + step["dur"]
+            inside = [e for e in events if start <= e["ts"] < end]
+            phases = [e for e in inside if e["cat"] == "compute"]
+            covered = sum(e["dur"] for e in phases) / step["dur"]
+            assert 0.95 <= covered <= 1.0, (rank, step, covered)
+            names = [e["name"] for e in phases]
+            assert names.count("forward") == names.count("backward") == 2  # accum 2
+            assert names.count("optimizer") == names.count("data") == 1
+            comm = [e for e in inside if e["cat"] == "comm"]
+            assert {e["name"] for e in comm} == kinds
+            assert all(e["tid"] > 0 and e["dur"] >= 0 for e in comm)
+            assert any(e["cat"] == "blocked" for e in inside)
+            if rank == 0:  # the metrics are rank 0's
+                assert sum(e["args"]["bytes"] for e in comm) == sent[step["args"]["step"]]
+            labelled = "unit" if strategy == "zero3" else "bucket"
+            assert any(labelled in e["args"] for e in comm)
+    assert (run_dir / "report" / "timeline.png").stat().st_size > 0
+    summary = json.loads((run_dir / "report" / "summary.json").read_text())
+    for info in summary["trace"]["ranks"].values():
+        assert 0.0 < info["exposed_comm_fraction"] < 1.0
+    assert "exposed communication rank 0" in result.stdout
+
+
 def test_zero3_validation_with_uneven_shards_matches_ddp(tmp_path):
     """3 validation windows on 2 ranks with batch 1: rank 0 runs 2 forwards, rank 1 one. ZeRO-3
     gathers parameters inside forward, so the trainer must keep the ranks' forwards in step

@@ -60,6 +60,16 @@ CASES = {
         None,
         ["--strategy (launch.strategy)", "unknown value 'zero9'", "choose one of ddp"],
     ),
+    "trace that does not parse": (
+        ["--trace", "ten-12"],
+        None,
+        ["--trace (train.trace)", "'ten-12' is not a step or a range", "e.g. --trace 10-12"],
+    ),
+    "trace past the last step": (
+        ["--trace", "4-9", "--steps", "8"],
+        None,
+        ["--trace (train.trace)", "past the run's last step (8)", "between 1 and 8"],
+    ),
     "unreadable data path": (
         [],
         lambda tmp: ["--data", str(tmp / "missing")],

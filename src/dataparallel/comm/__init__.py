@@ -12,11 +12,13 @@ from .hooks import (
     reduce_hook,
     reduce_scatter_hook,
 )
+from .trace import Span
 
 __all__ = [
     "Comm",
     "GradBucket",
     "HookState",
+    "Span",
     "TraceEvent",
     "Tracer",
     "allreduce_hook",

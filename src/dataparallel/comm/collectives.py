@@ -9,57 +9,18 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from . import pairwise
+from .trace import Span, TracedWork, TraceEvent, Tracer
+
+__all__ = ["Comm", "TraceEvent", "Tracer"]
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch has only those.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-@dataclass
-class TraceEvent:
-    """One instant in a trace: `name` at `t_ns` (time.perf_counter_ns), with free-form args."""
-
-    name: str
-    t_ns: int
-    args: dict = field(default_factory=dict)
-
-
-class Tracer:
-    """Records instants (`mark`) while enabled; `events` keeps them in order of recording.
-
-    Off by default; recording costs one list append per event. Work callbacks run on the
-    communication thread, and list.append is atomic under the GIL, so no lock is needed.
-    """
-
-    def __init__(self, enabled: bool = False):
-        self.enabled = enabled
-        self.events: list[TraceEvent] = []
-
-    def mark(self, name: str, **args) -> None:
-        if self.enabled:
-            self.events.append(TraceEvent(name, time.perf_counter_ns(), args))
-
-    def first(self, name: str, **match) -> TraceEvent | None:
-        for event in self.events:
-            if event.name == name and all(event.args.get(k) == v for k, v in match.items()):
-                return event
-        return None
-
-    def clear(self) -> None:
-        self.events.clear()
-
-    def to_chrome(self, pid: int = 0) -> list[dict]:
-        """The events as Chrome-trace instants (load the JSON list in chrome://tracing)."""
-        return [
-            {"name": e.name, "ph": "i", "s": "p", "ts": e.t_ns / 1000, "pid": pid, "args": e.args}
-            for e in self.events
-        ]
 
 
 class Comm:
@@ -96,36 +57,62 @@ class Comm:
         self.bytes_sent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
 
-    def _count(self, kind: str, tensor: torch.Tensor) -> None:
-        self.bytes_sent[kind] += tensor.numel() * tensor.element_size()
+    def _run(self, kind: str, tensor: torch.Tensor, async_op: bool, call):
+        """Count the payload, run `call`, and trace it ([Note: trace spans] in trace.py)."""
+        size = tensor.numel() * tensor.element_size()
+        self.bytes_sent[kind] += size
         self.calls[kind] += 1
+        tracer = self.tracer
+        if not tracer.enabled:
+            return TracedWork(call(), tracer, kind, None, 0) if async_op else call()
+        args = {"bytes": size, "ranks": self.world_size, **tracer.label}
+        start = time.perf_counter_ns()
+        result = call()
+        if async_op:
+            return TracedWork(result, tracer, kind, args, start)
+        end = time.perf_counter_ns()
+        tracer.add(Span(kind, "comm", start, end, {**args, "end": "returned"}))
+        tracer.add(Span("wait", "blocked", start, end, {"kind": kind, **args}))
+        return result
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
-        self._count("all_reduce", tensor)
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        def call():
+            return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+        return self._run("all_reduce", tensor, async_op, call)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
-        self._count("broadcast", tensor)
         global_src = dist.get_global_rank(self.group, src)
-        return dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
+
+        def call():
+            return dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
+
+        return self._run("broadcast", tensor, async_op, call)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, async_op=False
     ):
         """Sum `input` (world_size * output.numel() elements) across ranks; keep this rank's part."""
-        self._count("reduce_scatter", input)
-        if self._pairwise_for("reduce_scatter", output, input) and op == dist.ReduceOp.SUM:
-            args = (output, input, self.group, self._global_ranks(), self.rank, self._next_tag(0))
-            return _wait_unless_async(async_op, pairwise.reduce_scatter(*args))
-        return _reduce_scatter(output, input, op=op, group=self.group, async_op=async_op)
+
+        def call():
+            if self._pairwise_for("reduce_scatter", output, input) and op == dist.ReduceOp.SUM:
+                args = (output, input, self.group, self._global_ranks(), self.rank)
+                work = pairwise.reduce_scatter(*args, self._next_tag(0))
+                return _wait_unless_async(async_op, work)
+            return _reduce_scatter(output, input, op=op, group=self.group, async_op=async_op)
+
+        return self._run("reduce_scatter", input, async_op, call)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `input` into `output` (world_size * input.numel() elements)."""
-        self._count("all_gather", input)
-        if self._pairwise_for("all_gather", input, output):
-            args = (output, input, self.group, self._global_ranks(), self.rank, self._next_tag(1))
-            return _wait_unless_async(async_op, pairwise.all_gather(*args))
-        return _all_gather(output, input, group=self.group, async_op=async_op)
+
+        def call():
+            if self._pairwise_for("all_gather", input, output):
+                args = (output, input, self.group, self._global_ranks(), self.rank)
+                return _wait_unless_async(async_op, pairwise.all_gather(*args, self._next_tag(1)))
+            return _all_gather(output, input, group=self.group, async_op=async_op)
+
+        return self._run("all_gather", input, async_op, call)
 
     def sharded_reduce(self, device: torch.device) -> str:
         """The cheaper way here to give each rank its slice of summed gradients on `device`
@@ -168,8 +155,11 @@ class Comm:
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Send the i-th of `input`'s world_size equal chunks to rank i; receive rank i's chunk
         for this rank into the i-th chunk of `output` (compressed reductions, compression/)."""
-        self._count("all_to_all", input)
-        return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+
+        def call():
+            return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+
+        return self._run("all_to_all", input, async_op, call)
 
     def total_bytes(self) -> int:
         """Bytes handed to every kind of collective so far."""

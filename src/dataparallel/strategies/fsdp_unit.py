@@ -130,7 +130,8 @@ class FlatUnit:
         if self.comm.world_size == 1:
             self.full.copy_(source)
         else:
-            self._gather_work = self.comm.all_gather(self.full, source, async_op=True)
+            with self.comm.tracer.labelled(unit=self.index):
+                self._gather_work = self.comm.all_gather(self.full, source, async_op=True)
             self._gather_source = source  # alive until the collective has read it
         self.state = "gathering"
 
@@ -185,7 +186,8 @@ class FlatUnit:
         if self.empty:
             return
         self.comm.tracer.mark("reduce_start", unit=self.index)
-        self.bucket.launch(hook, state)
+        with self.comm.tracer.labelled(unit=self.index):
+            self.bucket.launch(hook, state)
         for p in self.params:
             p.grad = None
         self.reducing = True

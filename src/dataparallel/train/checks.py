@@ -21,6 +21,7 @@ from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
 from .precision import PRECISIONS
 from .sync import averaging, check_sync
+from .tracing import parse_steps
 
 # Files that mark a directory as holding a run (see docs/train.md, "The run directory").
 RUN_MARKERS = ("config.toml", "metrics.jsonl", "checkpoint", "model.safetensors")
@@ -121,6 +122,7 @@ def check_values(config: RunConfig) -> None:
             f"{train.stop_after} is after the last step ({train.steps})",
             f"use at most {train.steps}, or 0 to run all steps",
         )
+    _check_trace(config)
     model_block = getattr(MODEL_CONFIGS[config.model.name], "block_size", None)
     if model_block and config.data.block_size > model_block:
         raise ConfigError(
@@ -154,6 +156,24 @@ def check_values(config: RunConfig) -> None:
             f"use 0..{launch.nnodes - 1}",
         )
     check_sync(config, model_shapes(config.model.name))
+
+
+def _check_trace(config: RunConfig) -> None:
+    """--trace parses and lies within the run's steps."""
+    train, label = config.train, field_label("train", "trace")
+    if not train.trace:
+        return
+    try:
+        _, last = parse_steps(train.trace)
+    except ValueError as error:
+        raise ConfigError(label, str(error), "write e.g. --trace 10-12, or --trace 5") from None
+    end = train.stop_after or train.steps
+    if last > end:
+        raise ConfigError(
+            label,
+            f"{train.trace!r} goes past the run's last step ({end})",
+            f"trace steps between 1 and {end}",
+        )
 
 
 def model_shapes(name: str) -> list:

@@ -120,6 +120,9 @@ class TrainConfig:
         end); 0: only at the end.
     stop_after: stop after this step, as if interrupted, with a checkpoint to --resume from;
         the schedule still spans `steps`. 0: run all `steps`.
+    trace: steps to trace, "FIRST-LAST" or one step ("10-12", "5"): each rank writes a
+        Chrome/Perfetto trace of them to traces/rank<N>.json in the run directory (docs/train.md,
+        "Reading a trace"). Empty: no trace.
     """
 
     steps: int = 500
@@ -132,6 +135,7 @@ class TrainConfig:
     log_every: int = 25
     checkpoint_every: int = 200
     stop_after: int = 0
+    trace: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

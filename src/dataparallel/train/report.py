@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .metrics import read_metrics
 from .progress import format_count, format_duration, plural
+from .trace_report import load_traces, plot_timeline, summarize_traces, trace_lines
 
 REPORT = "report"
 RUN_INFO = "run.json"
@@ -96,6 +97,7 @@ def summarize(run_dir: Path) -> dict:
         "train_time_s": sum(r["step_time_s"] for r in train),
         "eval_time_s": sum(r["eval_time_s"] for r in val),
         "info": info,
+        "trace": summarize_traces(run_dir),  # None without --trace
     }
 
 
@@ -129,9 +131,15 @@ def summary_text(summary: dict, run_dir: Path) -> str:
         f"{format_count(summary['tokens_seen'])} tokens trained on",
         f"  traffic   {format_count(summary['bytes_sent_per_step'])}B sent per step by rank 0 "
         f"(payload handed to collectives)",
+    ]
+    plots = "loss.png, throughput.png"
+    if summary.get("trace"):
+        lines += trace_lines(summary["trace"])
+        plots += ", timeline.png"
+    lines += [
         f"  weights   {run_dir / 'model.safetensors'}",
         f"  metrics   {run_dir / 'metrics.jsonl'}; tensorboard --logdir {run_dir / 'tensorboard'}",
-        f"  report    {run_dir / REPORT}/loss.png, throughput.png, summary.txt",
+        f"  report    {run_dir / REPORT}/{plots}, summary.txt",
     ]
     if finished:
         lines.append(f'  next      dataparallel sample {run_dir} --prompt "def "')
@@ -141,8 +149,8 @@ def summary_text(summary: dict, run_dir: Path) -> str:
 
 
 def make_report(run_dir: str | Path) -> str:
-    """Write run_dir/report/{loss.png, throughput.png, summary.txt, summary.json}; return the
-    summary text."""
+    """Write run_dir/report/{loss.png, throughput.png, summary.txt, summary.json} (and
+    timeline.png, of the last traced step, when the run was traced); return the summary text."""
     run_dir = Path(run_dir)
     (run_dir / REPORT).mkdir(exist_ok=True)
     summary = summarize(run_dir)
@@ -152,6 +160,9 @@ def make_report(run_dir: str | Path) -> str:
         [r for r in records if r["kind"] == "train"],
         [r for r in records if r["kind"] == "val"],
     )
+    if summary["trace"]:
+        timeline = run_dir / REPORT / "timeline.png"
+        plot_timeline(timeline, load_traces(run_dir), summary["trace"]["last_step"])
     text = summary_text(summary, run_dir)
     (run_dir / REPORT / "summary.txt").write_text(text + "\n")
     (run_dir / REPORT / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -28,62 +28,14 @@ from torch.nn import functional as F
 
 import dataparallel as dp
 
+from ..comm import Span
 from ..data.corpus import Corpus, TokenWindows, evenly_spaced, load_corpus
 from ..models import build_model
 from .config import RunConfig
 from .precision import autocast_dtype, grad_scaler, strategy_policy
+from .records import EvalRecord, StepRecord
 from .schedule import WarmupCosine, scaled_lr
 from .sync import averaging, build_averager, comm_hook
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepRecord:
-    """What one optimizer step produced; callbacks get it on every rank.
-
-    step: optimizer steps done, counting this one (1 after the first update).
-    loss: the step's training loss (see [Note: loss normalisation]), the same on every rank.
-    lr: learning rate of this update.
-    grad_norm: global L2 norm of the gradient before clipping.
-    tokens: target tokens in the global batch.
-    step_time_s: wall time of the step (data, forward, backward, communication, update).
-    elapsed_s: wall time since `fit` began.
-    loss_scale: the loss scaler's scale after this step (`--precision fp16`), else 1.
-    skipped_steps: steps of this session whose gradients overflowed and were skipped on every
-        rank (they do not count in `step`, nor move the LR schedule).
-    bytes_sent: bytes this rank handed to the strategy's and the averager's collectives in this
-        step (payload sizes; compression shrinks them).
-    """
-
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    tokens: int
-    step_time_s: float
-    elapsed_s: float
-    loss_scale: float = 1.0
-    skipped_steps: int = 0
-    bytes_sent: int = 0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvalRecord:
-    """One validation pass.
-
-    step: optimizer steps done when it ran (0 is the untrained model).
-    val_loss: mean token cross-entropy over all scored validation windows, across all ranks.
-    tokens: target tokens scored.
-    eval_time_s: wall time of the pass.
-    """
-
-    step: int
-    val_loss: float
-    tokens: int
-    eval_time_s: float
 
 
 @dataclass(kw_only=True)
@@ -103,6 +55,7 @@ class TrainState:
     corpus: Corpus
     scaler: torch.amp.GradScaler | None = None
     averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (train/sync.py), or None
+    tracer: dp.Tracer = field(default_factory=dp.Tracer)  # on for --trace steps (tracing.py)
     step: int = 0
     skipped_steps: int = 0
     history: list = field(default_factory=list)  # the StepRecords of this session
@@ -166,14 +119,16 @@ def setup(
     launch, precision = config.launch, config.train.precision
     policy = strategy_policy(launch.strategy, precision, comm_hook(config))
     replicas = None  # the group an averager synchronises over ([Note: composition], sync.py)
+    tracer = dp.Tracer()
     if averaging(config):  # the strategy runs inside each replica of shard_group ranks
         mesh = dp.init_mesh(launch.shard_group or 1, world.group)
-        dp.parallelize(model, policy, group=mesh.shard_group)
+        dp.parallelize(model, policy, group=mesh.shard_group, tracer=tracer)
         replicas = mesh.replicate_group
     elif 0 < launch.shard_group < world.world_size:  # a 2-D mesh (HSDP)
-        dp.parallelize(model, policy, mesh=dp.init_mesh(launch.shard_group, world.group))
+        mesh = dp.init_mesh(launch.shard_group, world.group)
+        dp.parallelize(model, policy, mesh=mesh, tracer=tracer)
     else:
-        dp.parallelize(model, policy, group=world.group)
+        dp.parallelize(model, policy, group=world.group, tracer=tracer)
     optim = config.optim
     peak_lr = scaled_lr(
         optim.lr,
@@ -200,6 +155,9 @@ def setup(
         seed=config.train.seed,
         shuffle=True,
     )
+    averager = build_averager(config, model, optimizer, replicas) if replicas else None
+    if averager is not None:
+        averager.comm.tracer = tracer  # its collectives in the same trace
     return TrainState(
         config=config,
         world=world,
@@ -213,7 +171,8 @@ def setup(
         val_windows=val_windows,
         corpus=corpus,
         scaler=grad_scaler(precision, world.device),
-        averager=build_averager(config, model, optimizer, replicas) if replicas else None,
+        averager=averager,
+        tracer=tracer,
     )
 
 
@@ -234,12 +193,17 @@ def next_indices(sampler: dp.DistributedSampler, count: int) -> list[int]:
     return taken
 
 
-def _all_reduce_sum(values: list[float], world: dp.World) -> list[float]:
+def _all_reduce_sum(values: list[float], world: dp.World, tracer=None) -> list[float]:
     """Sum a few numbers over all ranks (float64, so token counts stay exact)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=world.device)  # NCCL: on the GPU
     if world.world_size > 1:
-        dist.all_reduce(tensor, group=world.group)
+        # Not the strategy's traffic (not in bytes_sent), but the training thread waits on it.
+        with tracer.span("wait", "blocked", kind="all_reduce") if tracer else _NO_SPAN:
+            dist.all_reduce(tensor, group=world.group)
     return tensor.tolist()
+
+
+_NO_SPAN = contextlib.nullcontext()
 
 
 def _autocast(state: TrainState):
@@ -256,28 +220,64 @@ def _token_loss_sum(state: TrainState, inputs: torch.Tensor, targets: torch.Tens
 
 def train_step(state: TrainState) -> StepRecord:
     """One optimizer step over `accum` micro-batches of this rank's data."""
-    started = time.perf_counter()
-    config, world, model = state.config, state.world, state.model
+    started, started_ns = time.perf_counter(), time.perf_counter_ns()
+    config, world, model, trace = state.config, state.world, state.model, state.tracer
     sent_before = _bytes_sent(state)
     batch, accum = config.train.batch, config.train.accum
-    indices = next_indices(state.sampler, batch * accum)
-    micro = [state.train_windows.batch(indices[k * batch : (k + 1) * batch]) for k in range(accum)]
-    local_tokens = sum(int(targets.numel()) for _, targets in micro)
-    (global_tokens,) = _all_reduce_sum([local_tokens], world)
-    scale = world.world_size / global_tokens  # [Note: loss normalisation]
-    lr = state.peak_lr * state.schedule(state.step)
-    for group in state.optimizer.param_groups:
-        group["lr"] = lr
-    loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
+    with trace.span("data"):
+        indices = next_indices(state.sampler, batch * accum)
+        micro = [
+            state.train_windows.batch(indices[k * batch : (k + 1) * batch]) for k in range(accum)
+        ]
+        local_tokens = sum(int(targets.numel()) for _, targets in micro)
+        (global_tokens,) = _all_reduce_sum([local_tokens], world, trace)
+        scale = world.world_size / global_tokens  # [Note: loss normalisation]
+        lr = state.peak_lr * state.schedule(state.step)
+        for group in state.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
     scaler = state.scaler
     for k, (inputs, targets) in enumerate(micro):
         # Every micro-step but the last accumulates locally; the last one's backward reduces.
         sync = contextlib.nullcontext() if k == accum - 1 else dp.no_sync(model)
         with sync:
-            summed = _token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
-            loss = summed * scale
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            with trace.span("forward", micro=k):
+                summed = _token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
+                loss = summed * scale
+            with trace.span("backward", micro=k):
+                (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += summed.detach().double()
+    with trace.span("optimizer"):
+        grad_norm, skipped = _clip_and_step(state)
+    if state.averager is not None and not skipped:
+        with trace.span("averager"):
+            state.averager.step()  # every H steps: synchronise the replicas' parameters
+    with trace.span("loss"):
+        (total_loss,) = _all_reduce_sum([float(loss_sum)], world, trace)
+    if skipped:
+        state.skipped_steps += 1
+    else:
+        state.step += 1
+    if trace.enabled:
+        trace.add(Span("step", "step", started_ns, time.perf_counter_ns(), {"step": state.step}))
+    return StepRecord(
+        step=state.step,
+        loss=total_loss / global_tokens,
+        lr=lr,
+        grad_norm=grad_norm,
+        tokens=int(global_tokens),
+        step_time_s=time.perf_counter() - started,
+        elapsed_s=0.0,
+        loss_scale=scaler.get_scale() if scaler is not None else 1.0,
+        skipped_steps=state.skipped_steps,
+        bytes_sent=_bytes_sent(state) - sent_before,
+    )
+
+
+def _clip_and_step(state: TrainState) -> tuple[float, bool]:
+    """Clip, step and zero the gradients; return the norm before clipping and whether the
+    loss scaler skipped the step."""
+    config, model, scaler = state.config, state.model, state.scaler
     max_norm = config.optim.grad_clip if config.optim.grad_clip > 0 else math.inf
     if scaler is not None:
         scaler.unscale_(state.optimizer)  # clip the true gradients
@@ -292,25 +292,7 @@ def train_step(state: TrainState) -> StepRecord:
         state.optimizer.step()
         skipped = False
     state.optimizer.zero_grad(set_to_none=True)
-    if state.averager is not None and not skipped:
-        state.averager.step()  # every H steps: synchronise the replicas' parameters
-    (total_loss,) = _all_reduce_sum([float(loss_sum)], world)
-    if skipped:
-        state.skipped_steps += 1
-    else:
-        state.step += 1
-    return StepRecord(
-        step=state.step,
-        loss=total_loss / global_tokens,
-        lr=lr,
-        grad_norm=grad_norm,
-        tokens=int(global_tokens),
-        step_time_s=time.perf_counter() - started,
-        elapsed_s=0.0,
-        loss_scale=scaler.get_scale() if scaler is not None else 1.0,
-        skipped_steps=state.skipped_steps,
-        bytes_sent=_bytes_sent(state) - sent_before,
-    )
+    return grad_norm, skipped
 
 
 def _bytes_sent(state: TrainState) -> int:

@@ -26,6 +26,7 @@ from .config import RunConfig, apply_mapping, to_toml
 from .metrics import MetricsLogger
 from .progress import ProgressBar
 from .report import RUN_INFO, make_report
+from .tracing import TraceWriter, parse_steps
 from .trainer import Callback, TrainState, fit, setup
 
 ENV_RUN = "DATAPARALLEL_RUN"
@@ -146,6 +147,8 @@ def prepare(config: RunConfig, world: dp.World, *, resume: bool) -> tuple[TrainS
         ]
     # Last, so that a checkpoint follows the metrics of its step.
     callbacks.append(CheckpointSaver(run_dir, config.train.checkpoint_every))
+    if config.train.trace:  # after the checkpoint, so that its gathers stay out of the trace
+        callbacks.append(TraceWriter(run_dir, *parse_steps(config.train.trace)))
     return state, callbacks
 
 

@@ -29,7 +29,8 @@ def clip_grad_norm_(
         local = norms.max() if inf else norms.pow(norm_type).sum()
         total = local.to(comm.device)
     if comm.world_size > 1:
-        comm.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        with comm.tracer.labelled(what="gradient norm"):
+            comm.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
     if not inf:
         total = total.pow(1.0 / norm_type)
     # torch.nn.utils.clip_grad_norm_'s formula, so clipped runs match single-process ones

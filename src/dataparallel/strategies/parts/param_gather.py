@@ -59,7 +59,10 @@ class ParamGather:
         if self.comm.world_size == 1:
             return
         self.comm.tracer.mark("param_gather_launch")
-        self.works = [self.comm.all_gather(flat, own, async_op=True) for flat, own in self.buckets]
+        with self.comm.tracer.labelled(what="parameters"):
+            self.works = [
+                self.comm.all_gather(flat, own, async_op=True) for flat, own in self.buckets
+            ]
         self.next_wait = 0
         if not self.overlap:
             self.finish()

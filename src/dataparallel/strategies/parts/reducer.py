@@ -143,7 +143,8 @@ class GradientReducer:
             while self.next_launch - self.next_collect >= self.max_in_flight:
                 self._collect(self.buckets[self.next_collect])
         self.comm.tracer.mark("bucket_launch", bucket=bucket.index, late=late)
-        bucket.launch(self.hook, self.hook_state)
+        with self.comm.tracer.labelled(bucket=bucket.index):
+            bucket.launch(self.hook, self.hook_state)
         self.next_launch += 1
 
     def _collect_arrived(self) -> None:

@@ -59,7 +59,8 @@ class BackwardRound:
             flags[n:] = torch.stack(bad).any().to(flags.device, torch.int32)
         work = None
         if self.comm.world_size > 1:
-            work = self.comm.all_reduce(flags, async_op=True)
+            with self.comm.tracer.labelled(what="used flags"):
+                work = self.comm.all_reduce(flags, async_op=True)
         return flags, work, shards
 
     def finish_agreement(self, pending) -> list[bool]:

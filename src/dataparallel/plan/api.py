@@ -1,0 +1,117 @@
+"""`dataparallel.plan(...)`: the planner's Python entry point."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from .errors import PlanError
+from .inputs import STRATEGIES, PlanInputs, optimizer_bytes
+from .model import ModelShape, bare_shape, builtin_shape, saved_bytes, shape_of_module
+from .planner import Plan, make_plan
+from .profiles import get_profile
+
+
+def plan(
+    model: str | nn.Module | None = None,
+    *,
+    params: float | None = None,
+    layers: int = 0,
+    width: int = 0,
+    seq_len: int | None = None,
+    vocab: int = 0,
+    loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
+    ranks: int | None = None,
+    nodes: int | None = None,
+    ranks_per_node: int | None = None,
+    hardware="h100-node",
+    precision: str = "fp32",
+    optimizer: str | float = "adamw",
+    micro_batch: int = 1,
+    accumulation: int = 1,
+    strategies: Sequence[str] = STRATEGIES,
+    shard_sizes: Sequence[int] | None = None,
+    compress: str = "none",
+    compress_arg: float = 0.0,
+    diloco_steps: int = 100,
+    activation_checkpointing: bool = False,
+    layout: str = "dataparallel",
+    bucket_mb: float = 25.0,
+) -> Plan:
+    """Predict memory per rank, bytes sent and step time of every strategy, and pick one.
+
+    model: a built-in name (`dataparallel.models`' GPTs, llama-1b/8b/70b), an nn.Module (build
+        it under `torch.device("meta")`: nothing is allocated), or None with `params`.
+    params: a bare parameter count; `layers`, `width`, `seq_len` (and `vocab`) add activations.
+    loss_fn: for an nn.Module on the meta device, `loss_fn(model)` runs one sample's forward
+        and loss on meta inputs, so its activations are counted; None counts none.
+    ranks, or nodes x ranks_per_node: the world (ranks_per_node also overrides the profile's).
+    hardware: a built-in profile name, a JSON file, a dict or a HardwareProfile.
+    Others: see PlanInputs (inputs.py). Bad input raises PlanError naming the field.
+    """
+    if ranks is None:
+        if nodes is None:
+            raise PlanError("--ranks", "no world given", "give --ranks N or --nodes and "
+                            "--ranks-per-node")  # fmt: skip
+        ranks = nodes * (ranks_per_node or get_profile(hardware).ranks_per_node)
+    if nodes is not None and ranks_per_node and ranks != nodes * ranks_per_node:
+        raise PlanError("--ranks", f"{ranks} is not --nodes x --ranks-per-node",
+                        "give --ranks or the two others")  # fmt: skip
+    hw = get_profile(hardware)
+    if ranks_per_node is not None:
+        if isinstance(ranks_per_node, bool) or ranks_per_node < 1:
+            raise PlanError("--ranks-per-node", f"{ranks_per_node}", "give a positive integer")
+        hw = replace(hw, ranks_per_node=ranks_per_node)
+    inputs = PlanInputs(
+        ranks=ranks,
+        precision=precision,
+        optimizer_bytes=optimizer_bytes(str(optimizer)),
+        micro_batch=micro_batch,
+        accumulation=accumulation,
+        strategies=tuple(strategies),
+        shard_sizes=tuple(shard_sizes) if shard_sizes else None,
+        compress=compress,
+        compress_arg=compress_arg,
+        diloco_steps=diloco_steps,
+        activation_checkpointing=activation_checkpointing,
+        layout=layout,
+        bucket_mb=bucket_mb,
+    )
+    return make_plan(model_shape(model, params, layers, width, seq_len, vocab, loss_fn,
+                                 inputs), hw, inputs)  # fmt: skip
+
+
+def model_shape(model, params, layers, width, seq_len, vocab, loss_fn, x: PlanInputs):
+    compute = torch.float32 if x.param_bytes == 4 else torch.bfloat16
+    if x.precision == "fp16":
+        compute = torch.float16
+    autocast = torch.bfloat16 if x.autocast else None
+    if isinstance(model, str):
+        return builtin_shape(model, seq_len, compute, autocast)
+    if isinstance(model, nn.Module):
+        kept = 0.0
+        if loss_fn is not None:
+            if any(p.device.type != "meta" for p in model.parameters()):
+                raise PlanError("model", "loss_fn needs a model on the meta device",
+                                'build it under torch.device("meta")')  # fmt: skip
+            kept = saved_bytes(model, loss_fn)
+        return shape_of_module(model, name=type(model).__name__, seq_len=seq_len or 1,
+                               layers=layers, width=width, vocab=vocab,
+                               activation_bytes=kept)  # fmt: skip
+    if model is not None:
+        raise PlanError("model", f"{model!r} is not a name or an nn.Module",
+                        "give a built-in name, an nn.Module or --params")  # fmt: skip
+    if params is None or not params > 0:
+        raise PlanError("--params", f"{params!r}", "give --model NAME or a positive --params")
+    for name, value in (("--layers", layers), ("--width", width), ("--vocab", vocab)):
+        if value < 0:
+            raise PlanError(name, f"{value} is negative", "give a count >= 0")
+    if seq_len is not None and seq_len < 1:
+        raise PlanError("--seq-len", f"{seq_len}", "give tokens per sample >= 1")
+    return bare_shape(params, layers, width, seq_len or 1, vocab, compute.itemsize)
+
+
+__all__ = ["ModelShape", "Plan", "plan"]

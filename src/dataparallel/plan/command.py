@@ -1,0 +1,88 @@
+"""`dataparallel plan`: the planner's command line (cli.py registers it)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_plan_parser(commands) -> None:
+    p = commands.add_parser(
+        "plan",
+        help="predict memory per rank and step time of every strategy, before launch",
+        description="Predict per-rank memory, traffic and step time of ddp, zero1/2/3 on "
+        "every mesh, and DiLoCo; recommend the fastest that fits (docs/plan.md).",
+    )
+    p.add_argument("--model", help="a built-in model (gpt-small, ..., llama-8b)")
+    p.add_argument("--params", type=float, help="a bare parameter count, e.g. 7.5e9")
+    p.add_argument("--layers", type=int, default=0, help="blocks (with --params)")
+    p.add_argument("--width", type=int, default=0, help="residual width (with --params)")
+    p.add_argument("--vocab", type=int, default=0, help="vocabulary (with --params)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's)")
+    p.add_argument("--ranks", type=int, help="ranks in the job")
+    p.add_argument("--nodes", type=int, help="nodes (with --ranks-per-node)")
+    p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: the profile's)")
+    p.add_argument("--hardware", default="h100-node", help="a built-in profile or a JSON file")
+    p.add_argument("--precision", default="fp32", help="fp32, bf16, bf16-params or fp16")
+    p.add_argument("--optimizer", default="adamw", help="adam, adamw, sgd or bytes/parameter")
+    p.add_argument("--micro-batch", type=int, default=1, help="samples per rank per forward")
+    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--strategy", action="append", help="plan only these (repeatable)")
+    p.add_argument("--shard-size", type=int, action="append", help="mesh shard size S")
+    p.add_argument("--compress", default="none", help="powersgd:R, topk:RHO, int8, fp8, bf16")
+    p.add_argument("--diloco-steps", type=int, default=100, help="DiLoCo inner steps H")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--layout", default="dataparallel", help="dataparallel or zero-paper")
+    p.add_argument("--json", action="store_true", help="print rows as JSON")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine (2 ranks)")
+    p.add_argument("--out", help="with --calibrate: where to write the profile JSON")
+    p.add_argument("--batch", type=int, default=4, help="with --calibrate: samples per rank")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .errors import PlanError
+
+    try:
+        if args.calibrate:
+            from .calibrate import calibrate
+
+            profile = calibrate([args.model or "gpt-small"], batch=args.batch, out=args.out)
+            print(profile.to_json())
+            return 0
+        return _plan(args)
+    except PlanError as error:
+        print(f"dataparallel plan: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .api import plan
+    from .inputs import STRATEGIES, parse_compress
+    from .render import as_json, as_table
+
+    compress, arg = parse_compress(args.compress)
+    result = plan(
+        args.model,
+        params=args.params,
+        layers=args.layers,
+        width=args.width,
+        seq_len=args.seq_len,
+        vocab=args.vocab,
+        ranks=args.ranks,
+        nodes=args.nodes,
+        ranks_per_node=args.ranks_per_node,
+        hardware=args.hardware,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        micro_batch=args.micro_batch,
+        accumulation=args.accumulation,
+        strategies=args.strategy or STRATEGIES,
+        shard_sizes=args.shard_size,
+        compress=compress,
+        compress_arg=arg,
+        diloco_steps=args.diloco_steps,
+        activation_checkpointing=args.activation_checkpointing,
+        layout=args.layout,
+    )
+    print(as_json(result) if args.json else as_table(result))
+    return 0

@@ -1,0 +1,155 @@
+"""What a plan is asked about: the world, the precision policy, the optimizer, the batch and
+the communication options, each checked with a one-line error naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import PlanError
+
+# name -> (compute/param bytes, gradient bytes on the wire and in buckets, fp32 masters,
+# autocast). What train/precision.py's names mean for the strategies' allocations.
+PRECISIONS = {
+    "fp32": (4, 4, False, False),
+    "bf16": (4, 4, False, True),  # bf16 autocast: fp32 weights, gradients, state
+    "bf16-params": (2, 2, True, False),
+    "fp16": (2, 2, True, False),
+}
+# bytes of optimizer state per parameter (fp32): Adam's two moments, SGD's momentum buffer.
+OPTIMIZERS = {"adam": 8, "adamw": 8, "sgd": 4}
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "diloco")
+COMPRESSORS = ("none", "powersgd", "topk", "int8", "fp8", "bf16")
+LAYOUTS = ("dataparallel", "zero-paper")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    """Everything but the model and the hardware.
+
+    ranks: N, ranks in the job.
+    precision: "fp32", "bf16" (autocast), "bf16-params" or "fp16" (train/precision.py).
+    optimizer_bytes: bytes of optimizer state per parameter (adam/adamw 8, sgd 4).
+    micro_batch: samples per rank per forward.
+    accumulation: micro-batches per optimizer step.
+    strategies: which strategies to plan (default: all).
+    shard_sizes: shard sizes S to plan for the sharded strategies; None: every divisor of N.
+    compress: a compressor for the cross-replica all-reduce ("none", "powersgd", "topk",
+        "int8", "fp8", "bf16"); DDP's all-reduce counts as cross-replica.
+    compress_arg: PowerSGD's rank r, or top-k's ratio rho.
+    diloco_steps: H, inner steps between DiLoCo's outer all-reduces.
+    activation_checkpointing: keep only each block's input and recompute the rest in
+        backward (one more forward of compute).
+    layout: "dataparallel" counts bytes as our strategies allocate them; "zero-paper" as
+        Table 1 of Rajbhandari et al. 2020 does (model states only: 16-bit gradients and no
+        fp32 gradient slice, no buckets).
+    bucket_mb: DDP/ZeRO-1 gradient bucket MiB (our default 25); ZeRO-2 uses 4.
+    """
+
+    ranks: int
+    precision: str = "fp32"
+    optimizer_bytes: float = 8.0
+    micro_batch: int = 1
+    accumulation: int = 1
+    strategies: tuple[str, ...] = STRATEGIES
+    shard_sizes: tuple[int, ...] | None = None
+    compress: str = "none"
+    compress_arg: float = 0.0
+    diloco_steps: int = 100
+    activation_checkpointing: bool = False
+    layout: str = "dataparallel"
+    bucket_mb: float = 25.0
+
+    def __post_init__(self):
+        _count("--ranks", self.ranks, "give a positive number of ranks (or --nodes and "
+               "--ranks-per-node)")  # fmt: skip
+        _count("--micro-batch", self.micro_batch, "give samples per rank per forward, >= 1")
+        _count("--accumulation", self.accumulation, "give micro-batches per step, >= 1")
+        _count("--diloco-steps", self.diloco_steps, "give inner steps per outer step, >= 1")
+        if self.precision not in PRECISIONS:
+            raise PlanError(
+                "--precision", f"unknown precision {self.precision!r}",
+                f"choose one of {', '.join(PRECISIONS)}",
+            )  # fmt: skip
+        if not self.optimizer_bytes >= 0:
+            raise PlanError(
+                "--optimizer", f"{self.optimizer_bytes} bytes of state per parameter",
+                "give adam, adamw, sgd or a number of bytes >= 0",
+            )  # fmt: skip
+        for name in self.strategies:
+            if name not in STRATEGIES:
+                raise PlanError(
+                    "--strategy", f"unknown strategy {name!r}",
+                    f"choose among {', '.join(STRATEGIES)}",
+                )  # fmt: skip
+        for s in self.shard_sizes or ():
+            _count("--shard-size", s, f"give a divisor of --ranks {self.ranks}")
+            if self.ranks % s:
+                raise PlanError(
+                    "--shard-size", f"{s} does not divide the {self.ranks} ranks",
+                    f"give a divisor of {self.ranks}",
+                )  # fmt: skip
+        if self.compress not in COMPRESSORS:
+            raise PlanError(
+                "--compress", f"unknown compressor {self.compress!r}",
+                f"choose one of {', '.join(COMPRESSORS)}",
+            )  # fmt: skip
+        if self.compress == "powersgd" and not (self.compress_arg >= 1):
+            raise PlanError("--compress", "powersgd needs a rank", "write powersgd:4")
+        if self.compress == "topk" and not 0 < self.compress_arg <= 1:
+            raise PlanError("--compress", "topk needs a ratio in (0, 1]", "write topk:0.01")
+        if self.layout not in LAYOUTS:
+            raise PlanError(
+                "--layout", f"unknown layout {self.layout!r}", f"choose {' or '.join(LAYOUTS)}"
+            )
+        if not self.bucket_mb > 0:
+            raise PlanError("--bucket-mb", f"{self.bucket_mb} MiB", "give a size > 0")
+
+    @property
+    def param_bytes(self) -> int:
+        return PRECISIONS[self.precision][0]
+
+    @property
+    def grad_bytes(self) -> int:
+        return PRECISIONS[self.precision][1]
+
+    @property
+    def masters(self) -> bool:
+        return PRECISIONS[self.precision][2]
+
+    @property
+    def autocast(self) -> bool:
+        return PRECISIONS[self.precision][3]
+
+
+def _count(field: str, value, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(field, f"must be a positive integer, got {value!r}", fix)
+
+
+def optimizer_bytes(name: str) -> float:
+    """Bytes of state per parameter for an optimizer name or a number."""
+    if name in OPTIMIZERS:
+        return float(OPTIMIZERS[name])
+    try:
+        value = float(name)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise PlanError(
+            "--optimizer", f"unknown optimizer {name!r}",
+            f"choose {', '.join(OPTIMIZERS)} or bytes of state per parameter (e.g. 12)",
+        )  # fmt: skip
+    return value
+
+
+def parse_compress(text: str) -> tuple[str, float]:
+    """ "powersgd:4" -> ("powersgd", 4.0); "int8" -> ("int8", 0.0)."""
+    kind, _, arg = text.partition(":")
+    if kind not in COMPRESSORS:
+        raise PlanError(
+            "--compress", f"unknown compressor {kind!r}", f"choose one of {', '.join(COMPRESSORS)}"
+        )
+    try:
+        return kind, float(arg) if arg else 0.0
+    except ValueError:
+        raise PlanError("--compress", f"{arg!r} is not a number", "write powersgd:4") from None

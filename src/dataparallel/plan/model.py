@@ -1,0 +1,243 @@
+"""What the planner knows about a model: its parameter sizes, its shape, its FLOPs and the
+bytes its forward keeps for backward. Nothing is allocated: modules are built and run on the
+meta device.
+
+[Note: activations] A built-in model or an nn.Module with an example input is *traced*: its
+forward and loss run on meta tensors under `saved_tensors_hooks`, and every distinct storage
+autograd keeps (parameters excepted) is counted: exactly what a real run keeps, in the
+compute dtype, for this torch. Attention goes through the flash kernel's op (CPU and GPU
+flash kernels keep q, k, v, the output and a log-sum-exp, never the s x s scores), which the
+meta device would otherwise replace by the math path. A bare parameter count uses the formula
+of Korthikanti et al. 2022 ("Reducing activation recomputation in large transformer
+models", eq. 1: 34sbh + 5as^2b bytes per layer in 16-bit) with flash attention (no s^2
+term) and no dropout (no masks): 16 elements per token and width per layer, plus the logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from .errors import PlanError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """A model as the planner sees it.
+
+    name: a built-in model name, or a description.
+    params: trainable parameters (Psi).
+    tensor_numels: each trainable parameter's number of elements, in registration order
+        (buckets are planned over them in reverse, as the strategies do).
+    matrices: (rows, cols) of each 2-D parameter (PowerSGD compresses these).
+    unit_params: parameters of each ZeRO-3 unit (one per block), the root's last.
+    layers: transformer blocks (0 when unknown).
+    width: the residual stream's width (0 when unknown).
+    seq_len: tokens per sample.
+    vocab: output classes per token (0 when unknown).
+    flops_per_token: forward + backward FLOPs per token: 6 x the weights of linear layers
+        (the head included) + 12 x layers x width x seq_len for attention (PaLM's count,
+        Chowdhery et al. 2022, appendix B, as torchtitan reports MFU).
+    activation_bytes: bytes kept for backward per sample ([Note: activations]), in the
+        precision policy's compute dtype; 0 when the shape is unknown.
+    largest_activation: bytes of the widest tensor one sample's backward works on (the
+        gradient of the MLP's hidden layer or of the logits): the working set on top.
+    """
+
+    name: str
+    params: int
+    tensor_numels: tuple[int, ...]
+    matrices: tuple[tuple[int, int], ...]
+    unit_params: tuple[int, ...]
+    layers: int
+    width: int
+    seq_len: int
+    vocab: int
+    flops_per_token: float
+    activation_bytes: float
+    largest_activation: float
+
+
+class _FlashAttention(TorchFunctionMode):
+    """Routes F.scaled_dot_product_attention to the flash op, which keeps no s x s scores
+    ([Note: activations])."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and not kwargs.get("attn_mask"):
+            q, k, v = args[:3]
+            dropout, causal = kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False)
+            op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            return op(q, k, v, dropout, causal)[0]
+        return func(*args, **kwargs)
+
+
+def saved_bytes(model: nn.Module, run: Callable[[nn.Module], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd keeps for backward in `run(model)` (a meta
+    forward and loss), parameters excepted."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in params:
+            kept[storage._cdata] = storage.nbytes()
+        return t
+
+    with _FlashAttention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run(model)
+    return sum(kept.values())
+
+
+def lm_run(tokens: int, batch: int, vocab: int, autocast: torch.dtype | None):
+    """A language model's forward and cross-entropy loss on meta token ids."""
+
+    def run(model: nn.Module) -> torch.Tensor:
+        x = torch.zeros(batch, tokens, dtype=torch.long, device="meta")
+        context = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+        with context:
+            logits = model(x)
+        return F.cross_entropy(logits.reshape(-1, vocab).float(), x.reshape(-1))
+
+    return run
+
+
+def linear_weights(model: nn.Module) -> int:
+    """Elements of the weights of every nn.Linear, shared ones once per use (a tied head
+    costs its matrix product even though its parameter is the embedding's)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def units_of(model: nn.Module) -> tuple[int, ...]:
+    """ZeRO-3's default units (every child of an nn.ModuleList), the root's parameters last."""
+    units, owned = [], set()
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                params = [p for p in child.parameters() if p.requires_grad]
+                units.append(sum(p.numel() for p in params))
+                owned |= {id(p) for p in params}
+    root = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in owned)
+    return (*units, root)
+
+
+def shape_of_module(
+    model: nn.Module,
+    *,
+    name: str,
+    seq_len: int = 0,
+    layers: int = 0,
+    width: int = 0,
+    vocab: int = 0,
+    activation_bytes: float = 0.0,
+    largest_activation: float = 0.0,
+) -> ModelShape:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return ModelShape(
+        name=name,
+        params=sum(p.numel() for p in params),
+        tensor_numels=tuple(p.numel() for p in params),
+        matrices=tuple(tuple(p.shape) for p in params if p.dim() == 2),
+        unit_params=units_of(model),
+        layers=layers,
+        width=width,
+        seq_len=seq_len,
+        vocab=vocab,
+        flops_per_token=6 * linear_weights(model) + 12 * layers * width * seq_len,
+        activation_bytes=activation_bytes,
+        largest_activation=largest_activation,
+    )
+
+
+def widest(width: int, hidden: int, vocab: int, seq_len: int, itemsize: int) -> float:
+    """Bytes per sample of the widest tensor backward works on ([Note: activations])."""
+    return seq_len * max(hidden, vocab) * itemsize
+
+
+def builtin_shape(
+    name: str, seq_len: int | None, compute: torch.dtype, autocast: torch.dtype | None
+) -> ModelShape:
+    """A model of dataparallel.models (or a Llama of llama.py), built and traced on meta."""
+    from ..models import MODEL_CONFIGS, build_model
+    from .llama import LLAMA_CONFIGS, Llama
+
+    if name in LLAMA_CONFIGS:
+        config = LLAMA_CONFIGS[name]
+        with torch.device("meta"):
+            model = Llama(config).to(compute)
+        shape = shape_of_module(
+            model, name=name, seq_len=seq_len or config.seq_len, layers=config.n_layer,
+            width=config.dim, vocab=config.vocab_size,
+        )  # fmt: skip
+        return llama_activations(shape, config, compute, autocast)
+    if name not in MODEL_CONFIGS or not hasattr(MODEL_CONFIGS[name], "n_layer"):
+        gpts = [n for n, c in MODEL_CONFIGS.items() if hasattr(c, "n_layer")]
+        known = ", ".join(sorted([*gpts, *LLAMA_CONFIGS]))
+        raise PlanError("--model", f"unknown model {name!r}", f"choose one of {known}")
+    config = MODEL_CONFIGS[name]
+    seq_len = seq_len or config.block_size
+    if seq_len > config.block_size:
+        raise PlanError(
+            "--seq-len", f"{seq_len} exceeds {name}'s block_size {config.block_size}",
+            f"give at most {config.block_size}",
+        )  # fmt: skip
+    with torch.device("meta"):
+        model = build_model(name).to(compute)
+    kept = saved_bytes(model, lm_run(seq_len, 1, config.vocab_size, autocast))
+    itemsize = (autocast or compute).itemsize
+    return shape_of_module(
+        model, name=name, seq_len=seq_len, layers=config.n_layer, width=config.n_embd,
+        vocab=config.vocab_size, activation_bytes=kept,
+        largest_activation=widest(config.n_embd, 4 * config.n_embd, config.vocab_size, seq_len,
+                                  itemsize),
+    )  # fmt: skip
+
+
+def llama_activations(shape: ModelShape, config, compute, autocast) -> ModelShape:
+    """Llama's activations by formula ([Note: activations] with Llama's block: RMSNorm,
+    grouped-query attention, SwiGLU): per token and layer 6h + 2kv + 4ffn elements, plus
+    the logits (compute dtype) and their fp32 log-softmax."""
+    from dataclasses import replace
+
+    itemsize = (autocast or compute).itemsize
+    kv = config.dim // config.n_heads * config.n_kv_heads
+    per_token = config.n_layer * (6 * config.dim + 2 * kv + 4 * config.ffn_dim) * itemsize
+    per_token += config.vocab_size * (itemsize + 4)
+    return replace(
+        shape,
+        activation_bytes=per_token * shape.seq_len,
+        largest_activation=widest(config.dim, config.ffn_dim, config.vocab_size, shape.seq_len, 4),
+    )
+
+
+def bare_shape(
+    params: float, layers: int, width: int, seq_len: int, vocab: int, itemsize: int
+) -> ModelShape:
+    """A bare parameter count; with layers, width and seq_len, GPT-2-shaped activations by
+    Korthikanti et al.'s count ([Note: activations])."""
+    params = int(params)
+    per_sample = 0.0
+    if layers and width and seq_len:
+        per_sample = seq_len * (16 * layers * width * itemsize + vocab * (itemsize + 4))
+    # Without the layout, one matrix per layer: buckets and units are what the sizes give.
+    numels = (params,) if not layers else (params // layers,) * layers
+    return ModelShape(
+        name=f"{params:.3g} parameters",
+        params=params,
+        tensor_numels=numels,
+        matrices=(),
+        unit_params=numels if layers else (params,),
+        layers=layers,
+        width=width,
+        seq_len=seq_len,
+        vocab=vocab,
+        flops_per_token=6 * params + 12 * layers * width * seq_len,
+        activation_bytes=per_sample,
+        largest_activation=widest(width, 4 * width, vocab, seq_len, itemsize) if layers else 0,
+    )

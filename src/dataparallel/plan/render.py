@@ -1,0 +1,53 @@
+"""A plan as a text table (the CLI's default) or JSON rows (`--json`)."""
+
+from __future__ import annotations
+
+import json
+
+from .planner import Plan
+
+GB = 1e9
+
+
+def as_json(p: Plan) -> str:
+    return json.dumps(
+        {
+            "model": p.model.name,
+            "params": p.model.params,
+            "ranks": p.inputs.ranks,
+            "hardware": p.hardware.name,
+            "rows": [r.to_dict(p.hardware) for r in p.rows],
+            "recommendation": p.best.candidate.label if p.best else None,
+            "reason": p.reason,
+        },
+        indent=1,
+    )
+
+
+def as_table(p: Plan) -> str:
+    """Memory in GB (1e9 bytes), traffic in GB per rank per step, times in ms."""
+    head = (
+        f"{p.model.name}: {p.model.params:,} parameters, {p.inputs.ranks} ranks, "
+        f"{p.inputs.precision}, micro-batch {p.inputs.micro_batch} x {p.inputs.accumulation}, "
+        f"{p.hardware.name}"
+    )
+    columns = ("strategy", "params", "grads", "optim", "masters", "buckets", "resid", "outer",
+               "activ", "held", "peak", "sent", "compute", "exposed", "step", "tok/s/rank",
+               "fits")  # fmt: skip
+    lines = [head, "memory GB per rank (1e9 bytes); sent GB per rank per step; times ms", ""]
+    rows = []
+    for r in p.rows:
+        m = r.memory
+        rows.append(
+            [r.candidate.label]
+            + [f"{v / GB:.4g}" for v in (m.params, m.grads, m.optimizer, m.masters, m.buckets,
+                                         m.residuals, m.outer, r.activations, r.held_bytes,
+                                         r.peak_bytes, r.sent_bytes)]
+            + [f"{v * 1e3:.4g}" for v in (r.compute_s, r.exposed_s, r.step_s)]
+            + [f"{r.tokens_per_s:,.0f}", "yes" if r.fits else "NO"]
+        )  # fmt: skip
+    widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows, strict=True)]
+    for row in [columns, *rows]:
+        lines.append("  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True)))
+    lines += ["", ("recommended: " if p.best else "") + p.reason]
+    return "\n".join(lines)

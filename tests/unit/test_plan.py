@@ -1,0 +1,233 @@
+"""The planner: ZeRO's Table 1, our strategies' bytes, traffic, compressors, DiLoCo, errors."""
+
+from __future__ import annotations
+
+import json
+from decimal import ROUND_HALF_UP, Decimal
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import dataparallel as dp
+from dataparallel.cli import main
+from dataparallel.models import build_model
+from dataparallel.plan import get_profile
+from dataparallel.plan.model import builtin_shape
+
+# Rajbhandari et al. 2020, Table 1: GB per device for 7.5B parameters, K = 12, by DP degree.
+TABLE_1 = {
+    "zero1": {1: "120", 4: "52.5", 16: "35.6", 64: "31.4", 256: "30.4", 1024: "30.1"},
+    "zero2": {1: "120", 4: "41.3", 16: "21.6", 64: "16.6", 256: "15.4", 1024: "15.1"},
+    "zero3": {1: "120", 4: "30", 16: "7.5", 64: "1.88", 256: "0.47", 1024: "0.12"},
+}
+
+
+def printed(value: float, like: str) -> str:
+    """`value` rounded half up to the digits the paper prints in `like`."""
+    places = len(like.split(".")[1]) if "." in like else 0
+    return str(Decimal(value).quantize(Decimal(10) ** -places, rounding=ROUND_HALF_UP))
+
+
+@pytest.mark.parametrize("stage", sorted(TABLE_1))
+def test_zero_paper_table_1_is_reproduced_in_decimal_gigabytes(stage):
+    for ranks, expected in TABLE_1[stage].items():
+        rows = dp.plan(params=7.5e9, ranks=ranks, layout="zero-paper", optimizer=12,
+                       strategies=[stage], shard_sizes=[ranks]).rows  # fmt: skip
+        gb = rows[0].memory.model_state / 1e9  # GB = 1e9 bytes; GiB would give 111.8 at N=1
+        assert printed(gb, expected) == expected, (stage, ranks, gb)
+
+
+def test_paper_table_json_rows_carry_model_state_bytes():
+    rows = dp.plan(params=7.5e9, ranks=64, layout="zero-paper", optimizer=12,
+                   strategies=["zero1", "zero2", "zero3"], shard_sizes=[64]).rows  # fmt: skip
+    hw = get_profile("h100-node")
+    assert [r.to_dict(hw)["model_state_bytes"] for r in rows] == [31.40625e9, 16.640625e9,
+                                                                  1.875e9]  # fmt: skip
+
+
+# docs/zero.md: memory_report totals on gpt-small (MiB), our allocation.
+MEASURED_MIB = {
+    ("ddp", "fp32", 2): 50.21, ("zero1", "fp32", 2): 37.66, ("zero2", "fp32", 2): 31.38,
+    ("zero1", "bf16-params", 2): 37.66, ("zero2", "bf16-params", 2): 31.38,
+    ("zero1", "fp32", 3): 33.47, ("zero2", "fp32", 3): 25.11,
+    ("zero1", "bf16-params", 3): 29.29, ("zero2", "bf16-params", 3): 23.01,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("strategy", "precision", "ranks"), sorted(MEASURED_MIB))
+def test_model_states_match_what_our_strategies_measured(strategy, precision, ranks):
+    row = dp.plan("gpt-small", ranks=ranks, precision=precision, hardware="cpu-2core",
+                  strategies=[strategy], shard_sizes=[ranks]).rows[0]  # fmt: skip
+    mib = row.memory.model_state / 2**20
+    assert mib == pytest.approx(MEASURED_MIB[strategy, precision, ranks], abs=0.01)
+
+
+def test_zero3_mixed_precision_keeps_only_fp32_shards():
+    psi = 3_290_624
+    m = dp.plan("gpt-small", ranks=2, precision="bf16-params", strategies=["zero3"],
+                shard_sizes=[2]).rows[0].memory  # fmt: skip
+    assert (m.params, m.grads, m.optimizer, m.masters) == (2 * psi, 2 * psi, 4 * psi, 0)
+
+
+def test_traced_activations_equal_what_a_real_cpu_forward_keeps():
+    model = build_model("gpt-tiny")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            kept[s.data_ptr()] = s.nbytes()
+        return t
+
+    x = torch.randint(0, 256, (1, 128))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(model(x).reshape(-1, 256), x.reshape(-1))
+    shape = builtin_shape("gpt-tiny", None, torch.float32, None)
+    assert shape.activation_bytes == sum(kept.values())
+
+
+def test_korthikanti_formula_is_close_to_the_trace_for_a_gpt():
+    traced = builtin_shape("gpt-medium", None, torch.float32, None)
+    bare = dp.plan(params=traced.params, layers=10, width=512, seq_len=256, vocab=256,
+                   ranks=2, strategies=["ddp"]).rows[0]  # fmt: skip
+    # The formula's 16 h per layer against our block's 17 h (its projection input is a copy).
+    assert bare.activations == pytest.approx(traced.activation_bytes, rel=0.07)
+
+
+def collectives(row):
+    return {c.what: c for c in row.memory.collectives}
+
+
+def test_ring_bytes_per_collective():
+    psi = 3_290_624
+    rows = {
+        r.candidate.label: r
+        for r in dp.plan(
+            "gpt-small", ranks=4, shard_sizes=[2, 4], strategies=["ddp", "zero2", "zero3"]
+        ).rows
+    }
+    assert rows["ddp"].sent_bytes == pytest.approx(2 * 3 / 4 * 4 * psi)
+    flat = collectives(rows["zero2 S=4"])
+    assert flat["gradients"].bytes_sent() == pytest.approx(3 / 4 * 4 * psi)
+    assert flat["parameters"].bytes_sent() == pytest.approx(3 / 4 * 4 * psi)
+    mesh = collectives(rows["zero2 S=2"])  # reduce-scatter in pairs, all-reduce of the half
+    assert mesh["gradients"].bytes_sent() == pytest.approx(1 / 2 * 4 * psi)
+    assert mesh["gradient shards"].bytes_sent() == pytest.approx(2 * 1 / 2 * 2 * psi)
+    z3 = collectives(rows["zero3 S=4"])
+    assert z3["parameters (forward)"].bytes_sent() == pytest.approx(3 / 4 * 4 * psi)
+
+
+def test_compressors_and_their_residuals():
+    psi, n = 3_290_624, 8
+    plan = dp.plan("gpt-small", ranks=n, shard_sizes=[4], strategies=["ddp", "zero2"],
+                   compress="int8")  # fmt: skip
+    rows = {r.candidate.label: r for r in plan.rows}
+    ddp = rows["ddp +int8"]
+    assert ddp.sent_bytes == pytest.approx(2 * 7 / 8 * psi * (1 + 4 / 1024))
+    assert ddp.memory.residuals == 4 * psi  # the sender's error, full size on a 1-D mesh
+    assert rows["zero2 S=4 +int8"].memory.residuals == 4 * psi / 4  # cross-replica stage only
+    topk = dp.plan("gpt-small", ranks=n, strategies=["ddp"], compress="topk",
+                   compress_arg=0.01).rows[1]  # fmt: skip
+    assert topk.sent_bytes == pytest.approx(7 * 0.01 * psi * 12)  # fp32 values + int64 indices
+    power = dp.plan("gpt-small", ranks=n, strategies=["ddp"], compress="powersgd",
+                    compress_arg=4).rows[1]  # fmt: skip
+    shape = builtin_shape("gpt-small", None, torch.float32, None)
+    dense = sum(a * b for a, b in shape.matrices)
+    values = (psi - dense) + sum((a + b) * 4 for a, b in shape.matrices)
+    assert power.sent_bytes == pytest.approx(2 * 7 / 8 * 4 * values)
+
+
+def test_diloco_sends_the_parameters_once_every_h_steps_and_keeps_outer_state():
+    psi = 3_290_624
+    rows = dp.plan("gpt-small", ranks=16, ranks_per_node=8, strategies=["diloco"],
+                   diloco_steps=50).rows  # fmt: skip
+    by_s = {r.candidate.shard_size: r for r in rows}
+    assert by_s[1].sent_bytes == pytest.approx(2 * 15 / 16 * 4 * psi / 50)
+    assert by_s[1].memory.outer == 8 * psi
+    outer = collectives(by_s[8])["outer deltas"]
+    assert outer.bytes_sent() == pytest.approx(2 * 1 / 2 * 4 * psi / 8 / 50)
+    assert by_s[8].memory.outer == 8 * psi / 8
+
+
+def test_recommendation_and_a_plan_that_fits_nowhere():
+    fits = dp.plan("llama-8b", ranks=64, precision="bf16-params", activation_checkpointing=True)
+    assert (
+        fits.best is not None
+        and fits.best.fits
+        and fits.reason.startswith(fits.best.candidate.label)
+    )
+    nowhere = dp.plan("llama-70b", ranks=2, precision="bf16-params")
+    assert nowhere.best is None
+    assert "short" in nowhere.reason and "no strategy fits in 80 GB" in nowhere.reason
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--model", "nope", "--ranks", "2"], "--model"),
+        (["--model", "gpt-small", "--ranks", "0"], "--ranks"),
+        (["--model", "gpt-small", "--ranks", "-3"], "--ranks"),
+        (["--model", "gpt-small", "--ranks", "6", "--shard-size", "4"], "--shard-size"),
+        (["--model", "gpt-small", "--ranks", "2", "--strategy", "zero4"], "--strategy"),
+        (["--model", "gpt-small", "--ranks", "2", "--precision", "fp8"], "--precision"),
+        (["--model", "gpt-small", "--ranks", "2", "--optimizer", "lion"], "--optimizer"),
+        (["--model", "gpt-small", "--ranks", "2", "--compress", "zip"], "--compress"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_field(argv, field, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"dataparallel plan: error: {field}:")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda p: p.pop("flops_per_s"), "hardware.flops_per_s"),
+        (lambda p: p.update(memory_bytes=0), "hardware.memory_bytes"),
+        (lambda p: p["intra_node"]["all_gather"].update(bandwidth=-1),
+         "hardware.intra_node.all_gather.bandwidth"),
+        (lambda p: p["inter_node"].pop("latency"), "hardware.inter_node.latency"),
+    ],
+)  # fmt: skip
+def test_a_bad_hardware_profile_names_the_field(change, field, tmp_path, capsys):
+    raw = json.loads(get_profile("h100-node").to_json())
+    change(raw)
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(raw))
+    assert main(["plan", "--model", "gpt-small", "--ranks", "2", "--hardware", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: {field}:" in err
+
+
+def test_json_rows(capsys):
+    assert main(["plan", "--model", "gpt-small", "--ranks", "4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {"strategy", "model_state_bytes", "shard_size", "step_s"} <= set(rows[0])
+    assert [r["label"] for r in rows][:3] == ["ddp", "zero1 S=2", "zero1 S=4"]
+
+
+def test_a_meta_module_through_the_python_call():
+    with torch.device("meta"):
+        model = build_model("gpt-tiny")
+
+    def loss_fn(m):
+        x = torch.zeros(1, 128, dtype=torch.long, device="meta")
+        return F.cross_entropy(m(x).reshape(-1, 256), x.reshape(-1))
+
+    row = dp.plan(model, loss_fn=loss_fn, seq_len=128, ranks=2, strategies=["ddp"]).rows[0]
+    assert row.activations == builtin_shape("gpt-tiny", None, torch.float32, None).activation_bytes
+
+
+def test_calibration_takes_the_median_of_per_step_maxima():
+    """[Note: slowest rank per step]: one rank here, so the maxima are the times themselves."""
+    import dataparallel as dp
+    from dataparallel.plan.calibrate import slowest_medians
+
+    dp.init()
+    try:
+        assert slowest_medians([0.3, 0.1, 0.2], [4.0, 2.0, 9.0]) == [0.2, 4.0]
+    finally:
+        dp.destroy()
