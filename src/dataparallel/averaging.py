@@ -52,6 +52,7 @@ class LocalSGD:
     model, optimizer: the parallelized model and the optimizer built for it.
     every: optimizer steps between averages, at least 1 (1 averages after every step).
     group: the ranks to average over (default: every rank, each its own replica).
+    tracer: records its collectives (`comm.Tracer`, e.g. the one given to `parallelize`).
     """
 
     name = "local-sgd"
@@ -62,11 +63,12 @@ class LocalSGD:
         optimizer: torch.optim.Optimizer,
         every: int,
         group: dist.ProcessGroup | None = None,
+        tracer=None,
     ):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"{self.name}: every={every!r} must be an integer >= 1 (steps)")
         self.model, self.optimizer, self.every = model, optimizer, every
-        self.comm = Comm(group)
+        self.comm = Comm(group, tracer)
         self.tensors = held_tensors(optimizer)
         self.steps = 0
         with torch.no_grad():  # every replica starts from the same point
@@ -101,7 +103,7 @@ class LocalSGD:
 class DiLoCo(LocalSGD):
     """DiLoCo's outer step every `every` steps ([Note: averaging]).
 
-    model, optimizer, every, group: as for LocalSGD.
+    model, optimizer, every, group, tracer: as for LocalSGD.
     outer_optimizer: builds the outer optimizer from a list of tensors (any torch.optim class,
         e.g. `partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`, the default).
     compress: how outer gradients travel: None (fp32), "bf16", "int8" or "fp8" (the last two
@@ -118,10 +120,11 @@ class DiLoCo(LocalSGD):
         group: dist.ProcessGroup | None = None,
         outer_optimizer: Callable | None = None,
         compress: str | None = None,
+        tracer=None,
     ):
         if compress not in (None, "bf16", "int8", "fp8"):
             raise ValueError(f"diloco: compress={compress!r} must be None, 'bf16', 'int8' or 'fp8'")
-        super().__init__(model, optimizer, every, group)
+        super().__init__(model, optimizer, every, group, tracer)
         self.compress = compress
         self.quantize = Quantize(compress) if compress in ("int8", "fp8") else None
         # The anchors are fp32 copies of what this rank holds (sharded where that is).

@@ -106,11 +106,12 @@ def averaging(config: RunConfig) -> bool:
     return bool(config.sync.local_sgd or config.sync.diloco)
 
 
-def build_averager(config: RunConfig, model, optimizer, group):
-    """The averager the [sync] section names, over `group` (the replicate group), or None."""
+def build_averager(config: RunConfig, model, optimizer, group, tracer=None):
+    """The averager the [sync] section names, over `group` (the replicate group), or None;
+    `tracer` records its collectives."""
     sync = config.sync
     if sync.local_sgd:
-        return dp.LocalSGD(model, optimizer, sync.local_sgd, group=group)
+        return dp.LocalSGD(model, optimizer, sync.local_sgd, group=group, tracer=tracer)
     if sync.diloco:
         outer = partial(
             torch.optim.SGD,
@@ -120,6 +121,12 @@ def build_averager(config: RunConfig, model, optimizer, group):
         )
         compress = sync.outer_compress or None
         return dp.DiLoCo(
-            model, optimizer, sync.diloco, group=group, outer_optimizer=outer, compress=compress
+            model,
+            optimizer,
+            sync.diloco,
+            group=group,
+            outer_optimizer=outer,
+            compress=compress,
+            tracer=tracer,
         )
     return None

@@ -155,9 +155,7 @@ def setup(
         seed=config.train.seed,
         shuffle=True,
     )
-    averager = build_averager(config, model, optimizer, replicas) if replicas else None
-    if averager is not None:
-        averager.comm.tracer = tracer  # its collectives in the same trace
+    averager = build_averager(config, model, optimizer, replicas, tracer) if replicas else None
     return TrainState(
         config=config,
         world=world,
