@@ -126,11 +126,20 @@ def test_compressors_and_their_residuals():
     rows = {r.candidate.label: r for r in plan.rows}
     ddp = rows["ddp +int8"]
     assert ddp.sent_bytes == pytest.approx(2 * 7 / 8 * psi * (1 + 4 / 1024))
-    assert ddp.memory.residuals == 4 * psi  # the sender's error, full size on a 1-D mesh
-    assert rows["zero2 S=4 +int8"].memory.residuals == 4 * psi / 4  # cross-replica stage only
+    # the sender's error, full size on a 1-D mesh, + the owner's of the all-gather stage
+    assert ddp.memory.residuals == pytest.approx(4 * psi * (1 + 1 / 8))
+    # cross-replica stage only: the shard's, and the owner's 1/R of it
+    assert rows["zero2 S=4 +int8"].memory.residuals == pytest.approx(4 * psi / 4 * (1 + 1 / 2))
+    flat = dp.plan("gpt-small", ranks=n, shard_sizes=[8], strategies=["zero2"],
+                   compress="int8").rows[1]  # fmt: skip
+    assert flat.memory.residuals == pytest.approx(4 * psi)  # the quantised reduce-scatter's
+    spec = dp.plan("gpt-small", ranks=n, strategies=["ddp"], compress="topk:ratio=0.01").rows[
+        1
+    ]  # fmt: skip  (the train spec works too)
     topk = dp.plan("gpt-small", ranks=n, strategies=["ddp"], compress="topk",
                    compress_arg=0.01).rows[1]  # fmt: skip
-    assert topk.sent_bytes == pytest.approx(7 * 0.01 * psi * 12)  # fp32 values + int64 indices
+    assert topk.sent_bytes == pytest.approx(7 * 0.01 * psi * 8)  # fp32 values + int32 indices
+    assert spec.sent_bytes == topk.sent_bytes
     power = dp.plan("gpt-small", ranks=n, strategies=["ddp"], compress="powersgd",
                     compress_arg=4).rows[1]  # fmt: skip
     shape = builtin_shape("gpt-small", None, torch.float32, None)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .errors import PlanError
-from .inputs import STRATEGIES, PlanInputs, optimizer_bytes
+from .inputs import STRATEGIES, PlanInputs, optimizer_bytes, parse_compress
 from .model import ModelShape, bare_shape, builtin_shape, saved_bytes, shape_of_module
 from .planner import Plan, make_plan
 from .profiles import get_profile
@@ -65,6 +65,8 @@ def plan(
         if isinstance(ranks_per_node, bool) or ranks_per_node < 1:
             raise PlanError("--ranks-per-node", f"{ranks_per_node}", "give a positive integer")
         hw = replace(hw, ranks_per_node=ranks_per_node)
+    if ":" in compress:  # a --compress spec ("topk:ratio=0.01"), as `dataparallel train` takes
+        compress, compress_arg = parse_compress(compress)
     inputs = PlanInputs(
         ranks=ranks,
         precision=precision,

@@ -89,22 +89,26 @@ def compressed_bytes(kind: str, arg: float, numel: float, matrices, params: int)
 
     powersgd r: each m x n matrix sends (m + n) r fp32 values (all-reduced, as P and Q are);
         vectors, and matrices where that is no saving, go uncompressed.
-    topk rho: rho n fp32 values + rho n int64 indices (8 bytes), all-gathered (sparse sums
-        do not reduce in place): the buffer is every rank's, so x N.
+    topk rho: rho n fp32 values + rho n int32 indices (8 bytes an entry), all-gathered
+        (sparse sums do not reduce in place): the buffer is every rank's, so x N.
     int8 / fp8: 1 byte per value + a fp32 scale per 1024-value block, reduce-scatter then
         all-gather of the quantised chunks (all-reduce volume).
     bf16: 2 bytes per value, all-reduced, no residual (a rounding, not a compressor).
     """
     fraction = numel / params if params else 1.0  # this collective's share of the model
     if kind == "powersgd":
-        r = int(arg)
+        # compression/powersgd.py's rule: rank min(m, n, r), and only where that shrinks the
+        # matrix at least twice (PyTorch's min_compression_rate).
+        def shrinks(m, n):
+            return (m + n) * min(m, n, int(arg)) * 2 < m * n
+
         dense = sum(m * n for m, n in matrices)
-        small = sum(m * n for m, n in matrices if (m + n) * r >= m * n)
-        low_rank = sum((m + n) * r for m, n in matrices if (m + n) * r < m * n)
+        small = sum(m * n for m, n in matrices if not shrinks(m, n))
+        low_rank = sum((m + n) * min(m, n, int(arg)) for m, n in matrices if shrinks(m, n))
         values = (params - dense) + small + low_rank
         return "all_reduce", 4 * values * fraction, True
     if kind == "topk":
-        return "all_gather", 12 * arg * numel, True
+        return "all_gather", 8 * arg * numel, True
     if kind in ("int8", "fp8"):
         return "all_reduce", numel * (1 + 4 / 1024), True
     if kind == "bf16":

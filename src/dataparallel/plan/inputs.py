@@ -143,13 +143,25 @@ def optimizer_bytes(name: str) -> float:
 
 
 def parse_compress(text: str) -> tuple[str, float]:
-    """ "powersgd:4" -> ("powersgd", 4.0); "int8" -> ("int8", 0.0)."""
-    kind, _, arg = text.partition(":")
-    if kind not in COMPRESSORS:
-        raise PlanError(
-            "--compress", f"unknown compressor {kind!r}", f"choose one of {', '.join(COMPRESSORS)}"
-        )
+    """The `dataparallel train --compress` spec ("powersgd:rank=4,start=10", "topk:ratio=0.01",
+    "int8", "fp8", "bf16"; compression/hook.py parses it), or the short "powersgd:4" /
+    "topk:0.01", or "none" -> (kind, PowerSGD's rank or top-k's ratio, else 0)."""
+    from ..compression import SPEC_HELP, parse_spec
+
+    kind, _, rest = text.partition(":")
+    if kind == "none" and not rest:
+        return "none", 0.0
+    if rest and "=" not in rest:  # the short form
+        if kind not in ("powersgd", "topk"):
+            raise PlanError("--compress", f"{kind!r} takes no number", f"write {SPEC_HELP}")
+        try:
+            return kind, float(rest)
+        except ValueError:
+            raise PlanError("--compress", f"{rest!r} is not a number", "write powersgd:4") from None
     try:
-        return kind, float(arg) if arg else 0.0
-    except ValueError:
-        raise PlanError("--compress", f"{arg!r} is not a number", "write powersgd:4") from None
+        kind, options = parse_spec(text)
+    except ValueError as error:
+        raise PlanError("--compress", str(error), f"write {SPEC_HELP}") from None
+    if kind == "fp16":
+        kind = "bf16"  # the same two bytes a value
+    return kind, float(options.get("rank", 1) if kind == "powersgd" else options.get("ratio", 0))

@@ -127,7 +127,7 @@ def candidates(x: PlanInputs, hw: HardwareProfile) -> list[Candidate]:
         out += [
             Candidate(strategy=c.strategy, shard_size=c.shard_size, compress=x.compress)
             for c in out
-            if c.strategy == "diloco" or c.shard_size < n
+            if c.strategy != "diloco" and n > 1  # 1-D sharded too: its reduce-scatter
         ]
     return out
 

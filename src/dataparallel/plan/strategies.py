@@ -186,18 +186,27 @@ def _diloco(f: Footprint, c, psi, s, x: PlanInputs, replicas) -> Footprint:
 
 
 def _compress(f: Footprint, c: Candidate, m: ModelShape, x: PlanInputs, target) -> Footprint:
-    """The compressor replaces the cross-replica all-reduce; with error feedback each rank
-    keeps a fp32 residual of what it sends (full size on a 1-D mesh, 1/S on a 2-D one)."""
+    """The compressor acts where compression/hook.py puts it ([Note: where compression acts]):
+    on the cross-replica all-reduce, or, for a sharded strategy on a 1-D mesh, on the
+    gradients' reduce-scatter itself. With error feedback each rank keeps a fp32 residual of
+    what it sends (full size on a 1-D mesh, 1/S on a 2-D one); int8/fp8 on a whole buffer also
+    keep the owner's residual of their second stage (1/k of it)."""
     if c.compress == "none" or c.strategy == "diloco":
         return f
+    one_d = c.strategy != "ddp" and target.size == 1
     out, residual = [], 0.0
     for col in f.collectives:
-        if col.kind == "all_reduce" and col.group is target:
+        whole = col.kind == "all_reduce" and col.group is target
+        sharded = one_d and col.kind == "reduce_scatter" and col.what == "gradients"
+        if whole or sharded:
             numel = col.buffer_bytes / x.grad_bytes
             kind, size, feedback = compressed_bytes(c.compress, x.compress_arg, numel,
                                                     m.matrices, m.params)  # fmt: skip
-            size *= target.size if kind == "all_gather" else 1
-            residual += 4 * numel if feedback else 0.0
+            if sharded and kind == "all_reduce" and c.compress in ("int8", "fp8", "bf16"):
+                kind = "reduce_scatter"  # quantised chunks to their owners only
+            size *= col.group.size if kind == "all_gather" else 1
+            second = whole and c.compress in ("int8", "fp8")
+            residual += 4 * numel * (1 + (1 / col.group.size if second else 0)) if feedback else 0
             col = Collective(what=f"{col.what} ({c.compress})", kind=kind, buffer_bytes=size,
                              group=col.group, calls=col.calls, window=col.window)  # fmt: skip
         out.append(col)
