@@ -37,11 +37,19 @@ CONFIGS = {  # name -> dataparallel train flags
     "int8": ["--compress", "int8"],
     "local-sgd": ["--local-sgd", "50"],
     "diloco-int8": ["--diloco", "50", "--outer-compress", "int8"],
+    "diloco": ["--diloco", "50"],  # fp32 outer gradients, as the torchft peer sends them
     "local-sgd-h10": ["--local-sgd", "10"],
     "diloco-int8-h10": ["--diloco", "10", "--outer-compress", "int8"],
     "peer-powersgd": None,  # PyTorch DDP + powerSGD_hook
+    "peer-torchft-diloco": None,  # torchft's DiLoCo, H = 50, fp32 outer gradients
 }
-EXTRA = ("powersgd-r16", "local-sgd-h10", "diloco-int8-h10")  # run only when named in --only
+EXTRA = (
+    "powersgd-r16",
+    "local-sgd-h10",
+    "diloco-int8-h10",
+    "diloco",
+    "peer-torchft-diloco",
+)  # run only when named in --only
 COMMON = ["--model", "gpt-small", "--eval-every", "0", "--threads", "1", "--warmup-steps", "30"]
 
 
@@ -103,6 +111,29 @@ def run_peer(steps: int, out: Path, rate: str | None, loopback: bool) -> dict:
     }
 
 
+def run_torchft(steps: int, out: Path, rate: str | None) -> dict:
+    """torchft's DiLoCo on the two hosts (benchmarks/peer_torchft_diloco.py)."""
+    script = str(Path(__file__).with_name("peer_torchft_diloco.py"))
+
+    def command(node_rank: int, link: str) -> list[str]:
+        here = two_hosts.ADDRESSES[node_rank]
+        meet = ["--lighthouse-host"] if node_rank == 0 else ["--lighthouse", two_hosts.ADDRESSES[0]]
+        return [sys.executable, script, "--replica", str(node_rank), "--address", here, *meet,
+                "--steps", str(steps), "--out", str(out)]  # fmt: skip
+
+    status, other, output, _ = two_hosts.run_on_two_hosts(command, rate)
+    if status or other:
+        raise RuntimeError(f"torchft peer failed:\n{output[-3000:]}")
+    halves = [json.loads((out / f"peer-{r}.json").read_text()) for r in (0, 1)]
+    return {
+        "train_time_s": max(h["train_time_s"] for h in halves),
+        "step_time_median_s": max(h["step_time_median_s"] for h in halves),
+        "bytes_per_step": 4 * 3_290_624 / 50,  # one fp32 all-reduce of the parameters per H
+        "val_loss": sum(h["val_loss_own_half"] for h in halves) / 2,  # equal token counts
+        "tokens": steps * 2 * 16 * 128,
+    }
+
+
 def _env() -> dict:
     import os
 
@@ -151,6 +182,8 @@ def main() -> int:
         out = Path(args.out) / name
         if name == "peer-powersgd":
             results[name] = run_peer(args.steps, out, rate, args.loopback)
+        elif name == "peer-torchft-diloco":
+            results[name] = run_torchft(args.steps, out, rate)
         else:
             results[name] = run_ours(name, args.steps, out, rate, args.loopback)
         print(f"{name}: {json.dumps(results[name])}", flush=True)
