@@ -85,8 +85,9 @@ def main() -> None:
 
 
 @torch.no_grad()
-def _evaluate(model, val: TokenWindows, rank: int, world: int) -> tuple[float, int]:
-    """Our trainer's validation: the same 256 evenly spaced windows, split over the ranks."""
+def validation_sums(model, val: TokenWindows, rank: int, world: int) -> tuple[float, int]:
+    """Our trainer's validation: the same 256 evenly spaced windows, rank r scoring r, r +
+    world, ...; this rank's (summed token loss, tokens)."""
     chosen = evenly_spaced(256, len(val))[rank::world]
     loss, tokens = 0.0, 0
     for first in range(0, len(chosen), 16):
@@ -94,7 +95,11 @@ def _evaluate(model, val: TokenWindows, rank: int, world: int) -> tuple[float, i
         logits = model(inputs)
         loss += float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
         tokens += targets.numel()
-    total = torch.tensor([loss, tokens], dtype=torch.float64)
+    return loss, tokens
+
+
+def _evaluate(model, val: TokenWindows, rank: int, world: int) -> tuple[float, int]:
+    total = torch.tensor(validation_sums(model, val, rank, world), dtype=torch.float64)
     dist.all_reduce(total)
     return float(total[0] / total[1]), int(total[1])
 

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from peer_powersgd import validation_sums  # this folder is on sys.path when run as a script
 from torch.nn import functional as F
 
 from dataparallel.data import DistributedSampler
-from dataparallel.data.corpus import TokenWindows, evenly_spaced, load_corpus
+from dataparallel.data.corpus import TokenWindows, load_corpus
 from dataparallel.models import build_model
 from dataparallel.train.schedule import WarmupCosine
 from dataparallel.train.trainer import next_indices, param_groups
@@ -115,17 +116,10 @@ def main() -> None:
         lighthouse.shutdown()
 
 
-@torch.no_grad()
 def _evaluate(model, val: TokenWindows, replica: int) -> tuple[float, int]:
-    """Our trainer's validation windows, this replica's half (rank r of 2 takes r, r + 2, ...):
-    the two halves' token-weighted mean is our trainer's validation loss."""
-    chosen = evenly_spaced(256, len(val))[replica::2]
-    loss, tokens = 0.0, 0
-    for first in range(0, len(chosen), 16):
-        inputs, targets = val.batch(chosen[first : first + 16])
-        logits = model(inputs)
-        loss += float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
-        tokens += targets.numel()
+    """This replica's half of our trainer's validation windows (the two halves' token-weighted
+    mean is our trainer's validation loss)."""
+    loss, tokens = validation_sums(model, val, replica, 2)
     return loss / tokens, tokens
 
 
