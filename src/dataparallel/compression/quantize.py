@@ -94,10 +94,11 @@ class Quantize:
                 f"its chunk of {chunk}; shard buckets evenly over the group it reduces in"
             )
         padded = -(-chunk // self.block) * self.block
-        flat = torch.zeros(world * chunk, dtype=torch.float32, device=tensor.device)
-        flat[:numel] = tensor
         rows = torch.zeros(world, padded, dtype=torch.float32, device=tensor.device)
-        rows[:, :chunk] = flat.view(world, chunk)  # rank j's chunk in row j, zero padded
+        full = numel // chunk  # rank j's chunk in row j, zero padded: one copy
+        rows[:full, :chunk] = tensor[: full * chunk].view(full, chunk)
+        if full < world:
+            rows[full, : numel - full * chunk] = tensor[full * chunk :]
         packed = self.round_trip((key, "send"), rows)
 
         def summed(received: torch.Tensor) -> torch.Tensor:

@@ -92,13 +92,16 @@ class Strategy:
     """The protocol every strategy implements (a base with the shared pieces).
 
     name: the strategy's registry name ("ddp", "zero1", ...).
+    groups: the sharded strategies' `Groups` (world, shard, replicate); None for DDP, which
+        talks through `comm` alone.
     """
 
     name = "base"
 
-    def __init__(self, model: nn.Module, comm: Comm):
+    def __init__(self, model: nn.Module, comm: Comm, groups=None):
         self.model = model
         self.comm = comm
+        self.groups = groups
         self.sync_enabled = True
 
     # -- the calls the public API forwards ---------------------------------------------------
@@ -134,8 +137,8 @@ class Strategy:
         the optimizer updates (DDP) or are gathered from them at each forward (ZeRO-3)."""
 
     def comms(self) -> list[Comm]:
-        """Every Comm the strategy sends through (for byte counts)."""
-        return [self.comm]
+        """Every Comm the strategy sends through, each once (for byte counts)."""
+        return self.groups.comms() if self.groups is not None else [self.comm]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         raise NotImplementedError
@@ -154,15 +157,6 @@ class Strategy:
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         raise NotImplementedError
-
-
-def distinct_comms(comms: list) -> list[Comm]:
-    """The Comms, each once, Nones dropped (a 1-D layout's shard group is its world)."""
-    out: list[Comm] = []
-    for comm in comms:
-        if comm is not None and all(comm is not c for c in out):
-            out.append(comm)
-    return out
 
 
 def hook_state_report(hook) -> dict[str, int]:

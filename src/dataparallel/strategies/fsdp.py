@@ -57,7 +57,6 @@ from ..comm.hooks import default_hook
 from . import fsdp_checkpoint
 from .base import (
     Strategy,
-    distinct_comms,
     hook_state_report,
     normalize_param_groups,
     optimizer_state_tensors,
@@ -154,9 +153,8 @@ class ZeRO3Strategy(Strategy):
     name = "zero3"
 
     def __init__(self, model: nn.Module, groups: Groups, policy: ZeRO3):
-        super().__init__(model, groups.world)
+        super().__init__(model, groups.world, groups)
         self.policy = policy
-        self.groups = groups
         self.precision = precision = check_precision(policy.precision, "ZeRO3")
         verify_same_model(model, groups.world)
         broadcast_model(model, groups.world)
@@ -398,6 +396,3 @@ class ZeRO3Strategy(Strategy):
             "largest_gathered_unit": max(u.largest_gathered for u in self.units),
             **hook_state_report(self.hook),
         }
-
-    def comms(self) -> list:
-        return distinct_comms([self.groups.world, self.groups.shard, self.groups.replicate])

@@ -36,7 +36,6 @@ from ..comm import HookState
 from ..comm.hooks import default_hook
 from .base import (
     Strategy,
-    distinct_comms,
     hook_state_report,
     normalize_param_groups,
     optimizer_state_tensors,
@@ -186,10 +185,9 @@ class ZeROStrategy(Strategy):
     """ZeRO-1 or ZeRO-2 on one model: buckets, their shards, and the policy's keeper."""
 
     def __init__(self, model: nn.Module, groups: Groups, policy: ZeROPolicy, name=None):
-        super().__init__(model, groups.world)
+        super().__init__(model, groups.world, groups)
         self.name = name or policy.name
         self.policy = policy
-        self.groups = groups
         self.precision = check_precision(policy.precision, type(policy).__name__)
         self.keeper = policy.keeper()
         verify_same_model(model, groups.world)
@@ -345,9 +343,6 @@ class ZeROStrategy(Strategy):
         if self.sharded_step is not None:
             self.sharded_step.gather.finish()
             self.sharded_step.after(self.optimizer, (), {})
-
-    def comms(self) -> list:
-        return distinct_comms([self.groups.world, self.groups.shard, self.groups.replicate])
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         grads = [g for b in self.buckets for g in b.shard.grad_tensors()]

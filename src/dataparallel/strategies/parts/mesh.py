@@ -78,6 +78,14 @@ class Groups:
     shard: Comm
     replicate: Comm | None
 
+    def comms(self) -> list[Comm]:
+        """world, shard and replicate, each once (a 1-D layout's shard group is its world)."""
+        out: list[Comm] = []
+        for comm in (self.world, self.shard, self.replicate):
+            if comm is not None and all(comm is not c for c in out):
+                out.append(comm)
+        return out
+
     @property
     def divisor(self) -> int:
         """How many ranks a mean divides by."""
