@@ -21,7 +21,6 @@ import gc
 import json
 import os
 import re
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from contenders import bench_model, ours  # noqa: E402
 
 import dataparallel as dp  # noqa: E402
 from dataparallel.plan.calibrate import calibrate  # noqa: E402
+from dataparallel.train.launch import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "src/dataparallel/plan/cpu-2core.json"
@@ -132,9 +132,7 @@ def rank_main(rank: int, port: int, name: str, steps: int, path: str) -> None:
 
 
 def run_model(name: str, steps: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.json")
         mp.spawn(rank_main, args=(port, name, steps, path), nprocs=2, join=True)

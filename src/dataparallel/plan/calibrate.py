@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -25,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn import functional as F
 
+from ..train.launch import free_port
 from .hardware import KINDS, HardwareProfile, profile_from_dict
 from .model import builtin_shape
 
@@ -126,9 +126,7 @@ def _worker(rank: int, port: int, names: list[str], batch: int, path: str) -> No
 def calibrate(names: list[str], batch: int = 4, out: str | None = None) -> HardwareProfile:
     """Measure this machine with 2 ranks; write the profile to `out` when given."""
     os.environ["OMP_NUM_THREADS"] = "1"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "calibration.json")
         mp.spawn(_worker, args=(port, names, batch, path), nprocs=2, join=True)
