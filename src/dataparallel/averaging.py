@@ -38,6 +38,7 @@ from torch import nn
 
 from .api import finish_param_gather, refresh_params
 from .comm import Comm
+from .compression.feedback import keyed_tensors, load_keyed_tensors
 from .compression.quantize import Quantize
 
 
@@ -98,6 +99,16 @@ class LocalSGD:
 
     def state_tensors(self) -> list[torch.Tensor]:
         return []
+
+    def state_dict(self) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        """(per held tensor, its state; this rank's own state), for a checkpoint. The step
+        count is `steps`."""
+        return [{} for _ in self.tensors], {}
+
+    def load_state_dict(self, steps: int, shared: list[dict], local: dict) -> None:
+        """Continue from a checkpoint: `shared` aligned with the held tensors (any entry may
+        be a flat copy), `local` this rank's own state (empty after a change of layout)."""
+        self.steps = steps
 
 
 class DiLoCo(LocalSGD):
@@ -160,6 +171,26 @@ class DiLoCo(LocalSGD):
         state = [v for s in self.outer.state.values() for v in s.values() if torch.is_tensor(v)]
         residual = self.quantize.state_tensors() if self.quantize is not None else []
         return [a.detach() for a in self.anchors] + state + residual
+
+    def state_dict(self) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        shared = [
+            {"anchor": anchor.detach(), **self.outer.state.get(anchor, {})}
+            for anchor in self.anchors
+        ]
+        local = keyed_tensors(self.quantize.stores()) if self.quantize is not None else {}
+        return shared, local
+
+    @torch.no_grad()
+    def load_state_dict(self, steps: int, shared: list[dict], local: dict) -> None:
+        super().load_state_dict(steps, shared, local)
+        for anchor, entries in zip(self.anchors, shared, strict=True):
+            for key, value in entries.items():
+                if key == "anchor":
+                    anchor.copy_(value.view_as(anchor))
+                else:
+                    self.outer.state[anchor][key] = value.view_as(anchor).clone()
+        if self.quantize is not None:
+            load_keyed_tensors(self.quantize.stores(), local)
 
 
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

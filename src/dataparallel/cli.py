@@ -50,7 +50,12 @@ def add_train_parser(commands) -> None:
         description="Train a model with data-parallel workers. Flags override --config.",
     )
     parser.add_argument("--config", metavar="FILE.toml", help="a TOML config file")
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its latest checkpoint (or give "
+        "RUN_DIR/checkpoint/step-N for that one); --nproc and --strategy may change",
+    )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config as TOML and exit"
     )
@@ -125,7 +130,7 @@ def default_out(config: RunConfig) -> str:
 
 def resolve_config(args: argparse.Namespace, torchrun: dict | None) -> RunConfig:
     """Defaults < the TOML file (or the resumed run's config.toml) < flags < torchrun's world."""
-    from .train.checks import resolve_batch
+    from .train.checks import keep_global_batch, resolve_batch
 
     given = _flags(args)
     train_flags = given.get("train", {})
@@ -136,7 +141,7 @@ def resolve_config(args: argparse.Namespace, torchrun: dict | None) -> RunConfig
     if "batch" in train_flags:  # a --batch flag overrides a global_batch from the file
         given["train"]["global_batch"] = 0
     if args.resume:
-        run_dir = Path(args.resume)
+        run_dir, _ = split_resume(args.resume)
         if args.config:
             raise ConfigError(
                 "--config", "cannot be combined with --resume", "the run's config.toml is used"
@@ -157,15 +162,20 @@ def resolve_config(args: argparse.Namespace, torchrun: dict | None) -> RunConfig
     config = base.replace(**given)
     if torchrun:
         config = config.replace(launch=torchrun)
-    if args.resume and config.world_size != base.world_size:
-        raise ConfigError(
-            "--nproc (launch.nproc)",
-            f"the run was trained by {base.world_size} ranks, not {config.world_size}",
-            f"resume with --nproc {base.launch.nproc} --nnodes {base.launch.nnodes}",
-        )
     if not config.launch.out:
         config = config.replace(launch={"out": default_out(config)})
-    return resolve_batch(config)
+    config = resolve_batch(config)
+    if args.resume:  # another world size keeps the global batch ([Note: resize] in checks.py)
+        config = keep_global_batch(base, config, train_flags)
+    return config
+
+
+def split_resume(path: str) -> tuple[Path, str]:
+    """(run directory, checkpoint name) of --resume RUN or --resume RUN/checkpoint/step-N."""
+    given = Path(path)
+    if given.parent.name == "checkpoint" and (given.parent.parent / "config.toml").is_file():
+        return given.parent.parent, given.name
+    return given, ""
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -173,24 +183,25 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     torchrun = _torchrun_world()
     resume = bool(args.resume)
+    checkpoint = split_resume(args.resume)[1] if resume else ""
     try:
         config = resolve_config(args, torchrun)
         if args.print_config:
             check_values(config)
             print(to_toml(config), end="")
             return 0
-        preflight(config, resume=resume)
+        preflight(config, resume=resume, checkpoint=checkpoint)
     except ConfigError as error:
         print(f"dataparallel train: error: {error}", file=sys.stderr)
         return 2
     if torchrun:  # started by torchrun: this process is a worker
         from .train.worker import run_worker
 
-        run_worker(config, resume=resume)
+        run_worker(config, resume=resume, checkpoint=checkpoint)
         return 0
     from .train.launch import launch
 
-    return launch(config, resume=resume)
+    return launch(config, resume=resume, checkpoint=checkpoint)
 
 
 def cmd_sample(args: argparse.Namespace) -> int:

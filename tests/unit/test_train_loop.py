@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 import dataparallel as dp
 from dataparallel.data.corpus import Corpus, evenly_spaced
+from dataparallel.data.stream import SampleStream
 from dataparallel.train.config import RunConfig
 from dataparallel.train.trainer import evaluate, next_indices, setup, train_step
 
@@ -61,12 +62,12 @@ def test_accumulation_gives_the_losses_and_weights_of_the_whole_batch():
 
 def test_the_step_loss_is_the_mean_token_loss_of_the_batch(world):
     state = setup(_config(batch=3, accum=2), world, _corpus())
-    start = dict(state.sampler.state_dict())
+    start = dict(state.samples.state_dict())
     model = type(state.model)(state.model.config)
     model.load_state_dict(state.model.state_dict())
     record = train_step(state)
-    state.sampler.load_state_dict(start)
-    inputs, targets = state.train_windows.batch(next_indices(state.sampler, 6))
+    state.samples.load_state_dict(start)
+    inputs, targets = state.train_windows.batch(next_indices(state, 6))
     with torch.no_grad():
         expected = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
     assert record.loss == pytest.approx(float(expected), rel=1e-6)
@@ -93,10 +94,46 @@ def test_evaluation_scores_the_chosen_windows_exactly(world):
 
 
 def test_indices_run_on_into_the_next_epoch(world):
-    sampler = dp.DistributedSampler(5, rank=0, world_size=1, seed=0)
-    first, second = next_indices(sampler, 4), next_indices(sampler, 4)
+    state = setup(_config(batch=2), world, _corpus())
+    state.samples = SampleStream(5, seed=0)
+    first, second = next_indices(state, 4), next_indices(state, 4)
     assert sorted(first + second[:1]) == [0, 1, 2, 3, 4]
-    assert (sampler.epoch, sampler.position) == (1, 3)
+    assert (state.samples.epoch, state.samples.consumed) == (1, 8)
+
+
+class _Poisoned(torch.nn.Module):
+    """A model whose logits are NaN while `poisoned` is set (a numerical fault on demand)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.poisoned = inner, False
+
+    def forward(self, x):
+        out = self.inner(x)
+        return out * float("nan") if self.poisoned else out
+
+
+def test_non_finite_steps_are_skipped_and_k_in_a_row_stop_the_run(world):
+    from dataparallel.models import build_model
+    from dataparallel.train.trainer import fit
+
+    torch.manual_seed(3)
+    model = _Poisoned(build_model("gpt-tiny"))
+    state = setup(_config(batch=2, max_skips=3, steps=20, eval_every=0), world, _corpus(), model)
+    train_step(state)
+    weights = {k: v.clone() for k, v in dp.full_state_dict(state.model).items()}
+    model.poisoned = True
+    records = [train_step(state) for _ in range(2)]
+    assert (state.step, state.skipped_steps, state.consecutive_skips) == (1, 2, 2)
+    assert [r.skipped_steps for r in records] == [1, 2]
+    after = dp.full_state_dict(state.model)
+    assert all(torch.equal(after[k], weights[k]) for k in weights)  # nothing moved
+    model.poisoned = False
+    train_step(state)  # a good step resets the count, and trains
+    assert (state.step, state.consecutive_skips) == (2, 0)
+    model.poisoned = True
+    with pytest.raises(FloatingPointError, match="3 steps in a row after step 2"):
+        fit(state, [])
 
 
 def test_an_overflowing_fp16_step_is_skipped_without_moving_anything(world):

@@ -6,15 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from dataparallel.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    read_weights_metadata,
-    save_checkpoint,
-)
 from dataparallel.train.metrics import MetricsLogger, read_metrics
 from dataparallel.train.progress import format_count, format_duration
 from dataparallel.train.report import make_report
@@ -54,24 +46,6 @@ def test_resume_drops_what_followed_the_checkpoint(tmp_path):
     losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert [s for s, _ in losses] == list(range(1, 13))
     assert losses[7][1] == pytest.approx(5.0 - 0.8)  # the resumed session's value
-
-
-def test_checkpoints_are_complete_or_absent(tmp_path):
-    folder = tmp_path / "checkpoint"
-    weights = {"a.weight": torch.arange(6.0).view(2, 3)}
-    weights["b.weight"] = weights["a.weight"]  # tied: one storage, two names
-    for step in (2, 4):
-        save_checkpoint(folder, step, weights, {"model": "gpt-tiny"}, {"sampler": {"epoch": 0}})
-    (folder / "step-000006.tmp").mkdir()  # a write that was interrupted
-    latest = latest_checkpoint(folder)
-    assert latest.name == "step-000004"
-    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-000004", "step-000006.tmp"]
-    loaded, state = load_checkpoint(latest)
-    assert torch.equal(loaded["b.weight"], weights["a.weight"])
-    assert state == {"sampler": {"epoch": 0}, "step": 4}
-    assert read_weights_metadata(latest / "model.safetensors") == {"model": "gpt-tiny", "step": 4}
-    assert sorted(load_file(str(latest / "model.safetensors"))) == ["a.weight", "b.weight"]
-    assert latest_checkpoint(tmp_path / "none") is None
 
 
 def test_report_summarizes_the_metrics(tmp_path):

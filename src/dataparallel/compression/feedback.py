@@ -19,6 +19,8 @@ of a 2-D mesh, so there it is sharded like the gradients (docs/compression.md).
 
 from __future__ import annotations
 
+import ast
+
 import torch
 
 
@@ -62,3 +64,20 @@ class ErrorFeedback:
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.residuals.values())
+
+
+def keyed_tensors(stores: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """A compressor's per-key state as flat names, "residual/(3, 'all')", for a checkpoint.
+    Keys are tuples of ints and strings, so their repr reads back with `ast.literal_eval`."""
+    return {f"{name}/{key!r}": t for name, store in stores.items() for key, t in store.items()}
+
+
+def load_keyed_tensors(stores: dict[str, dict], tensors: dict[str, torch.Tensor]) -> None:
+    """Replace the state in `stores` by what `keyed_tensors` named."""
+    for store in stores.values():
+        store.clear()
+    for full, tensor in tensors.items():
+        name, _, key = full.partition("/")
+        if name not in stores:
+            raise ValueError(f"compression state {full!r} does not belong to this compressor")
+        stores[name][ast.literal_eval(key)] = tensor

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.hooks import Chain, HookState, reduce_hook
+from .feedback import keyed_tensors, load_keyed_tensors
 from .powersgd import PowerSGD
 from .quantize import Quantize
 from .topk import TopK
@@ -71,6 +72,16 @@ class CompressedHook:
     def state_tensors(self) -> list[torch.Tensor]:
         """What the compressor keeps between steps (residuals, warm-start factors)."""
         return self.compressor.state_tensors()
+
+    def state_dict(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(plain data, named tensors): this rank's compression state, for a checkpoint."""
+        return {"rounds": self.rounds}, keyed_tensors(self.compressor.stores())
+
+    def load_state_dict(self, data: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Continue from `state_dict()`'s output."""
+        self.rounds = int(data["rounds"])
+        self._seen.clear()
+        load_keyed_tensors(self.compressor.stores(), tensors)
 
 
 # --compress NAME:key=value,...  -> (class, {option: type}, default options)

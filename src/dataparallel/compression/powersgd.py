@@ -201,6 +201,10 @@ class PowerSGD:
     def state_tensors(self) -> list[torch.Tensor]:
         return self.feedback.tensors() + list(self.p_memory.values()) + list(self.q_memory.values())
 
+    def stores(self) -> dict[str, dict]:
+        """The per-key state a checkpoint keeps (see `feedback.keyed_tensors`)."""
+        return {"residual": self.feedback.residuals, "p": self.p_memory, "q": self.q_memory}
+
 
 def _all_reduce(comm: Comm, tensors: list[torch.Tensor]):
     """Sum each of `tensors` over `comm` in place, in order; the future gives the last."""

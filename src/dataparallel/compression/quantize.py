@@ -133,3 +133,7 @@ class Quantize:
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.feedback.tensors()
+
+    def stores(self) -> dict[str, dict]:
+        """The per-key state a checkpoint keeps (see `feedback.keyed_tensors`)."""
+        return {"residual": self.feedback.residuals}

@@ -98,3 +98,7 @@ class TopK:
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.feedback.tensors() + list(self.velocity.values())
+
+    def stores(self) -> dict[str, dict]:
+        """The per-key state a checkpoint keeps (see `feedback.keyed_tensors`)."""
+        return {"residual": self.feedback.residuals, "velocity": self.velocity}

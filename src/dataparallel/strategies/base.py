@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from .parts.held import HeldPiece, optimized_ids, whole_pieces
 
 
 def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -157,6 +158,19 @@ class Strategy:
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         raise NotImplementedError
+
+    # -- sharded checkpoints ([Note: held pieces] in parts/held.py) ----------------------------
+    def held_pieces(self, optimizer: torch.optim.Optimizer | None = None) -> list[HeldPiece]:
+        """The runs of each parameter this rank holds, named as in the plain model. Here:
+        every parameter whole (DDP)."""
+        return whole_pieces(self.model, optimized_ids(optimizer), set())
+
+    def after_load(self) -> None:
+        """The held pieces were overwritten (a checkpoint load): make the model follow."""
+
+    def stateful_hook(self):
+        """The communication hook, when it keeps state between steps (compression), else None."""
+        return None
 
 
 def hook_state_report(hook) -> dict[str, int]:

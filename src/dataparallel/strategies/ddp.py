@@ -203,6 +203,9 @@ class DDPStrategy(Strategy):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
 
+    def stateful_hook(self):
+        return self.reducer.hook if hasattr(self.reducer.hook, "state_dict") else None
+
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         return {
             "params": tensor_bytes(p.data for p in self.model.parameters()),

@@ -67,6 +67,7 @@ from .ddp import broadcast_model
 from .fsdp_plan import plan_units, select_units
 from .fsdp_unit import FlatUnit
 from .parts.clip import clip_grad_norm_
+from .parts.held import HeldPiece, optimized_ids, shard_pieces, whole_pieces
 from .parts.mesh import Groups
 from .parts.plain_state import gather_plain_state, load_plain_state
 from .parts.precision import MixedPrecision, cast_floats, check_precision, install_casts, is_norm
@@ -373,6 +374,17 @@ class ZeRO3Strategy(Strategy):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         sharded = [(u.shard, u.params) for u in self.units]
         load_plain_state(optimizer, sharded, self._originals(optimizer), state)
+
+    def held_pieces(self, optimizer: torch.optim.Optimizer | None = None) -> list[HeldPiece]:
+        pieces, covered = shard_pieces(self.model, [(u.shard, u.params) for u in self.units])
+        return pieces + whole_pieces(self.model, optimized_ids(optimizer), covered)
+
+    def after_load(self) -> None:
+        for unit in self.units:
+            unit.free()  # the next forward gathers the loaded shards
+
+    def stateful_hook(self):
+        return self.hook if hasattr(self.hook, "state_dict") else None
 
     def _originals(self, optimizer) -> list[list[nn.Parameter]]:
         if optimizer not in self.original_groups:

@@ -1,26 +1,51 @@
-"""Checkpoints of a training run: what is saved for --resume, and how it is put back.
+"""Checkpoints of a training run: what is saved for --resume, how, and how it is put back.
 
-Saved (see checkpoint/store.py for the files): the full model weights, the optimizer state in
-plain single-process form, the sampler's position (epoch and index within this rank's shard)
-and the step. The learning rate is a pure function of the step (train/schedule.py), so
-restoring the step restores the schedule. No random state needs saving: the reference models
-have no dropout, and the data order depends only on the seed, epoch and position.
+Each rank saves only what it holds (checkpoint/state.py names it: parameters, optimizer state,
+compression and averager state), through torch.distributed.checkpoint, into a folder that is
+committed atomically ([Note: atomic checkpoints] in checkpoint/store.py). Rank 0 adds the run's
+plain state as JSON: the step (the learning rate is a pure function of it), the data position
+in global samples ([Note: global sample position] in data/stream.py), the loss scaler, and the
+layout that wrote it. No random state needs saving: the reference models have no dropout, and
+the data order depends only on the seed and the position. Loading reads, for whatever this run
+holds, the overlapping parts of what the writers held, so a checkpoint resumes on another
+number of ranks or under another strategy (docs/faults.md has the rules).
 
-Saving is collective (sharded strategies gather weights and optimizer state on every rank);
-rank 0 writes. Loading: rank 0 reads the files and broadcasts them, so the other machines of a
-multi-node run need no shared file system.
+[Note: async checkpoints] With `checkpoint_save = "async"` the training thread only copies its
+chunks (a memory copy, the only stall) and a background thread writes them. The background
+thread's collectives (DCP's plan exchange, a barrier) run on a process group of their own,
+created by every rank at start, so they never interleave with the training's collectives on
+the world group. One save is in flight at a time: the next one, the end of the run, and an
+interruption wait for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-import dataparallel as dp
-
-from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
+from ..checkpoint import (
+    CheckpointError,
+    Chunk,
+    begin,
+    check_same_model,
+    commit,
+    latest_checkpoint,
+    load_chunks,
+    load_state,
+    model_shapes,
+    save_chunks,
+    state_chunks,
+    step_name,
+    stored_tensors,
+    verify,
+    write_safetensors,
+)
+from ..strategies.parts.held import parameter_names
 from .trainer import Callback, StepRecord, TrainState
 
 CHECKPOINTS = "checkpoint"
@@ -39,74 +64,206 @@ def weights_metadata(state: TrainState) -> dict:
     }
 
 
-def save_run_checkpoint(state: TrainState, run_dir: Path) -> None:
-    """Save a resumable checkpoint of `state` under run_dir/checkpoint. Collective."""
-    weights = dp.full_state_dict(state.model)
-    optimizer = dp.optimizer_state_dict(state.model, state.optimizer)
-    if state.world.is_main:
-        train_state = {
-            "optimizer": optimizer,
-            "sampler": state.sampler.state_dict(),
-            "world_size": state.world.world_size,
-            "corpus_sha256": state.corpus.sha256,
-        }
-        if state.scaler is not None:  # --precision fp16: the loss scale and its growth count
-            train_state["scaler"] = state.scaler.state_dict()
-        save_checkpoint(
-            Path(run_dir) / CHECKPOINTS, state.step, weights, weights_metadata(state), train_state
+def replica_of(state: TrainState) -> tuple[int, int]:
+    """(this rank's replica, replicas): with an averager each replica keeps its own parameters
+    and optimizer state; otherwise one replica (checkpoint/state.py)."""
+    if state.averager is None:
+        return 0, 1
+    size = state.config.launch.shard_group or 1
+    return state.world.rank // size, state.world.world_size // size
+
+
+def layout(state: TrainState) -> dict:
+    """What rank-local state (compression residuals) depends on: equal layouts can reuse it."""
+    config = state.config
+    return {
+        "world_size": state.world.world_size,
+        "strategy": config.launch.strategy,
+        "shard_group": config.launch.shard_group,
+        "sync": dataclasses.asdict(config.sync),
+    }
+
+
+def run_state(state: TrainState) -> dict:
+    """The plain (JSON) part of a checkpoint."""
+    replica, replicas = replica_of(state)
+    prefix = f"replica{replica}/" if replicas > 1 else ""
+    names = parameter_names(state.model)
+    weights = []
+    for name, tensor in state.model.state_dict(keep_vars=True).items():
+        first = names.get(id(tensor))
+        key = f"model/{first}" if first is not None else f"buffer/{name}"
+        weights.append([name, ("replica0/" if prefix else "") + key])
+    return {
+        "step": state.step,
+        "samples": state.samples.state_dict(),
+        "skipped_steps": state.skipped_steps,
+        "global_batch": state.config.global_batch,
+        "replicas": replicas,
+        "layout": layout(state),
+        "scaler": state.scaler.state_dict() if state.scaler is not None else None,
+        "shapes": model_shapes(state.model),
+        "weights": weights,
+        "metadata": weights_metadata(state),
+    }
+
+
+class Checkpointer:
+    """Writes the run's checkpoints, in the background or not ([Note: async checkpoints])."""
+
+    def __init__(self, run_dir: Path, state: TrainState, mode: str = "async"):
+        self.folder = Path(run_dir) / CHECKPOINTS
+        self.world = state.world
+        self.group = dist.new_group(backend="gloo") if state.world.world_size > 1 else None
+        self.executor = ThreadPoolExecutor(1, "checkpoint") if mode == "async" else None
+        self.pending: Future | None = None
+        self.stalls: list[float] = []  # seconds the training thread spent per save
+
+    def save(self, state: TrainState) -> None:
+        """Checkpoint `state` now (collective: every rank calls it at the same step)."""
+        started = time.perf_counter()
+        self.wait()
+        replica, replicas = replica_of(state)
+        chunks = state_chunks(
+            state.model,
+            state.optimizer,
+            state.averager,
+            rank=self.world.rank,
+            prefix=f"replica{replica}/" if replicas > 1 else "",
         )
-    if state.world.world_size > 1:
-        dist.barrier(group=state.world.group)  # nobody runs ahead of a checkpoint being written
+        plain = run_state(state) if self.world.is_main else {}
+        if self.executor is None:
+            self._write(chunks, state.step, plain)
+        else:
+            staged = {
+                k: Chunk(c.tensor.detach().clone(), c.offset, c.numel) for k, c in chunks.items()
+            }
+            self.pending = self.executor.submit(self._write, staged, state.step, plain)
+        self.stalls.append(time.perf_counter() - started)
+
+    def _write(self, chunks: dict, step: int, plain: dict) -> None:
+        tmp = self.folder / (step_name(step) + ".tmp")
+        if self.world.is_main:
+            begin(self.folder, step)
+        if self.group is not None:
+            dist.barrier(group=self.group)  # the folder exists before anyone writes into it
+        save_chunks(chunks, tmp, self.group)
+        if self.world.is_main:
+            commit(tmp, plain)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight, if any (raising its error)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        self.wait(timeout)
+        if self.executor is not None:
+            self.executor.shutdown(wait=timeout is None)
 
 
-def save_final_weights(state: TrainState, run_dir: Path) -> Path:
-    """The trained weights as run_dir/model.safetensors (rank 0 writes). Collective."""
-    weights = dp.full_state_dict(state.model)
-    path = Path(run_dir) / FINAL_WEIGHTS
-    if state.world.is_main:
-        save_weights(path, weights, weights_metadata(state))
+def export_weights(checkpoint: Path, path: Path) -> None:
+    """The checkpoint's model as one safetensors file that plain PyTorch loads (rank 0 only):
+    read from the checkpoint one tensor at a time, so no rank ever holds the whole model."""
+    plain = verify(checkpoint)
+    stored = dict(plain["weights"])
+    dtypes = stored_tensors(checkpoint)
+    entries = [(name, plain["shapes"][name], dtypes[key][1]) for name, key in plain["weights"]]
+
+    def read(name: str) -> torch.Tensor:
+        size, dtype = dtypes[stored[name]]
+        tensor = torch.empty(size, dtype=dtype)
+        load_chunks({stored[name]: Chunk(tensor)}, checkpoint, None)
+        return tensor
+
+    write_safetensors(path, entries, read, plain["metadata"])
+
+
+def resolve_checkpoint(run_dir: Path, name: str = "") -> Path:
+    """The checkpoint to resume from: `name` under run_dir/checkpoint, or the latest."""
+    folder = Path(run_dir) / CHECKPOINTS
+    path = folder / name if name else latest_checkpoint(folder)
+    if path is None or not path.is_dir():
+        raise CheckpointError(f"{run_dir} has no complete checkpoint to resume from")
     return path
 
 
-def restore(state: TrainState, run_dir: Path) -> None:
-    """Continue from the newest checkpoint under run_dir (every rank calls it)."""
-    payload: list = [None]
+def restore(state: TrainState, run_dir: Path, name: str = "") -> None:
+    """Continue from a checkpoint of run_dir (every rank calls it): checked on rank 0 (its
+    files against the manifest), then loaded by every rank from what it now holds."""
+    found: list = [None]
     if state.world.is_main:
-        folder = latest_checkpoint(Path(run_dir) / CHECKPOINTS)
-        if folder is None:
-            raise FileNotFoundError(f"{run_dir} has no complete checkpoint to resume from")
-        payload = [load_checkpoint(folder)]
+        try:
+            path = resolve_checkpoint(run_dir, name)
+            found = [(str(path), verify(path), None)]
+        except CheckpointError as error:
+            found = [(None, None, str(error))]
     if state.world.world_size > 1:
-        dist.broadcast_object_list(payload, src=0, group=state.world.group)
-    weights, train_state = payload[0]
-    if train_state["world_size"] != state.world.world_size:
-        raise ValueError(
-            f"the checkpoint was written by {train_state['world_size']} ranks, this run has "
-            f"{state.world.world_size}; resume with the same number of workers"
+        dist.broadcast_object_list(found, src=0, group=state.world.group)
+    path, plain, error = found[0]
+    if error:
+        raise CheckpointError(error)
+    check_same_model(state.model, plain["shapes"])
+    if plain["global_batch"] != state.config.global_batch:
+        raise CheckpointError(
+            f"the checkpoint was trained with a global batch of {plain['global_batch']} windows, "
+            f"this run has {state.config.global_batch}; keep the global batch (docs/faults.md)"
         )
-    dp.load_full_state_dict(state.model, weights)
-    dp.load_optimizer_state_dict(state.model, state.optimizer, train_state["optimizer"])
-    state.sampler.load_state_dict(train_state["sampler"])
-    if state.scaler is not None and "scaler" in train_state:
-        state.scaler.load_state_dict(train_state["scaler"])
-    state.step = int(train_state["step"])
+    replica, replicas = replica_of(state)
+    if plain["replicas"] != replicas:
+        raise CheckpointError(
+            f"the checkpoint holds {plain['replicas']} replicas (--local-sgd/--diloco), this run "
+            f"has {replicas}; resume with {plain['replicas']} replicas"
+        )
+    load_state(
+        path,
+        state.model,
+        state.optimizer,
+        state.averager,
+        rank=state.world.rank,
+        group=state.world.group if state.world.world_size > 1 else None,
+        prefix=f"replica{replica}/" if replicas > 1 else "",
+        local=plain["layout"] == layout(state),
+    )
+    state.samples.load_state_dict(plain["samples"])
+    state.step = int(plain["step"])
+    state.skipped_steps = int(plain["skipped_steps"])
+    if state.scaler is not None and plain["scaler"]:
+        state.scaler.load_state_dict(plain["scaler"])
 
 
 class CheckpointSaver(Callback):
-    """Saves a resumable checkpoint every `every` steps and at the end (on every rank).
+    """Saves a checkpoint every `every` steps and at the end, then exports the final weights.
 
     run_dir: the run directory.
     every: steps between checkpoints; 0 saves only at the end.
+    mode: "async" or "sync" ([Note: async checkpoints]).
     """
 
-    def __init__(self, run_dir: Path, every: int):
+    def __init__(self, run_dir: Path, every: int, mode: str = "async"):
         self.run_dir = Path(run_dir)
         self.every = every
+        self.mode = mode
+        self.checkpointer: Checkpointer | None = None
+
+    def on_start(self, state: TrainState) -> None:
+        self.checkpointer = Checkpointer(self.run_dir, state, self.mode)
 
     def on_step(self, state: TrainState, record: StepRecord) -> None:
         if self.every and record.step % self.every == 0 and record.step != state.last_step:
-            save_run_checkpoint(state, self.run_dir)
+            self.checkpointer.save(state)
 
     def on_end(self, state: TrainState) -> None:
-        save_run_checkpoint(state, self.run_dir)
-        save_final_weights(state, self.run_dir)
+        self.checkpointer.save(state)
+        self.checkpointer.close()
+        if state.world.is_main:
+            folder = latest_checkpoint(self.run_dir / CHECKPOINTS)
+            export_weights(folder, self.run_dir / FINAL_WEIGHTS)
+        if state.world.world_size > 1:
+            dist.barrier(group=state.world.group)  # the weights exist when every rank returns
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for a save in flight (on an interruption, before the process ends)."""
+        if self.checkpointer is not None:
+            self.checkpointer.close(timeout)

@@ -71,6 +71,9 @@ def check_values(config: RunConfig) -> None:
     _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(POLICIES))
     _choose(field_label("train", "precision"), config.train.precision, sorted(PRECISIONS))
     _choose(field_label("optim", "lr_scaling"), config.optim.lr_scaling, ["none", "linear"])
+    _choose(
+        field_label("train", "checkpoint_save"), config.train.checkpoint_save, ["async", "sync"]
+    )
     for section, name, minimum in [
         ("train", "steps", 1),
         ("train", "batch", 1),
@@ -80,12 +83,14 @@ def check_values(config: RunConfig) -> None:
         ("launch", "nnodes", 1),
         ("data", "block_size", 1),
         ("optim", "lr_base_batch", 1),
+        ("train", "max_skips", 1),
     ] + [
         (s, n, 0)
         for s, n in [
             ("train", "global_batch"),
             ("train", "eval_every"),
             ("train", "checkpoint_every"),
+            ("launch", "max_restarts"),
             ("train", "stop_after"),
             ("data", "eval_windows"),
             ("optim", "warmup_steps"),
@@ -237,9 +242,71 @@ def check_run_dir(path: Path, *, resume: bool) -> None:
         raise ConfigError(label, f"{path} is not empty", "choose a new or empty directory")
 
 
-def preflight(config: RunConfig, *, resume: bool) -> None:
+def keep_global_batch(base: RunConfig, config: RunConfig, flags: dict) -> RunConfig:
+    """A resumed run keeps the global batch it was trained with ([Note: resize]).
+
+    [Note: resize] A checkpoint resumes on any number of ranks, under any strategy, as long as
+    the global batch (windows per optimizer step, batch x accum x ranks) stays the same: the
+    learning rate (scaled by the global batch) and its schedule (a function of the step) then
+    continue unchanged, and the data continues at the same global sample
+    ([Note: global sample position] in data/stream.py). On a new number of ranks the micro-batch
+    is kept and `accum` absorbs the change when it divides; otherwise `accum` is kept and the
+    micro-batch changes; when neither divides, the resize is refused.
+    """
+    target, ranks = base.global_batch, config.world_size
+    if config.global_batch == target:
+        return config
+    if {"batch", "accum", "global_batch"} & set(flags):
+        raise ConfigError(
+            "--batch / --accum / --global-batch",
+            f"the run was trained with a global batch of {target} windows, these flags give "
+            f"{config.global_batch}",
+            f"keep batch x accum x ranks = {target}, or leave the flags out",
+        )
+    batch, accum = base.train.batch, base.train.accum
+    if target % (batch * ranks) == 0:
+        return config.replace(train={"accum": target // (batch * ranks)})
+    if target % (accum * ranks) == 0:
+        return config.replace(train={"batch": target // (accum * ranks)})
+    raise ConfigError(
+        "--nproc (launch.nproc)",
+        f"{ranks} ranks cannot share the run's global batch of {target} windows in equal "
+        "micro-batches",
+        f"use a number of ranks that divides {target}",
+    )
+
+
+def check_checkpoint(config: RunConfig, name: str = "") -> None:
+    """The checkpoint a --resume continues from: intact, readable without running code, and of
+    this model (one line naming the file, or the first differing parameter)."""
+    from ..checkpoint import CheckpointError, check_same_model, read_metadata, verify
+    from .checkpointing import resolve_checkpoint
+
+    try:
+        path = resolve_checkpoint(Path(config.launch.out), name)
+        plain = verify(path)
+        read_metadata(path)
+    except CheckpointError as error:
+        raise ConfigError("--resume", str(error), "resume from an intact checkpoint") from None
+    except Exception as error:  # noqa: BLE001 - an unpickling refusal, or not a DCP index
+        raise ConfigError(
+            "--resume",
+            f"{path / '.metadata'} cannot be read safely ({error})",
+            "resume from a checkpoint that dataparallel wrote",
+        ) from None
+    with torch.device("meta"):
+        model = build_model(config.model.name)
+    try:
+        check_same_model(model, plain["shapes"])
+    except ValueError as error:
+        raise ConfigError(field_label("model", "name"), str(error), "keep the model") from None
+
+
+def preflight(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None:
     """Every check, cheapest first."""
     check_values(config)
     if config.launch.node_rank == 0:  # only node 0 writes the run directory
         check_run_dir(Path(config.launch.out), resume=resume)
+        if resume:
+            check_checkpoint(config, checkpoint)
     check_data(config)

@@ -117,7 +117,11 @@ class TrainConfig:
         the end.
     log_every: steps between progress lines when the output is not a terminal.
     checkpoint_every: steps between checkpoints for --resume (one is always written at the
-        end); 0: only at the end.
+        end); 0: only at the end. Each rank writes only what it holds (docs/faults.md).
+    checkpoint_save: "async": training goes on while the files are written (the state is
+        copied first, which is the only stall); "sync": training waits for the files.
+    max_skips: a step with a non-finite loss or gradient is skipped on every rank and counted
+        in `skipped_steps`; this many in a row stop the run, its last checkpoint kept.
     stop_after: stop after this step, as if interrupted, with a checkpoint to --resume from;
         the schedule still spans `steps`. 0: run all `steps`.
     trace: steps to trace, "FIRST-LAST" or one step ("10-12", "5"): each rank writes a
@@ -134,6 +138,8 @@ class TrainConfig:
     eval_every: int = 100
     log_every: int = 25
     checkpoint_every: int = 200
+    checkpoint_save: str = "async"
+    max_skips: int = 10
     stop_after: int = 0
     trace: str = ""
 
@@ -149,6 +155,8 @@ class LaunchConfig:
         size. 0: shard over every rank.
     out: run directory for metrics, checkpoints and the report; empty: runs/<time>-<model>.
     threads: torch threads per worker; 0: a fair share, max(1, cores // nproc).
+    max_restarts: times the launcher restarts the workers after one dies; they resume from
+        the latest complete checkpoint by themselves. 0: a dead worker ends the run.
     nnodes: machines in the job; more than 1 needs node_rank and rdzv_endpoint.
     node_rank: this machine's index, 0..nnodes-1 (node 0 hosts rank 0 and writes the run).
     rdzv_endpoint: host:port of node 0 where the machines meet (multi-node only).
@@ -159,6 +167,7 @@ class LaunchConfig:
     shard_group: int = 0
     out: str = ""
     threads: int = 0
+    max_restarts: int = 3
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""

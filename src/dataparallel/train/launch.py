@@ -58,13 +58,13 @@ def torchrun_argv(config: RunConfig, port: int | None = None) -> list[str]:
         f"--nproc-per-node={launch.nproc}",
         f"--master-addr={host}",
         f"--master-port={port}",
-        "--max-restarts=0",
+        f"--max-restarts={launch.max_restarts}",  # [Note: restarts] in worker.py
         "--module",
         WORKER_MODULE,
     ]
 
 
-def launch(config: RunConfig, *, resume: bool) -> int:
+def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
     """Start this machine's workers for the (validated) `config`; return the exit status.
 
     The workers get the resolved config through the environment (ENV_RUN), so they need no
@@ -81,7 +81,7 @@ def launch(config: RunConfig, *, resume: bool) -> int:
             logging.getLogger(name).setLevel(logging.ERROR)  # each sets its own level
     threads = config.launch.threads or fair_threads(config.launch.nproc)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # [Note: threads per worker]
-    os.environ[ENV_RUN] = encode_run(config, resume)
+    os.environ[ENV_RUN] = encode_run(config, resume, checkpoint)
     try:
         run(parse_args(torchrun_argv(config)))
     except ChildFailedError:

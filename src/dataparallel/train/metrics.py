@@ -52,8 +52,8 @@ class MetricsLogger(Callback):
         self.handle = None
 
     def on_start(self, state: TrainState) -> None:
-        if state.step:
-            truncate_metrics(self.run_dir, state.step)
+        if (self.run_dir / METRICS).exists():  # a resume, or a restart before any checkpoint
+            truncate_metrics(self.run_dir, state.step if state.step else -1)
         self.handle = open(self.run_dir / METRICS, "a", buffering=1)  # line-buffered
         if self.tensorboard:
             # Imported here: TensorBoard's import takes a second, and only rank 0 needs it.

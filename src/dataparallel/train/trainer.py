@@ -1,6 +1,6 @@
 """The training loop: build the pieces, step, evaluate, and call back. Runs on every rank.
 
-    state = setup(config, world)                 # data, model, optimizer, sampler
+    state = setup(config, world)                 # data, model, optimizer, sample stream
     fit(state, callbacks)                        # the loop; callbacks log and checkpoint
 
 [Note: loss normalisation] The loss of a step is the summed token cross-entropy of the whole
@@ -30,6 +30,7 @@ import dataparallel as dp
 
 from ..comm import Span
 from ..data.corpus import Corpus, TokenWindows, evenly_spaced, load_corpus
+from ..data.stream import SampleStream
 from ..models import build_model
 from .config import RunConfig
 from .precision import autocast_dtype, grad_scaler, strategy_policy
@@ -49,7 +50,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     schedule: WarmupCosine
     peak_lr: float
-    sampler: dp.DistributedSampler
+    samples: SampleStream  # the data position, in global samples ([Note: global sample position])
     train_windows: TokenWindows
     val_windows: TokenWindows
     corpus: Corpus
@@ -57,7 +58,8 @@ class TrainState:
     averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (train/sync.py), or None
     tracer: dp.Tracer = field(default_factory=dp.Tracer)  # on for --trace steps (tracing.py)
     step: int = 0
-    skipped_steps: int = 0
+    skipped_steps: int = 0  # steps skipped on every rank (overflow or a non-finite loss/gradient)
+    consecutive_skips: int = 0  # non-finite steps in a row ([Note: non-finite steps])
     history: list = field(default_factory=list)  # the StepRecords of this session
     evals: list = field(default_factory=list)  # the EvalRecords of this session
 
@@ -99,7 +101,7 @@ def setup(
     corpus: Corpus | None = None,
     model: torch.nn.Module | None = None,
 ) -> TrainState:
-    """Read the data, build and parallelize the model, build the optimizer and the sampler.
+    """Read the data, build and parallelize the model, build the optimizer and the sample stream.
 
     corpus: the text (default: read what config.data names).
     model: your own model, mapping token ids (batch, time) to logits (batch, time, vocab) over
@@ -148,13 +150,7 @@ def setup(
         total_steps=config.train.steps,
         min_ratio=optim.min_lr_ratio,
     )
-    sampler = dp.DistributedSampler(
-        len(train_windows),
-        rank=world.rank,
-        world_size=world.world_size,
-        seed=config.train.seed,
-        shuffle=True,
-    )
+    samples = SampleStream(len(train_windows), seed=config.train.seed)
     averager = build_averager(config, model, optimizer, replicas, tracer) if replicas else None
     return TrainState(
         config=config,
@@ -164,7 +160,7 @@ def setup(
         optimizer=optimizer,
         schedule=schedule,
         peak_lr=peak_lr,
-        sampler=sampler,
+        samples=samples,
         train_windows=train_windows,
         val_windows=val_windows,
         corpus=corpus,
@@ -174,21 +170,10 @@ def setup(
     )
 
 
-def next_indices(sampler: dp.DistributedSampler, count: int) -> list[int]:
-    """The next `count` indices of this rank's shard, running on into the next epoch(s).
-
-    The sampler's `position` then counts exactly the samples trained on, so its state_dict is
-    the resume point with no prefetch to correct for.
-    """
-    taken: list[int] = []
-    while len(taken) < count:
-        for index in sampler:
-            taken.append(index)
-            if len(taken) == count:
-                break
-        else:
-            sampler.set_epoch(sampler.epoch + 1)
-    return taken
+def next_indices(state: TrainState, count: int) -> list[int]:
+    """This rank's next `count` samples; the stream then counts exactly the samples trained on
+    (every rank's), so its state_dict is the resume point with no prefetch to correct for."""
+    return state.samples.take(count, state.world.rank, state.world.world_size)
 
 
 def _all_reduce_sum(values: list[float], world: dp.World, tracer=None) -> list[float]:
@@ -223,7 +208,7 @@ def train_step(state: TrainState) -> StepRecord:
     sent_before = _bytes_sent(state)
     batch, accum = config.train.batch, config.train.accum
     with trace.span("data"):
-        indices = next_indices(state.sampler, batch * accum)
+        indices = next_indices(state, batch * accum)
         micro = [
             state.train_windows.batch(indices[k * batch : (k + 1) * batch]) for k in range(accum)
         ]
@@ -245,17 +230,18 @@ def train_step(state: TrainState) -> StepRecord:
             with trace.span("backward", micro=k):
                 (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += summed.detach().double()
+    with trace.span("loss"):
+        (total_loss,) = _all_reduce_sum([float(loss_sum)], world, trace)
     with trace.span("optimizer"):
-        grad_norm, skipped = _clip_and_step(state)
+        grad_norm, skipped, nonfinite = _clip_and_step(state, total_loss)
     if state.averager is not None and not skipped:
         with trace.span("averager"):
             state.averager.step()  # every H steps: synchronise the replicas' parameters
-    with trace.span("loss"):
-        (total_loss,) = _all_reduce_sum([float(loss_sum)], world, trace)
     if skipped:
         state.skipped_steps += 1
     else:
         state.step += 1
+    state.consecutive_skips = state.consecutive_skips + 1 if nonfinite else 0
     if trace.enabled:
         trace.add(Span("step", "step", started_ns, time.perf_counter_ns(), {"step": state.step}))
     return StepRecord(
@@ -272,25 +258,37 @@ def train_step(state: TrainState) -> StepRecord:
     )
 
 
-def _clip_and_step(state: TrainState) -> tuple[float, bool]:
-    """Clip, step and zero the gradients; return the norm before clipping and whether the
-    loss scaler skipped the step."""
+def _clip_and_step(state: TrainState, total_loss: float) -> tuple[float, bool, bool]:
+    """Clip, step and zero the gradients; return the norm before clipping, whether the step
+    was skipped, and whether it was skipped for a non-finite loss or gradient.
+
+    [Note: non-finite steps] A step whose global loss or gradient norm is not finite is skipped
+    on every rank together: both numbers are all-reduced, so every rank sees the same verdict,
+    and no rank steps its optimizer (the gradients are dropped, the data moves on, the step
+    count and the schedule stay). Under fp16 the loss scaler's own overflow skip is the usual
+    case and is not counted as a fault unless the loss itself is not finite. After
+    `train.max_skips` faulty steps in a row, `fit` stops the run (FloatingPointError) without
+    writing a checkpoint, so the last complete one is the last good state.
+    """
     config, model, scaler = state.config, state.model, state.scaler
     max_norm = config.optim.grad_clip if config.optim.grad_clip > 0 else math.inf
     if scaler is not None:
         scaler.unscale_(state.optimizer)  # clip the true gradients
     grad_norm = float(dp.clip_grad_norm_(model, max_norm))
+    bad_loss = not math.isfinite(total_loss)
     if scaler is not None:
         # Every rank agrees on an overflow ([Note: found inf]), so all skip or all step.
         before = scaler.get_scale()
         scaler.step(state.optimizer)
         scaler.update()
-        skipped = scaler.get_scale() < before
+        skipped, nonfinite = scaler.get_scale() < before, bad_loss
+    elif bad_loss or not math.isfinite(grad_norm):
+        skipped = nonfinite = True
     else:
         state.optimizer.step()
-        skipped = False
+        skipped = nonfinite = False
     state.optimizer.zero_grad(set_to_none=True)
-    return grad_norm, skipped
+    return grad_norm, skipped, nonfinite
 
 
 def _bytes_sent(state: TrainState) -> int:
@@ -352,14 +350,16 @@ def fit(state: TrainState, callbacks: list[Callback]) -> TrainState:
     while state.step < state.last_step:
         before = state.step
         record = train_step(state)
+        if state.consecutive_skips >= state.config.train.max_skips:
+            raise FloatingPointError(
+                f"{state.consecutive_skips} steps in a row after step {state.step} had a "
+                f"non-finite loss or gradient (the last loss: {record.loss}); the run stops "
+                "with its last checkpoint kept: lower --lr, or use --precision fp32"
+            )
         if state.step == before:
-            continue  # the loss scaler skipped it: counted in the next record's skipped_steps
+            continue  # skipped on every rank: counted in the next record's skipped_steps
         record = dataclasses.replace(record, elapsed_s=time.perf_counter() - started)
         state.history.append(record)
-        if not math.isfinite(record.loss):
-            raise FloatingPointError(
-                f"step {record.step}: the loss is {record.loss}; lower --lr or use --precision fp32"
-            )
         if should_evaluate(state.config, state.step):
             _evaluate_and_report(state, callbacks)
         # After the evaluation, so that a checkpoint written here follows the step's metrics.

@@ -20,7 +20,7 @@ import torch
 
 import dataparallel as dp
 
-from ..checkpoint import latest_checkpoint
+from ..checkpoint import CheckpointError, latest_checkpoint
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
 from .config import RunConfig, apply_mapping, to_toml
 from .metrics import MetricsLogger
@@ -33,13 +33,19 @@ ENV_RUN = "DATAPARALLEL_RUN"
 CONFIG_FILE = "config.toml"
 
 
-def encode_run(config: RunConfig, resume: bool) -> str:
-    return json.dumps({"config": config.to_dict(), "resume": resume})
+def encode_run(config: RunConfig, resume: bool, checkpoint: str = "") -> str:
+    return json.dumps({"config": config.to_dict(), "resume": resume, "checkpoint": checkpoint})
 
 
-def decode_run(text: str) -> tuple[RunConfig, bool]:
+def decode_run(text: str) -> tuple[RunConfig, bool, str]:
     data = json.loads(text)
-    return apply_mapping(RunConfig(), data["config"], ENV_RUN), bool(data["resume"])
+    config = apply_mapping(RunConfig(), data["config"], ENV_RUN)
+    return config, bool(data["resume"]), data.get("checkpoint", "")
+
+
+def restarted() -> int:
+    """How many times torchrun's agent has restarted the workers (0 on the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def agree_on_config(config: RunConfig, world: dp.World) -> RunConfig:
@@ -120,10 +126,21 @@ def run_info(state: TrainState, threads: int, previous: dict | None) -> dict:
     return info
 
 
-def prepare(config: RunConfig, world: dp.World, *, resume: bool) -> tuple[TrainState, list]:
+def prepare(
+    config: RunConfig, world: dp.World, *, resume: bool, checkpoint: str = ""
+) -> tuple[TrainState, list]:
     """Build (or restore) the run's state and this rank's callbacks; rank 0 writes config.toml
-    and run.json."""
+    and run.json.
+
+    [Note: restarts] When a worker dies, torchrun's agent stops the others and starts them all
+    again (up to launch.max_restarts times). A restarted worker resumes by itself from the
+    latest complete checkpoint, or starts the run over when there is none yet; training is
+    deterministic, so the run ends with the weights an uninterrupted run would have
+    (docs/faults.md: 20 of 20 kill trials bit-identical).
+    """
     run_dir = Path(config.launch.out)
+    if restarted() and not resume:
+        resume = latest_checkpoint(run_dir / CHECKPOINTS) is not None
     threads = torch.get_num_threads()
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +148,7 @@ def prepare(config: RunConfig, world: dp.World, *, resume: bool) -> tuple[TrainS
         (run_dir / CONFIG_FILE).write_text(to_toml(config, header=header))
     state = setup(config, world)
     if resume:
-        restore(state, run_dir)
+        restore(state, run_dir, checkpoint)
     callbacks: list[Callback] = []
     if world.is_main:
         previous = None
@@ -146,28 +163,31 @@ def prepare(config: RunConfig, world: dp.World, *, resume: bool) -> tuple[TrainS
             MetricsLogger(run_dir),
         ]
     # Last, so that a checkpoint follows the metrics of its step.
-    callbacks.append(CheckpointSaver(run_dir, config.train.checkpoint_every))
+    callbacks.append(
+        CheckpointSaver(run_dir, config.train.checkpoint_every, config.train.checkpoint_save)
+    )
     if config.train.trace:  # after the checkpoint, so that its gathers stay out of the trace
         callbacks.append(TraceWriter(run_dir, *parse_steps(config.train.trace)))
     return state, callbacks
 
 
-def run_worker(config: RunConfig, *, resume: bool) -> None:
+def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None:
     """Train one rank of the run `config` describes; rank 0 writes the run directory.
 
     Exits (SystemExit) with 130 on Ctrl-C and 1 when the loss diverges, with one short note
     from rank 0 instead of a traceback from every rank.
     """
     world = dp.init(threads=config.launch.threads or None)
-    state = None
+    state = callbacks = None
     try:
         config = agree_on_config(config, world)
         run_dir = Path(config.launch.out)
-        state, callbacks = prepare(config, world, resume=resume)
+        state, callbacks = prepare(config, world, resume=resume, checkpoint=checkpoint)
         fit(state, callbacks)
         if world.is_main:
             print(make_report(run_dir), flush=True)
     except KeyboardInterrupt:
+        _finish_saving(callbacks)
         if world.is_main:
             latest = latest_checkpoint(Path(config.launch.out) / CHECKPOINTS)
             where = f"the last checkpoint is {latest.name}" if latest else "no checkpoint yet"
@@ -177,9 +197,14 @@ def run_worker(config: RunConfig, *, resume: bool) -> None:
                 print(f"continue with: dataparallel train --resume {config.launch.out}", flush=True)
         raise SystemExit(130) from None
     except FloatingPointError as error:  # a diverged run: the user's to fix, not a bug
+        _finish_saving(callbacks)
         if world.is_main:
             print(f"dataparallel train: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    except CheckpointError as error:  # every rank raises it together (restore broadcasts)
+        if world.is_main:
+            print(f"dataparallel train: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     finally:
         # [Note: teardown] Drop the model, optimizer and strategies (which hold the process group)
         # *before* destroying the group. Left to the interpreter's exit, the group's C++ object was
@@ -190,10 +215,33 @@ def run_worker(config: RunConfig, *, resume: bool) -> None:
         dp.destroy()
 
 
+def _finish_saving(callbacks) -> None:
+    """Let a checkpoint being written in the background finish before the process ends."""
+    for callback in callbacks or []:
+        if isinstance(callback, CheckpointSaver):
+            try:
+                callback.close(timeout=60)
+            except Exception:  # noqa: BLE001 - the interruption is what the user sees
+                pass
+
+
+def die_with_launcher() -> None:
+    """Ask Linux to SIGKILL this worker when its parent, the launcher, dies: a launcher killed
+    with `kill -9` cannot stop its workers itself, and orphans would go on writing the run."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: nothing to ask
+        pass
+
+
 def main() -> int:
     """Entry point of a worker started by the launcher (`python -m dataparallel.train.worker`)."""
-    config, resume = decode_run(os.environ[ENV_RUN])
-    run_worker(config, resume=resume)
+    die_with_launcher()
+    config, resume, checkpoint = decode_run(os.environ[ENV_RUN])
+    run_worker(config, resume=resume, checkpoint=checkpoint)
     return 0
 
 

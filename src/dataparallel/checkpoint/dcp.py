@@ -1,0 +1,242 @@
+"""Chunks in, chunks out: `torch.distributed.checkpoint` (DCP) saving and loading what each rank
+holds, whatever the strategy and world size that wrote it.
+
+[Note: chunks] Every checkpointed tensor is stored as one flat 1-D tensor (its elements in
+row-major order), and each rank contributes a `Chunk`: its contiguous run of those elements
+and where the run starts. That is exactly what every strategy holds: DDP the whole tensor
+(offset 0), ZeRO-1/2/3 the part of each parameter inside its flat shard ([Note: shard
+layout] in strategies/parts/layout.py), which need not follow any even split. DTensor's
+placements cannot express such runs (their chunks follow `torch.chunk`), so the two planners
+below describe chunks to DCP directly: DCP's global plan then removes duplicates (the same
+chunk saved by every replica of a 2-D mesh, or by every DDP rank, is written once) and
+checks that the chunks tile each tensor, and on load it reads, for any other set of chunks,
+the overlapping parts of the stored ones. A 0-d tensor (Adam's `step`) is a chunk of itself.
+
+[Note: no unpickling] DCP stores tensors with `torch.save` and reads them back with
+`torch.load(weights_only=True)`, but its `.metadata` file is a pickle that
+`FileSystemReader` reads with `pickle.load`, which runs whatever the file says. `SafeReader`
+reads it with an unpickler that only builds DCP's own metadata classes, torch sizes and dtypes,
+and plain containers; anything else is refused before it is called. Non-tensor state never
+goes through DCP's pickled byte items: the trainer writes it as JSON.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from .store import CheckpointError
+
+# DCP warns on every call without a process group that it assumes one process: we mean it.
+warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+
+
+@dataclass
+class Chunk:
+    """This rank's part of one checkpointed tensor ([Note: chunks]).
+
+    tensor: the elements, 1-D; saving reads it, loading writes into it. A tensor of any
+        other number of dimensions (a 0-d scalar, a matrix) is a whole tensor of that shape.
+    offset: where a 1-D `tensor` starts in the flattened whole.
+    numel: elements in the flattened whole (default: `tensor`'s own, a whole tensor).
+    """
+
+    tensor: torch.Tensor
+    offset: int = 0
+    numel: int | None = None
+
+    def __post_init__(self):
+        if self.numel is None:
+            self.numel = self.tensor.numel()
+        if self.tensor.dim() != 1 and (self.offset or self.numel != self.tensor.numel()):
+            raise ValueError(
+                f"Chunk: a part of a tensor must be 1-D, got shape {list(self.tensor.shape)}"
+            )
+
+
+def _storage_chunk(chunk: Chunk) -> ChunkStorageMetadata:
+    if chunk.tensor.dim() != 1:
+        shape = chunk.tensor.shape
+        return ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)
+    return ChunkStorageMetadata(
+        offsets=torch.Size([chunk.offset]), sizes=torch.Size([chunk.tensor.numel()])
+    )
+
+
+def _whole_size(chunk: Chunk) -> torch.Size:
+    return chunk.tensor.shape if chunk.tensor.dim() != 1 else torch.Size([chunk.numel])
+
+
+class ChunkSavePlanner(DefaultSavePlanner):
+    """Writes each rank's chunks; duplicates across ranks are removed by DCP's global plan."""
+
+    def __init__(self, chunks: dict[str, Chunk]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = chunks
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, chunk in self.chunks.items():
+            storage = _storage_chunk(chunk)
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key, storage.offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=storage,
+                        properties=TensorProperties.create_from_tensor(chunk.tensor),
+                        size=_whole_size(chunk),
+                    ),
+                )
+            )
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        tensor = self.chunks[index.fqn].tensor.detach()
+        # torch.save writes a view's whole storage: give it the chunk's own.
+        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()
+        return tensor
+
+
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    """Reads, for each of this rank's chunks, the overlapping parts of the stored chunks."""
+
+    def __init__(self, chunks: dict[str, Chunk]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = chunks
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for key, chunk in self.chunks.items():
+            stored = self.metadata.state_dict_metadata[key]
+            items += create_read_items_for_chunk_list(key, stored, [_storage_chunk(chunk)])
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item):
+        tensor = self.chunks[read_item.dest_index.fqn].tensor
+        for dim, (start, length) in enumerate(
+            zip(read_item.dest_offsets, read_item.lengths, strict=True)
+        ):
+            tensor = tensor.narrow(dim, start, length)
+        return tensor
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass  # resolve_tensor handed out a view of the chunk: the reader wrote into it
+
+
+_ALLOWED_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
+_ALLOWED = {
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),  # file names in the storage metadata
+    ("pathlib", "PurePosixPath"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("torch.serialization", "_get_layout"),  # a layout from its name
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP metadata and nothing else ([Note: no unpickling])."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format
+        ):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+def read_metadata(path) -> Metadata:
+    """DCP's `.metadata` of the checkpoint folder `path`, read without running foreign code."""
+    with open(f"{path}/.metadata", "rb") as handle:
+        return _MetadataUnpickler(io.BytesIO(handle.read())).load()
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, with the metadata read by `read_metadata`."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = read_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def save_chunks(
+    chunks: dict[str, Chunk], folder, group: dist.ProcessGroup | None, *, threads: int = 1
+) -> None:
+    """Write every rank's `chunks` into `folder` (collective over `group`; None: one process)."""
+    writer = dcp.FileSystemWriter(str(folder), thread_count=threads, overwrite=True)
+    state = {key: chunk.tensor for key, chunk in chunks.items()}
+    dcp.save(
+        state,
+        storage_writer=writer,
+        planner=ChunkSavePlanner(chunks),
+        process_group=group,
+        no_dist=group is None,
+    )
+
+
+def load_chunks(chunks: dict[str, Chunk], folder, group: dist.ProcessGroup | None) -> None:
+    """Fill every rank's `chunks` from `folder` (collective over `group`; None: one process).
+    Every key must be in the checkpoint (see `stored_keys`)."""
+    state = {key: chunk.tensor for key, chunk in chunks.items()}
+    try:
+        dcp.load(
+            state,
+            storage_reader=SafeReader(str(folder)),
+            planner=ChunkLoadPlanner(chunks),
+            process_group=group,
+            no_dist=group is None,
+        )
+    except CheckpointException as error:  # one line: the first rank's root cause
+        raise CheckpointError(f"{folder} cannot be loaded: {root_cause(error)}") from None
+
+
+def root_cause(error: CheckpointException) -> str:
+    """The first sentence of the innermost exception in the failing ranks' tracebacks."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    if not raised:
+        return "unknown error"
+    return raised[-1].split(". ")[0]
+
+
+def stored_tensors(folder) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Every tensor in the checkpoint `folder`: its whole size and dtype."""
+    metadata = read_metadata(folder)
+    out = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if hasattr(entry, "size"):
+            out[key] = (entry.size, entry.properties.dtype)
+    return out

@@ -1,0 +1,227 @@
+"""A parallelized model's training state as named chunks: what this rank saves, and where a
+load writes, whatever strategy and world size wrote the checkpoint ([Note: chunks] in dcp.py).
+
+Names (the plain model's names, so a checkpoint moves between strategies and world sizes):
+
+    model/<param>              the parameter, flattened; each rank its held run
+    optim/<param>/<key>        the optimizer's elementwise state (Adam's moments) likewise;
+                               per-parameter scalars (Adam's `step`) whole
+    buffer/<name>              a buffer, whole (every rank holds it)
+    outer/<param>/<key>        an averager's per-parameter state (DiLoCo's anchor, momentum)
+    outer/steps                the averager's step count
+    rank<r>/hook/...           rank r's compression state (residuals, PowerSGD's factors)
+    rank<r>/outer/...          rank r's DiLoCo outer-gradient residual
+
+With an averager the replicas' parameters and inner optimizer states differ between
+synchronisations, so `model/`, `optim/` and `buffer/` carry a `replica<k>/` prefix. Rank-local
+state (`rank<r>/`) only means something to the same rank in the same layout; a load into
+another layout leaves it out (`local=False`), and error feedback starts again from zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..api import strategy_of
+from ..strategies.parts.plain_state import SCALAR_STATE_KEYS, elementwise
+from .dcp import Chunk, load_chunks, stored_tensors
+
+
+def model_shapes(model: nn.Module) -> dict[str, list[int]]:
+    """name -> shape of every parameter and buffer the checkpoint holds."""
+    return {name: list(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+
+
+def state_chunks(model, optimizer, averager=None, *, rank: int, prefix: str = "") -> dict:
+    """This rank's chunks of the whole training state (see the module docstring)."""
+    strategy = strategy_of(model)
+    chunks: dict[str, Chunk] = {}
+    by_key = {}
+    for piece in strategy.held_pieces(optimizer):
+        numel = piece.shape.numel()
+        chunks[f"{prefix}model/{piece.name}"] = Chunk(piece.value, piece.offset, numel)
+        if piece.key is None:
+            continue
+        by_key[id(piece.key)] = piece
+        for key, value in optimizer.state.get(piece.key, {}).items():
+            name = f"{prefix}optim/{piece.name}/{key}"
+            chunks[name] = _state_chunk(name, key, value, piece)
+    for name, buffer in _buffers(model):
+        chunks[f"{prefix}buffer/{name}"] = Chunk(buffer.detach())
+    hook = strategy.stateful_hook()
+    if hook is not None:
+        data, tensors = hook.state_dict()
+        chunks[f"rank{rank}/hook/rounds"] = Chunk(torch.tensor(data["rounds"]))
+        for name, tensor in tensors.items():
+            chunks[f"rank{rank}/hook/{name}"] = Chunk(tensor.detach())
+    if averager is not None:
+        chunks.update(_averager_chunks(averager, by_key, rank))
+    return chunks
+
+
+def _state_chunk(name: str, key: str, value, piece) -> Chunk:
+    if elementwise(key, value, piece.key):
+        return Chunk(value.detach().reshape(-1), piece.offset, piece.shape.numel())
+    if torch.is_tensor(value) and (value.dim() == 0 or key in SCALAR_STATE_KEYS):
+        return Chunk(value.detach().reshape(()))
+    raise ValueError(
+        f"checkpoint: optimizer state {name!r} is neither elementwise nor a scalar tensor; "
+        "sharded checkpoints hold such state only"
+    )
+
+
+def _averager_chunks(averager, by_key: dict, rank: int) -> dict[str, Chunk]:
+    chunks = {"outer/steps": Chunk(torch.tensor(averager.steps))}
+    shared, local = averager.state_dict()
+    for held, entries in zip(averager.tensors, shared, strict=True):
+        piece = by_key[id(held)]
+        for key, value in entries.items():
+            flat = value.detach().reshape(-1)
+            chunks[f"outer/{piece.name}/{key}"] = Chunk(flat, piece.offset, piece.shape.numel())
+    for name, tensor in local.items():
+        chunks[f"rank{rank}/outer/{name}"] = Chunk(tensor.detach())
+    return chunks
+
+
+def _buffers(model: nn.Module):
+    params = {id(p) for p in model.parameters()}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in params:
+            yield name, tensor
+
+
+def check_same_model(model: nn.Module, saved: dict[str, list[int]]) -> None:
+    """One error naming the first parameter or buffer where the checkpoint's model differs."""
+    ours = model_shapes(model)
+    for name, shape in ours.items():
+        if name not in saved:
+            raise ValueError(f"the checkpoint has no {name!r}; it was written for another model")
+        if saved[name] != shape:
+            raise ValueError(
+                f"{name!r} has shape {saved[name]} in the checkpoint but {shape} in this model; "
+                "resume with the same model"
+            )
+    for name in saved:
+        if name not in ours:
+            raise ValueError(
+                f"the checkpoint's {name!r} is not in this model; it was written for another model"
+            )
+
+
+def load_state(
+    folder,
+    model,
+    optimizer,
+    averager=None,
+    *,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    prefix: str = "",
+    local: bool = True,
+) -> None:
+    """Load the checkpoint `folder` into what this rank holds. Collective over `group`.
+
+    local: also load this rank's own state (compression residuals, DiLoCo's outer residual);
+        only meaningful when the checkpoint was written in the same layout (same ranks,
+        strategy and mesh).
+    """
+    strategy = strategy_of(model)
+    stored = stored_tensors(folder)
+    chunks: dict[str, Chunk] = {}
+    optim_state: dict[int, dict] = {}
+    by_key = {}
+    for piece in strategy.held_pieces(optimizer):
+        numel = piece.shape.numel()
+        chunks[f"{prefix}model/{piece.name}"] = Chunk(piece.value, piece.offset, numel)
+        if piece.key is None:
+            continue
+        by_key[id(piece.key)] = piece
+        head = f"{prefix}optim/{piece.name}/"
+        for name, (size, dtype) in stored.items():
+            if name.startswith(head):
+                tensor = _blank(size, dtype, piece)
+                chunks[name] = _like(tensor, piece)
+                optim_state.setdefault(id(piece.key), {})[name[len(head) :]] = tensor
+    for name, buffer in _buffers(model):
+        chunks[f"{prefix}buffer/{name}"] = Chunk(buffer.detach())
+    hook = strategy.stateful_hook()
+    hook_tensors: dict[str, torch.Tensor] = {}
+    if hook is not None and local and f"rank{rank}/hook/rounds" in stored:
+        head = f"rank{rank}/hook/"
+        for name, (size, dtype) in stored.items():
+            if name.startswith(head):
+                hook_tensors[name[len(head) :]] = torch.zeros(size, dtype=dtype)
+                chunks[name] = Chunk(hook_tensors[name[len(head) :]])
+    outer = _averager_targets(averager, by_key, stored, rank, local, chunks)
+    missing = sorted(k for k in chunks if k not in stored)
+    if missing:
+        raise ValueError(f"the checkpoint has no {missing[0]!r}; it was written by another setup")
+    load_chunks(chunks, folder, group)
+    _load_optimizer(optimizer, optim_state, by_key)
+    if hook_tensors:
+        rounds = int(hook_tensors.pop("rounds"))
+        hook.load_state_dict({"rounds": rounds}, hook_tensors)
+    if outer is not None:
+        steps, shared, local_state = outer
+        averager.load_state_dict(int(steps), shared, local_state)
+    strategy.after_load()
+
+
+def _blank(size: torch.Size, dtype: torch.dtype, piece) -> torch.Tensor:
+    if len(size) == 0:
+        return torch.zeros((), dtype=dtype)
+    return torch.zeros(piece.value.numel(), dtype=dtype, device=piece.value.device)
+
+
+def _like(tensor: torch.Tensor, piece) -> Chunk:
+    if tensor.dim() == 0:
+        return Chunk(tensor)
+    return Chunk(tensor, piece.offset, piece.shape.numel())
+
+
+def _averager_targets(averager, by_key, stored, rank, local, chunks):
+    if averager is None:
+        return None
+    steps = torch.zeros((), dtype=torch.int64)
+    chunks["outer/steps"] = Chunk(steps)
+    shared = []
+    for held in averager.tensors:
+        piece = by_key[id(held)]
+        head = f"outer/{piece.name}/"
+        entries = {}
+        for name, (size, dtype) in stored.items():
+            if name.startswith(head):
+                entries[name[len(head) :]] = _blank(size, dtype, piece)
+                chunks[name] = _like(entries[name[len(head) :]], piece)
+        shared.append(entries)
+    local_state = {}
+    if local:
+        head = f"rank{rank}/outer/"
+        for name, (size, dtype) in stored.items():
+            if name.startswith(head):
+                local_state[name[len(head) :]] = torch.zeros(size, dtype=dtype)
+                chunks[name] = Chunk(local_state[name[len(head) :]])
+    return steps, shared, local_state
+
+
+def _load_optimizer(optimizer, optim_state: dict[int, dict], by_key: dict) -> None:
+    """Hand the loaded per-piece state to the optimizer in its own index order."""
+    ours: dict = {"state": {}, "param_groups": []}
+    index = 0
+    for group in optimizer.param_groups:
+        indices = []
+        for param in group["params"]:
+            entry = optim_state.get(id(param))
+            if entry:
+                shaped = {}
+                for key, value in entry.items():
+                    shaped[key] = value.view_as(param) if value.dim() else value
+                ours["state"][index] = shaped
+            indices.append(index)
+            index += 1
+        ours["param_groups"].append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": indices}
+        )
+    optimizer.load_state_dict(ours)
