@@ -39,6 +39,26 @@ class World:
         return self.rank == 0
 
 
+def attempt_store(timeout) -> dist.Store:
+    """The launcher agent's store, under a prefix of its own for this restart of the workers.
+
+    [Note: one store per attempt] Under torchrun, workers meet in the store its agent hosts.
+    torch expects a fresh store after each restart ("we create a new TCPStore for every retry"),
+    but the static rendezvous keeps one store for the whole job, so restarted workers found the
+    dead workers' gloo addresses there and failed to connect, every time. Prefixing the store
+    with the restart count (TORCHELASTIC_RESTART_COUNT) gives each attempt clean keys.
+    """
+    client = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"dataparallel/attempt_{attempt}", client)
+
+
 def init(
     backend: str | None = None,
     timeout: timedelta = timedelta(minutes=10),
@@ -67,7 +87,13 @@ def init(
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = attempt_store(timeout)
+            dist.init_process_group(
+                backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend, timeout=timeout)
         else:
             dist.init_process_group(

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
+from dataparallel.checkpoint import stored_tensors
 from dataparallel.data.corpus import TokenWindows, evenly_spaced, load_corpus
 from dataparallel.models import build_model
 from dataparallel.strategies import POLICIES
@@ -149,12 +150,15 @@ def test_validation_is_exact_and_weights_load_in_plain_torch(reference_run):
     trained = build_model("gpt-tiny")
     trained.load_state_dict(load_file(str(run_dir / "model.safetensors")))
     assert got[12] == pytest.approx(_val_loss(trained), rel=1e-6)
-    # The resume state is plain data too.
-    latest = (run_dir / "checkpoint" / "latest").read_text().strip()
-    assert latest == "step-000012"
-    state = torch.load(run_dir / "checkpoint" / latest / "train_state.pt", weights_only=True)
-    assert state["step"] == 12 and state["sampler"]["position"] > 0
-    assert len(state["optimizer"]["state"]) == sum(1 for _ in trained.parameters())
+    # The resume state: JSON, and each rank's own chunks (docs/faults.md).
+    latest = run_dir / "checkpoint" / (run_dir / "checkpoint" / "latest").read_text().strip()
+    assert latest.name == "step-000012"
+    state = json.loads((latest / "train_state.json").read_text())
+    assert state["step"] == 12 and state["samples"]["consumed"] == 12 * 16
+    assert sorted(p.name for p in latest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    stored = stored_tensors(latest)
+    adam = [k for k in stored if k.startswith("optim/") and k.endswith("/exp_avg")]
+    assert len(adam) == sum(1 for _ in trained.parameters())
 
 
 def test_accumulation_does_not_change_the_losses(reference_run, tmp_path):

@@ -19,7 +19,7 @@ import os
 import socket
 
 from .config import RunConfig
-from .worker import ENV_RUN, encode_run
+from .worker import ENV_LAUNCHER, ENV_RUN, encode_run
 
 WORKER_MODULE = "dataparallel.train.worker"
 
@@ -82,6 +82,7 @@ def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
     threads = config.launch.threads or fair_threads(config.launch.nproc)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # [Note: threads per worker]
     os.environ[ENV_RUN] = encode_run(config, resume, checkpoint)
+    os.environ[ENV_LAUNCHER] = str(os.getpid())  # worker.die_with_launcher
     try:
         run(parse_args(torchrun_argv(config)))
     except ChildFailedError:

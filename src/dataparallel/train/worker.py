@@ -30,6 +30,7 @@ from .tracing import TraceWriter, parse_steps
 from .trainer import Callback, TrainState, fit, setup
 
 ENV_RUN = "DATAPARALLEL_RUN"
+ENV_LAUNCHER = "DATAPARALLEL_LAUNCHER_PID"  # the launcher's pid, the workers' parent
 CONFIG_FILE = "config.toml"
 
 
@@ -232,9 +233,13 @@ def die_with_launcher() -> None:
         import ctypes
         import signal
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PDEATHSIG
     except (OSError, AttributeError):  # not Linux: nothing to ask
-        pass
+        return
+    # The launcher may have died while this process was still importing torch, before asking.
+    launcher = os.environ.get(ENV_LAUNCHER)
+    if launcher and os.getppid() != int(launcher):
+        os._exit(1)
 
 
 def main() -> int:
