@@ -194,3 +194,57 @@ def test_diloco_resumes_between_synchronisations_bit_for_bit(tmp_path):
     """Saved at step 3 of DiLoCo every 2 (replicas apart), ZeRO-2 inside 2 x 2."""
     result = run_world(4, stop_and_resume, str(tmp_path), ["diloco"])
     assert [r["diloco"] for r in result] == [0.0] * 4
+
+
+TEXT = (b"def f(x):\n    return x * 2\n\nclass A:\n    pass\n" * 40)[:1500]
+
+
+def train_and_count(world, run_dir: str, strategy: str, steps: int, resume: bool) -> list[int]:
+    """The trainer on a tiny corpus: `steps` steps (after resuming run_dir when `resume`), a
+    checkpoint at the end; every sample index any rank trained on, in order."""
+    from dataparallel.data.corpus import Corpus
+    from dataparallel.train.checkpointing import Checkpointer, restore
+    from dataparallel.train.config import RunConfig
+    from dataparallel.train.trainer import setup, train_step
+
+    config = RunConfig().replace(
+        data={"block_size": 16, "eval_windows": 4, "val_fraction": 0.2},
+        train={"steps": 10, "batch": 12 // world.world_size, "seed": 3},
+        optim={"warmup_steps": 0},
+        launch={"nproc": world.world_size, "strategy": strategy, "out": run_dir},
+    )
+    tokens = torch.frombuffer(bytearray(TEXT), dtype=torch.uint8)
+    corpus = Corpus(tokens=tokens, num_files=1, sha256="test", source="test")
+    state = setup(config, world, corpus)
+    if resume:
+        restore(state, run_dir)
+    taken = []
+    take = state.samples.take
+
+    def recording(per_rank, rank, world_size):
+        out = take(per_rank, rank, world_size)
+        taken.append(out)
+        return out
+
+    state.samples.take = recording
+    for _ in range(steps):
+        train_step(state)
+    Checkpointer(run_dir, state, "sync").save(state)
+    everyone = [None] * world.world_size
+    torch.distributed.all_gather_object(everyone, taken)
+    # Step by step, rank by rank: what the whole world trained on.
+    return [i for step in zip(*everyone, strict=True) for part in step for i in part]
+
+
+def test_the_trainer_resumed_on_another_world_size_trains_on_every_sample_once(tmp_path):
+    """5 steps on 2 ranks (ZeRO-2), then 5 on 3 ranks (DDP), a global batch of 12 over a
+    corpus of 74 training windows: the 120 samples are the first epoch whole and 46 distinct
+    samples of the second."""
+    run_dir = str(tmp_path / "run")
+    first = run_world(2, train_and_count, run_dir, "zero2", 5, False)[0]
+    second = run_world(3, train_and_count, run_dir, "ddp", 5, True)[0]
+    taken = first + second
+    epoch = len(set(taken))
+    assert len(taken) == 120 and epoch == 74
+    assert sorted(taken[:epoch]) == list(range(epoch))
+    assert len(set(taken[epoch:])) == len(taken) - epoch

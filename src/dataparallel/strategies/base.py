@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from .parts.held import HeldPiece, optimized_ids, whole_pieces
+from .parts.held import HeldPiece, optimized_ids, shard_pieces, whole_pieces
 
 
 def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -160,10 +160,17 @@ class Strategy:
         raise NotImplementedError
 
     # -- sharded checkpoints ([Note: held pieces] in parts/held.py) ----------------------------
+    def flat_shards(self) -> list:
+        """(FlatShard, its parameters) of every flat buffer this rank holds a shard of (none
+        for DDP, which holds every parameter whole)."""
+        return []
+
     def held_pieces(self, optimizer: torch.optim.Optimizer | None = None) -> list[HeldPiece]:
-        """The runs of each parameter this rank holds, named as in the plain model. Here:
-        every parameter whole (DDP)."""
-        return whole_pieces(self.model, optimized_ids(optimizer), set())
+        """The runs of each parameter this rank holds, named as in the plain model: the pieces
+        of its flat shards, and every other parameter whole."""
+        self.finish_param_gather()
+        pieces, covered = shard_pieces(self.model, self.flat_shards())
+        return pieces + whole_pieces(self.model, optimized_ids(optimizer), covered)
 
     def after_load(self) -> None:
         """The held pieces were overwritten (a checkpoint load): make the model follow."""

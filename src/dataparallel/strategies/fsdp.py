@@ -67,7 +67,6 @@ from .ddp import broadcast_model
 from .fsdp_plan import plan_units, select_units
 from .fsdp_unit import FlatUnit
 from .parts.clip import clip_grad_norm_
-from .parts.held import HeldPiece, optimized_ids, shard_pieces, whole_pieces
 from .parts.mesh import Groups
 from .parts.plain_state import gather_plain_state, load_plain_state
 from .parts.precision import MixedPrecision, cast_floats, check_precision, install_casts, is_norm
@@ -367,17 +366,14 @@ class ZeRO3Strategy(Strategy):
         fsdp_checkpoint.load_full_state_dict(self.model, self.units, state_dict)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        sharded = [(u.shard, u.params) for u in self.units]
         originals = self._originals(optimizer)
-        return gather_plain_state(optimizer, sharded, originals, self.groups.shard)
+        return gather_plain_state(optimizer, self.flat_shards(), originals, self.groups.shard)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        sharded = [(u.shard, u.params) for u in self.units]
-        load_plain_state(optimizer, sharded, self._originals(optimizer), state)
+        load_plain_state(optimizer, self.flat_shards(), self._originals(optimizer), state)
 
-    def held_pieces(self, optimizer: torch.optim.Optimizer | None = None) -> list[HeldPiece]:
-        pieces, covered = shard_pieces(self.model, [(u.shard, u.params) for u in self.units])
-        return pieces + whole_pieces(self.model, optimized_ids(optimizer), covered)
+    def flat_shards(self) -> list:
+        return [(u.shard, u.params) for u in self.units]
 
     def after_load(self) -> None:
         for unit in self.units:

@@ -46,7 +46,6 @@ from .ddp import MB, broadcast_buffers, broadcast_model
 from .parts.buckets import Bucket, plan_buckets
 from .parts.clip import clip_grad_norm_
 from .parts.flat_shard import FlatShard
-from .parts.held import HeldPiece, optimized_ids, shard_pieces, whole_pieces
 from .parts.mesh import Groups
 from .parts.plain_state import gather_plain_state, load_plain_state
 from .parts.precision import MixedPrecision, check_precision, install_casts, norm_params
@@ -381,10 +380,8 @@ class ZeROStrategy(Strategy):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         load_plain_state(optimizer, self._sharded(optimizer), self.user_groups, state)
 
-    def held_pieces(self, optimizer: torch.optim.Optimizer | None = None) -> list[HeldPiece]:
-        self.finish_param_gather()
-        pieces, covered = shard_pieces(self.model, [(b.shard, b.params) for b in self.buckets])
-        return pieces + whole_pieces(self.model, optimized_ids(optimizer), covered)
+    def flat_shards(self) -> list:
+        return [(b.shard, b.params) for b in self.buckets]
 
     def after_load(self) -> None:
         self.refresh_params()  # masters into the compute slices, then all-gather the buffers

@@ -1,0 +1,187 @@
+"""Faults, end to end through the CLI: a killed worker or launcher loses nothing, a checkpoint
+resumes on another world size and strategy, and damaged or foreign checkpoints are refused
+with one line while the previous one stays usable (docs/faults.md).
+
+The 20-trial figure comes from benchmarks/kill_trials.py; here one trial of each kind runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .make_reference_curve import CORPUS, REFERENCE_ARGS, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import kill_trials  # noqa: E402
+
+ARGS = [a for a in REFERENCE_ARGS]  # 2 workers, gpt-tiny, 12 steps, a checkpoint every 6
+
+
+def _ok(result):
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+def _resume(run_dir: Path, *flags: str):
+    command = [sys.executable, "-m", "dataparallel.cli", "train", "--resume", str(run_dir)]
+    return subprocess.run([*command, *flags], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    """The uninterrupted run."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    _ok(train(ARGS, out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory) -> Path:
+    """The same run under ZeRO-2, stopped at step 6 (its checkpoint), to resume from."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    _ok(train([*ARGS, "--strategy", "zero2", "--stop-after", "6"], out))
+    return out
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(run, target)
+    return target
+
+
+def _weights(run: Path) -> dict:
+    return load_file(str(run / "model.safetensors"))
+
+
+def test_a_resume_on_one_rank_under_ddp_keeps_every_sample(whole, stopped, tmp_path):
+    run = _copy(stopped, tmp_path)
+    result = _resume(run, "--nproc", "1", "--strategy", "ddp")
+    _ok(result)
+    # The global batch of 2 x 4 x 2 = 16 windows is kept: accum 2 -> 4 on one rank.
+    assert "1 ranks x" in result.stdout and "global batch 16 windows" in result.stdout
+    latest = run / "checkpoint" / (run / "checkpoint" / "latest").read_text().strip()
+    state = json.loads((latest / "train_state.json").read_text())
+    assert state["samples"]["consumed"] == 12 * 16  # the same samples as the whole run
+    ours, reference = _weights(run), _weights(whole)
+    assert max((ours[k] - reference[k]).abs().max().item() for k in ours) < 1e-5
+
+
+def test_killing_a_worker_loses_nothing(whole, tmp_path):
+    """Worker 0 or 1, killed 3-6 s after the workers start: the launcher restarts them."""
+    rng = random.Random(5)
+    args = kill_trials.command(tmp_path / "run", 12, 6)
+    args[args.index("--batch") + 1] = "4"
+    result = _trial_with(args, "worker", tmp_path / "run", whole, rng)
+    assert result["ok"], result
+
+
+def test_killing_the_launcher_then_resuming_by_hand_loses_nothing(whole, tmp_path):
+    rng = random.Random(6)
+    args = kill_trials.command(tmp_path / "run", 12, 6)
+    result = _trial_with(args, "launcher", tmp_path / "run", whole, rng)
+    assert result["ok"], result
+
+
+def _trial_with(args, kind, out, whole, rng):
+    """kill_trials.trial with the reference run's flags (CORPUS, REFERENCE_ARGS)."""
+    flags = [*ARGS, "--data", str(CORPUS)]
+
+    def command(out_dir, steps, every, extra=()):
+        return [sys.executable, "-m", "dataparallel.cli", "train", *flags, "--out", str(out_dir)]
+
+    original = kill_trials.command
+    kill_trials.command = command
+    try:
+        return kill_trials.trial(kind, out, whole / "model.safetensors", rng.uniform(3, 6), rng,
+                                 12, 6)  # fmt: skip
+    finally:
+        kill_trials.command = original
+
+
+def _error(result) -> str:
+    assert result.returncode == 2, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_resumes(stopped, tmp_path):
+    run = _copy(stopped, tmp_path)
+    (run / "checkpoint" / "step-000006" / "__1_0.distcp").write_bytes(b"\0" * 100)
+    message = _error(_resume(run))
+    assert "step-000006/__1_0.distcp is truncated" in message
+    assert "no earlier checkpoint is left" in message  # the run stopped at its first
+    # A run with two checkpoints: damage the newest, resume from the one before.
+    run2 = tmp_path / "run2"
+    _ok(train([*ARGS, "--checkpoint-every", "3", "--stop-after", "6"], run2))
+    data = run2 / "checkpoint" / "step-000006" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    data.write_bytes(raw)
+    message = _error(_resume(run2))
+    assert "__0_0.distcp is corrupted" in message
+    assert f"--resume {run2 / 'checkpoint' / 'step-000003'}" in message
+    _ok(_resume(run2 / "checkpoint" / "step-000003"))
+    assert json.loads((run2 / "run.json").read_text())["resumed_at"][0]["step"] == 3
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_payload_is_never_run(stopped, tmp_path):
+    run = _copy(stopped, tmp_path)
+    folder = run / "checkpoint" / "step-000006"
+    marker = tmp_path / "pwned"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    manifest = json.loads((folder / "manifest.json").read_text())  # a careful attacker
+    manifest[".metadata"]["bytes"] = (folder / ".metadata").stat().st_size
+    import zlib
+
+    manifest[".metadata"]["crc32"] = zlib.crc32((folder / ".metadata").read_bytes())
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    message = _error(_resume(run))
+    assert "cannot be read safely (refusing to load posix.system)" in message
+    assert not marker.exists()
+
+
+def test_a_different_model_is_named_by_its_first_parameter(stopped, tmp_path):
+    run = _copy(stopped, tmp_path)
+    message = _error(_resume(run, "--model", "gpt-small"))
+    assert message.startswith("dataparallel train: error: --model (model.name): ")
+    assert "'tok_emb.weight' has shape [256, 144] in the checkpoint but [256, 256]" in message
+
+
+def test_a_resize_that_cannot_keep_the_global_batch_is_refused(stopped, tmp_path):
+    run = _copy(stopped, tmp_path)
+    message = _error(_resume(run, "--nproc", "3"))
+    assert "3 ranks cannot share the run's global batch of 16 windows" in message
+
+
+def test_exported_weights_equal_the_checkpoint(whole):
+    """Every tensor of model.safetensors, tied names included, is the checkpoint's."""
+    from dataparallel.checkpoint import Chunk, load_chunks
+
+    weights = _weights(whole)
+    latest = whole / "checkpoint" / "step-000012"
+    stored = json.loads((latest / "train_state.json").read_text())["weights"]
+    assert sorted(name for name, _ in stored) == sorted(weights)
+    assert any(key != f"model/{name}" and key.startswith("model/") for name, key in stored)
+    for name, key in stored:
+        value = torch.empty(weights[name].numel(), dtype=weights[name].dtype)
+        load_chunks({key: Chunk(value)}, latest, None)
+        assert torch.equal(value.view_as(weights[name]), weights[name]), name
