@@ -34,30 +34,36 @@ def model_shapes(model: nn.Module) -> dict[str, list[int]]:
     return {name: list(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
 
 
-def state_chunks(model, optimizer, averager=None, *, rank: int, prefix: str = "") -> dict:
-    """This rank's chunks of the whole training state (see the module docstring)."""
-    strategy = strategy_of(model)
+def _held(model, optimizer, prefix: str) -> tuple[dict[str, Chunk], dict[int, object]]:
+    """The chunks of the parameters and buffers this rank holds (saved from, loaded into),
+    and its optimized pieces by the id of the tensor the optimizer keys them by."""
     chunks: dict[str, Chunk] = {}
-    by_key = {}
-    for piece in strategy.held_pieces(optimizer):
+    optimized = {}
+    for piece in strategy_of(model).held_pieces(optimizer):
         numel = piece.shape.numel()
         chunks[f"{prefix}model/{piece.name}"] = Chunk(piece.value, piece.offset, numel)
-        if piece.key is None:
-            continue
-        by_key[id(piece.key)] = piece
+        if piece.key is not None:
+            optimized[id(piece.key)] = piece
+    for name, buffer in _buffers(model):
+        chunks[f"{prefix}buffer/{name}"] = Chunk(buffer.detach())
+    return chunks, optimized
+
+
+def state_chunks(model, optimizer, averager=None, *, rank: int, prefix: str = "") -> dict:
+    """This rank's chunks of the whole training state (see the module docstring)."""
+    chunks, optimized = _held(model, optimizer, prefix)
+    for piece in optimized.values():
         for key, value in optimizer.state.get(piece.key, {}).items():
             name = f"{prefix}optim/{piece.name}/{key}"
             chunks[name] = _state_chunk(name, key, value, piece)
-    for name, buffer in _buffers(model):
-        chunks[f"{prefix}buffer/{name}"] = Chunk(buffer.detach())
-    hook = strategy.stateful_hook()
+    hook = strategy_of(model).stateful_hook()
     if hook is not None:
         data, tensors = hook.state_dict()
         chunks[f"rank{rank}/hook/rounds"] = Chunk(torch.tensor(data["rounds"]))
         for name, tensor in tensors.items():
             chunks[f"rank{rank}/hook/{name}"] = Chunk(tensor.detach())
     if averager is not None:
-        chunks.update(_averager_chunks(averager, by_key, rank))
+        chunks.update(_averager_chunks(averager, optimized, rank))
     return chunks
 
 
@@ -129,37 +135,25 @@ def load_state(
     """
     strategy = strategy_of(model)
     stored = stored_tensors(folder)
-    chunks: dict[str, Chunk] = {}
+    chunks, optimized = _held(model, optimizer, prefix)
     optim_state: dict[int, dict] = {}
-    by_key = {}
-    for piece in strategy.held_pieces(optimizer):
-        numel = piece.shape.numel()
-        chunks[f"{prefix}model/{piece.name}"] = Chunk(piece.value, piece.offset, numel)
-        if piece.key is None:
-            continue
-        by_key[id(piece.key)] = piece
-        head = f"{prefix}optim/{piece.name}/"
-        for name, (size, dtype) in stored.items():
-            if name.startswith(head):
-                tensor = _blank(size, dtype, piece)
-                chunks[name] = _like(tensor, piece)
-                optim_state.setdefault(id(piece.key), {})[name[len(head) :]] = tensor
-    for name, buffer in _buffers(model):
-        chunks[f"{prefix}buffer/{name}"] = Chunk(buffer.detach())
+    for piece in optimized.values():
+        for key, size, dtype in _stored_under(stored, f"{prefix}optim/{piece.name}/"):
+            tensor = _blank(size, dtype, piece)
+            chunks[f"{prefix}optim/{piece.name}/{key}"] = _like(tensor, piece)
+            optim_state.setdefault(id(piece.key), {})[key] = tensor
     hook = strategy.stateful_hook()
     hook_tensors: dict[str, torch.Tensor] = {}
     if hook is not None and local and f"rank{rank}/hook/rounds" in stored:
-        head = f"rank{rank}/hook/"
-        for name, (size, dtype) in stored.items():
-            if name.startswith(head):
-                hook_tensors[name[len(head) :]] = torch.zeros(size, dtype=dtype)
-                chunks[name] = Chunk(hook_tensors[name[len(head) :]])
-    outer = _averager_targets(averager, by_key, stored, rank, local, chunks)
+        for key, size, dtype in _stored_under(stored, f"rank{rank}/hook/"):
+            hook_tensors[key] = torch.zeros(size, dtype=dtype)
+            chunks[f"rank{rank}/hook/{key}"] = Chunk(hook_tensors[key])
+    outer = _averager_targets(averager, optimized, stored, rank, local, chunks)
     missing = sorted(k for k in chunks if k not in stored)
     if missing:
         raise ValueError(f"the checkpoint has no {missing[0]!r}; it was written by another setup")
     load_chunks(chunks, folder, group)
-    _load_optimizer(optimizer, optim_state, by_key)
+    _load_optimizer(optimizer, optim_state)
     if hook_tensors:
         rounds = int(hook_tensors.pop("rounds"))
         hook.load_state_dict({"rounds": rounds}, hook_tensors)
@@ -181,32 +175,35 @@ def _like(tensor: torch.Tensor, piece) -> Chunk:
     return Chunk(tensor, piece.offset, piece.shape.numel())
 
 
-def _averager_targets(averager, by_key, stored, rank, local, chunks):
+def _stored_under(stored: dict, head: str):
+    """(name after `head`, size, dtype) of every stored tensor whose name starts with `head`."""
+    for name, (size, dtype) in stored.items():
+        if name.startswith(head):
+            yield name[len(head) :], size, dtype
+
+
+def _averager_targets(averager, optimized, stored, rank, local, chunks):
     if averager is None:
         return None
     steps = torch.zeros((), dtype=torch.int64)
     chunks["outer/steps"] = Chunk(steps)
     shared = []
     for held in averager.tensors:
-        piece = by_key[id(held)]
-        head = f"outer/{piece.name}/"
+        piece = optimized[id(held)]
         entries = {}
-        for name, (size, dtype) in stored.items():
-            if name.startswith(head):
-                entries[name[len(head) :]] = _blank(size, dtype, piece)
-                chunks[name] = _like(entries[name[len(head) :]], piece)
+        for key, size, dtype in _stored_under(stored, f"outer/{piece.name}/"):
+            entries[key] = _blank(size, dtype, piece)
+            chunks[f"outer/{piece.name}/{key}"] = _like(entries[key], piece)
         shared.append(entries)
     local_state = {}
     if local:
-        head = f"rank{rank}/outer/"
-        for name, (size, dtype) in stored.items():
-            if name.startswith(head):
-                local_state[name[len(head) :]] = torch.zeros(size, dtype=dtype)
-                chunks[name] = Chunk(local_state[name[len(head) :]])
+        for key, size, dtype in _stored_under(stored, f"rank{rank}/outer/"):
+            local_state[key] = torch.zeros(size, dtype=dtype)
+            chunks[f"rank{rank}/outer/{key}"] = Chunk(local_state[key])
     return steps, shared, local_state
 
 
-def _load_optimizer(optimizer, optim_state: dict[int, dict], by_key: dict) -> None:
+def _load_optimizer(optimizer, optim_state: dict[int, dict]) -> None:
     """Hand the loaded per-piece state to the optimizer in its own index order."""
     ours: dict = {"state": {}, "param_groups": []}
     index = 0
