@@ -207,3 +207,44 @@ def test_no_wait_no_fire_and_a_bad_timeout_is_refused():
     assert lines == [] and dog.beat >= 5
     with pytest.raises(ValueError, match="timeout_s=0 must be > 0"):
         Watchdog(store, 0, 2, 0)
+
+
+def test_only_the_lowest_live_rank_reports_at_once():
+    """Ranks 0 and 1 wait on #3 of a group of 3 whose rank 2 stopped at #2: rank 0 reports at
+    the timeout, rank 1 only `report_grace_s` later (by when the launcher has normally ended
+    it), so that the run prints one line ([Note: watchdog exit])."""
+    store = _Store()
+    store.set("dataparallel/watchdog/2", '{"beat": 1, "launched": {"0": 2}, "waiting": null}')
+    fired: dict[int, float] = {}
+    dogs, tokens = [], []
+    started = time.monotonic()
+    for rank in (0, 1):
+        progress = Progress()
+        progress.members["0"] = (0, 1, 2)
+        for _ in range(3):
+            collective = progress.launch("0", "broadcast", {})
+        tokens.append((progress, progress.begin_wait(collective)))
+
+        def report(line, rank=rank):
+            fired[rank] = time.monotonic() - started
+
+        dog = Watchdog(store, rank, 3, 0.3, interval_s=0.05, progress=progress, report=report)
+        dogs.append(dog.start())
+    try:
+        _wait(lambda: len(fired) == 2, 5)
+    finally:
+        for dog in dogs:
+            dog.stop()
+    assert dogs[0].report_grace_s == pytest.approx(0.3)
+    assert 0.3 <= fired[0] < 0.6, fired
+    assert fired[1] - fired[0] >= 0.3 - 0.05, fired
+    for rank, dog in enumerate(dogs):
+        assert dog.fired.startswith(
+            f"collective timeout: rank 2 never arrived at broadcast #3 on ranks 0-2: rank {rank} "
+        )
+
+
+def _wait(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)

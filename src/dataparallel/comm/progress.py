@@ -135,15 +135,17 @@ class Progress:
 PROGRESS = Progress()
 
 
-class watched:
-    """`with watched(group, "barrier"):` counts and watches a collective called directly on
-    torch.distributed, outside any `Comm` ([Note: collective progress]); `tensor` is what the
-    fingerprint describes in the checked mode. Extra keywords label it, like `Tracer.labelled`.
-    """
+def watched(group, kind: str, tensor: torch.Tensor | None = None, **label) -> _Watched:
+    """`with watched(group, "barrier"):` numbers and watches a collective called directly on
+    torch.distributed, outside any `Comm` ([Note: collective progress]), and checks it in the
+    checked mode, where `tensor` is what its fingerprint describes. Extra keywords label it, like
+    `Tracer.labelled` (`what="trainer sums"`)."""
+    return _Watched(group if group is not None else dist.group.WORLD, kind, tensor, label)
 
-    def __init__(self, group, kind: str, tensor: torch.Tensor | None = None, **label):
-        self.group = group if group is not None else dist.group.WORLD
-        self.kind, self.tensor, self.label = kind, tensor, label
+
+class _Watched:
+    def __init__(self, group, kind: str, tensor: torch.Tensor | None, label: dict):
+        self.group, self.kind, self.tensor, self.label = group, kind, tensor, label
         self.token = -1
 
     def __enter__(self) -> Collective:
