@@ -38,8 +38,7 @@ ARGS = [
     "--checkpoint-every", "0",
     "--log-every", "1",
     "--collective-timeout", str(TIMEOUT_S),
-    # The lead's --max-restarts (issue 13, part 1) is not here yet; once it is, pass
-    # "--max-restarts", "0" so that the agent does not restart the workers after the hang.
+    "--max-restarts", "0",  # the run ends at the hang (restarts would resume it)
 ]  # fmt: skip
 
 
