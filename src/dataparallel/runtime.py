@@ -88,11 +88,11 @@ def init(
 
     Calling it again returns the same world. Without torchrun's variables it makes a world of one.
     """
+    if not collective_timeout >= 0:
+        raise ValueError(f"init: collective_timeout={collective_timeout} must be >= 0 (0: off)")
     if threads is not None:
         if threads < 1:
             raise ValueError(f"init: threads={threads} must be >= 1")
-    if not collective_timeout >= 0:
-        raise ValueError(f"init: collective_timeout={collective_timeout} must be >= 0 (0: off)")
         torch.set_num_threads(threads)
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     if backend is None:
@@ -153,7 +153,8 @@ def _start_watchdog(rank: int, world_size: int, timeout_s: float) -> None:
         _watchdog = None
     if timeout_s <= 0 or world_size == 1:
         return
-    # Keys of a restarted attempt (torchrun --max-restarts) must not meet the last attempt's.
+    # Keys of a restarted attempt must not meet the last attempt's reports: attempt_store's
+    # prefix already sees to it under torchrun's agent store; this one, under other set-ups.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.distributed_c10d._get_default_store()
     prefix = f"dataparallel/watchdog/{attempt}"
