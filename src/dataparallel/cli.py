@@ -63,11 +63,16 @@ def add_train_parser(commands) -> None:
         group = parser.add_argument_group(f"[{section}]")
         docs = field_docs(cls)
         for f in fields(cls):
-            extra = {"nargs": "+"} if f.type.startswith("tuple") else {"type": TYPES[f.type]}
+            if f.type == "bool":  # --check-collectives / --no-check-collectives
+                extra = {"action": argparse.BooleanOptionalAction}
+            elif f.type.startswith("tuple"):
+                extra = {"nargs": "+", "metavar": "PATH"}
+            else:
+                metavar = {"name": "MODEL"}.get(f.name, f.name.upper())
+                extra = {"type": TYPES[f.type], "metavar": metavar}
             group.add_argument(
                 flag_name(section, f.name),
                 dest=f"{section}.{f.name}",
-                metavar={"name": "MODEL", "paths": "PATH"}.get(f.name, f.name.upper()),
                 default=None,
                 help=docs[f.name].replace("%", "%%"),
                 **extra,

@@ -14,6 +14,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .comm.progress import PROGRESS
+from .comm.watchdog import Watchdog
+
+# The process's watchdog, like the default process group it watches (one per process).
+_watchdog: Watchdog | None = None
+
 
 @dataclass(frozen=True)
 class World:
@@ -63,6 +69,8 @@ def init(
     backend: str | None = None,
     timeout: timedelta = timedelta(minutes=10),
     threads: int | None = None,
+    collective_timeout: float = 0,
+    check_collectives: bool = False,
 ) -> World:
     """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
 
@@ -70,9 +78,18 @@ def init(
     timeout: how long a collective may wait for a missing rank before it fails (not hangs).
     threads: torch intra-op threads for this rank; None leaves torch's setting (torchrun and our
         launcher set OMP_NUM_THREADS to a fair share of the cores).
+    collective_timeout: seconds a collective may wait before a watchdog ends the process with
+        one line naming the ranks that never arrived ([Note: watchdog] in comm/watchdog.py);
+        0 starts no watchdog (then `timeout` ends a hang, with the backend's error). Keep it
+        below `timeout`, or the backend's error comes first.
+    check_collectives: before every collective, check that the ranks of its group call the same
+        kind, shape and dtype, and raise `dp.comm.CollectiveMismatch` naming the first that
+        differs ([Note: checked collectives] in comm/progress.py). A debug mode: slow.
 
     Calling it again returns the same world. Without torchrun's variables it makes a world of one.
     """
+    if not collective_timeout >= 0:
+        raise ValueError(f"init: collective_timeout={collective_timeout} must be >= 0 (0: off)")
     if threads is not None:
         if threads < 1:
             raise ValueError(f"init: threads={threads} must be >= 1")
@@ -100,6 +117,8 @@ def init(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
     group = dist.group.WORLD
+    PROGRESS.check = check_collectives
+    _start_watchdog(dist.get_rank(group), dist.get_world_size(group), collective_timeout)
     return World(
         rank=dist.get_rank(group),
         world_size=dist.get_world_size(group),
@@ -116,5 +135,27 @@ def destroy() -> None:
     Drop parallelized models and their optimizers first (`del model, optimizer`): they hold the
     group, and a group destroyed later, during the interpreter's exit, can abort the process.
     """
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
     if dist.is_initialized():
         dist.destroy_process_group()
+    PROGRESS.reset()
+    PROGRESS.check = False
+
+
+def _start_watchdog(rank: int, world_size: int, timeout_s: float) -> None:
+    """Start this process's watchdog (replacing one started before); none alone or at 0 s."""
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
+    if timeout_s <= 0 or world_size == 1:
+        return
+    # Keys of a restarted attempt must not meet the last attempt's reports: attempt_store's
+    # prefix already sees to it under torchrun's agent store; this one, under other set-ups.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"dataparallel/watchdog/{attempt}"
+    _watchdog = Watchdog(store, rank, world_size, timeout_s, prefix=prefix).start()

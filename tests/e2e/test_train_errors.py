@@ -60,6 +60,11 @@ CASES = {
         None,
         ["--strategy (launch.strategy)", "unknown value 'zero9'", "choose one of ddp"],
     ),
+    "negative collective timeout": (
+        ["--collective-timeout", "-1"],
+        None,
+        ["--collective-timeout (launch.collective_timeout)", "-1.0 is below 0", "use 0 or more"],
+    ),
     "trace that does not parse": (
         ["--trace", "ten-12"],
         None,

@@ -26,7 +26,7 @@ def test_every_field_is_documented_and_has_a_unique_flag():
         for f in fields(cls):
             assert len(docs.get(f.name, "")) > 20, f"{cls.__name__}.{f.name} lacks a docstring"
             names.append(f.name)
-    assert len(names) == len(set(names)) == 42
+    assert len(names) == len(set(names)) == 44
     # Continuation lines are joined into the entry they continue.
     assert field_docs(SECTIONS["train"])["global_batch"].endswith("0: batch decides.")
 
@@ -107,6 +107,7 @@ def test_torchrun_decides_the_world():
         ({"launch": {"nnodes": 2, "rdzv_endpoint": "host"}}, "--rdzv-endpoint"),
         ({"launch": {"node_rank": 1}}, "--node-rank (launch.node_rank)"),
         ({"optim": {"lr_scaling": "sqrt"}}, "--lr-scaling (optim.lr_scaling)"),
+        ({"launch": {"collective_timeout": -1.0}}, "--collective-timeout"),
     ],
 )
 def test_bad_values_name_their_field(changes, label):
@@ -127,3 +128,31 @@ def test_the_example_config_is_valid():
     config = resolve_batch(load_toml(example))
     check_values(config)
     assert (config.model.name, config.train.batch, config.train.accum) == ("gpt-small", 8, 2)
+
+
+def test_the_watchdog_flags_read_from_the_command_line_and_toml(tmp_path):
+    assert (RunConfig().launch.collective_timeout, RunConfig().launch.check_collectives) == (
+        300.0,
+        False,
+    )
+    args = ["train", "--collective-timeout", "5", "--check-collectives", "--out", "x"]
+    config = resolve_config(build_parser().parse_args(args), torchrun=None)
+    assert (config.launch.collective_timeout, config.launch.check_collectives) == (5.0, True)
+    path = tmp_path / "c.toml"
+    path.write_text("[launch]\ncollective_timeout = 0\ncheck_collectives = true\n")
+    args = ["train", "--config", str(path), "--out", "x"]
+    config = resolve_config(build_parser().parse_args(args), torchrun=None)
+    assert (config.launch.collective_timeout, config.launch.check_collectives) == (0.0, True)
+    args += ["--no-check-collectives"]  # a flag turns the file's true off again
+    assert not resolve_config(
+        build_parser().parse_args(args), torchrun=None
+    ).launch.check_collectives
+    assert "check_collectives = true\n" in to_toml(config)
+    with pytest.raises(ConfigError, match=r"launch.check_collectives: 'yes' in f is not a bool"):
+        apply_mapping(RunConfig(), {"launch": {"check_collectives": "yes"}}, "f")
+    with pytest.raises(
+        ConfigError,
+        match=r"^--collective-timeout \(launch.collective_timeout\): "
+        r"-1.0 is below 0; use 0 or more$",
+    ):
+        check_values(RunConfig().replace(launch={"collective_timeout": -1.0}))

@@ -1,4 +1,4 @@
-"""Collectives with byte accounting, traces, and gradient communication hooks."""
+"""Collectives with byte accounting, traces, a watchdog, and gradient communication hooks."""
 
 from .collectives import Comm, TraceEvent, Tracer
 from .hooks import (
@@ -12,15 +12,20 @@ from .hooks import (
     reduce_hook,
     reduce_scatter_hook,
 )
+from .progress import CollectiveMismatch, Progress, watched
 from .trace import Span
+from .watchdog import Watchdog
 
 __all__ = [
+    "CollectiveMismatch",
     "Comm",
     "GradBucket",
     "HookState",
+    "Progress",
     "Span",
     "TraceEvent",
     "Tracer",
+    "Watchdog",
     "allreduce_hook",
     "bf16_compress_hook",
     "compressed_allreduce_hook",
@@ -28,4 +33,5 @@ __all__ = [
     "low_precision_hook",
     "reduce_hook",
     "reduce_scatter_hook",
+    "watched",
 ]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import pairwise
+from .progress import PROGRESS, Progress, check_collective
 from .trace import Span, TracedWork, TraceEvent, Tracer
 
 __all__ = ["Comm", "TraceEvent", "Tracer"]
@@ -32,6 +33,8 @@ class Comm:
     pairwise: build reduce-scatter and all-gather of CPU tensors from point-to-point messages
         ([Note: pairwise collectives] in pairwise.py); None means yes on gloo, where they cost
         half of gloo's own, and no elsewhere (NCCL's are the fast ones).
+    progress: where each collective is numbered and its waits listed, for the watchdog and the
+        checked mode ([Note: collective progress] in progress.py); the process's by default.
     """
 
     def __init__(
@@ -39,8 +42,11 @@ class Comm:
         group: dist.ProcessGroup | None = None,
         tracer: Tracer | None = None,
         pairwise: bool | None = None,
+        progress: Progress | None = None,
     ):
         self.group = group if group is not None else dist.group.WORLD
+        self.progress = progress if progress is not None else PROGRESS
+        self.group_name = self.progress.register(self.group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.backend = dist.get_backend(self.group)
@@ -57,19 +63,35 @@ class Comm:
         self.bytes_sent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
 
-    def _run(self, kind: str, tensor: torch.Tensor, async_op: bool, call):
-        """Count the payload, run `call`, and trace it ([Note: trace spans] in trace.py)."""
+    def _run(self, kind: str, tensor: torch.Tensor, async_op: bool, call, how=None):
+        """Count the payload, number it, run `call`, and trace it ([Note: trace spans] in
+        trace.py); a synchronous call is listed as waited on while it runs ([Note: collective
+        progress] in progress.py). `how`: the reduce op or broadcast source, for the checked
+        mode's fingerprint."""
         size = tensor.numel() * tensor.element_size()
         self.bytes_sent[kind] += size
         self.calls[kind] += 1
-        tracer = self.tracer
+        tracer, progress = self.tracer, self.progress
+        collective = progress.launch(self.group_name, kind, tracer.label)
+        if progress.check:
+            check_collective(self.group, collective, tensor, how, progress)
         if not tracer.enabled:
-            return TracedWork(call(), tracer, kind, None, 0) if async_op else call()
+            if async_op:
+                return TracedWork(call(), tracer, kind, None, 0, collective, progress)
+            token = progress.begin_wait(collective)
+            try:
+                return call()
+            finally:
+                progress.end_wait(token)
         args = {"bytes": size, "ranks": self.world_size, **tracer.label}
         start = time.perf_counter_ns()
-        result = call()
         if async_op:
-            return TracedWork(result, tracer, kind, args, start)
+            return TracedWork(call(), tracer, kind, args, start, collective, progress)
+        token = progress.begin_wait(collective)
+        try:
+            result = call()
+        finally:
+            progress.end_wait(token)
         end = time.perf_counter_ns()
         tracer.add(Span(kind, "comm", start, end, {**args, "end": "returned"}))
         tracer.add(Span("wait", "blocked", start, end, {"kind": kind, **args}))
@@ -79,7 +101,7 @@ class Comm:
         def call():
             return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
-        return self._run("all_reduce", tensor, async_op, call)
+        return self._run("all_reduce", tensor, async_op, call, op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         global_src = dist.get_global_rank(self.group, src)
@@ -87,7 +109,7 @@ class Comm:
         def call():
             return dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
 
-        return self._run("broadcast", tensor, async_op, call)
+        return self._run("broadcast", tensor, async_op, call, src)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, async_op=False
@@ -101,7 +123,7 @@ class Comm:
                 return _wait_unless_async(async_op, work)
             return _reduce_scatter(output, input, op=op, group=self.group, async_op=async_op)
 
-        return self._run("reduce_scatter", input, async_op, call)
+        return self._run("reduce_scatter", input, async_op, call, op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `input` into `output` (world_size * input.numel() elements)."""
@@ -167,7 +189,15 @@ class Comm:
 
     def all_gather_object(self, obj) -> list:
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        progress = self.progress
+        collective = progress.launch(self.group_name, "all_gather_object", self.tracer.label)
+        if progress.check:
+            check_collective(self.group, collective, None, progress=progress)
+        token = progress.begin_wait(collective)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        finally:
+            progress.end_wait(token)
         self.calls["all_gather_object"] += 1
         return out
 

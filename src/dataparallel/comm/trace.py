@@ -122,11 +122,23 @@ class _Label:
 class TracedWork:
     """An asynchronous collective's Work that records, while its tracer is enabled, the
     training thread's waits ("blocked") and, if launched while enabled, the collective's span
-    ("comm") when it completes ([Note: trace spans]). Anything else goes to the Work itself."""
+    ("comm") when it completes ([Note: trace spans]). Its `wait()` is listed in `progress` as
+    a wait on `collective`, for the watchdog ([Note: collective progress] in progress.py).
+    Anything else goes to the Work itself."""
 
-    def __init__(self, work, tracer: Tracer, kind: str, args: dict | None, start_ns: int):
+    def __init__(
+        self,
+        work,
+        tracer: Tracer,
+        kind: str,
+        args: dict | None,
+        start_ns: int,
+        collective=None,
+        progress=None,
+    ):
         self.work, self.tracer, self.kind = work, tracer, kind
         self.args, self.start_ns = args or {}, start_ns
+        self.collective, self.progress = collective, progress
         self.open = args is not None  # launched while enabled: its span is still to record
         self.future = None
         if self.open:
@@ -151,7 +163,14 @@ class TracedWork:
 
     def wait(self, *args):
         start = time.perf_counter_ns()
-        result = self.work.wait(*args)
+        if self.progress is None:
+            result = self.work.wait(*args)
+        else:
+            token = self.progress.begin_wait(self.collective)
+            try:
+                result = self.work.wait(*args)
+            finally:
+                self.progress.end_wait(token)
         end = time.perf_counter_ns()
         if self.tracer.enabled:
             args = {"kind": self.kind, **self.args}

@@ -99,6 +99,7 @@ def check_values(config: RunConfig) -> None:
             ("launch", "threads"),
             ("launch", "node_rank"),
             ("launch", "shard_group"),
+            ("launch", "collective_timeout"),
         ]
     ]:
         _at_least(config, section, name, minimum)

@@ -160,6 +160,13 @@ class LaunchConfig:
     nnodes: machines in the job; more than 1 needs node_rank and rdzv_endpoint.
     node_rank: this machine's index, 0..nnodes-1 (node 0 hosts rank 0 and writes the run).
     rdzv_endpoint: host:port of node 0 where the machines meet (multi-node only).
+    collective_timeout: seconds a collective may wait for the other ranks before the run stops
+        with one line naming the ranks that never arrived and the collective (docs/watchdog.md);
+        must exceed the longest time one rank works alone while others wait (a checkpoint
+        write). 0: no watchdog (a hang then ends at gloo's 10-minute timeout, naming nobody).
+    check_collectives: before every collective, check that all ranks call the same kind,
+        shape and dtype, and stop at the first that differs, naming the rank (a slow debug mode;
+        docs/watchdog.md).
     """
 
     nproc: int = 2
@@ -171,6 +178,8 @@ class LaunchConfig:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""
+    collective_timeout: float = 300.0
+    check_collectives: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,6 +295,7 @@ def _coerce(section: str, name: str, kind, value, where: str):
     """Check a TOML value's type against the field; ints are accepted for floats."""
     label = f"{section}.{name}"
     ok = {
+        "bool": isinstance(value, bool),
         "str": isinstance(value, str),
         "int": isinstance(value, int) and not isinstance(value, bool),
         "float": isinstance(value, int | float) and not isinstance(value, bool),
@@ -347,6 +357,8 @@ def load_toml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
 
 
 def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, str):
         # JSON's string escapes (\\, \", \n, \uXXXX...) are all valid in a TOML basic string.
         return json.dumps(value, ensure_ascii=False)

@@ -29,6 +29,7 @@ from torch.nn import functional as F
 import dataparallel as dp
 
 from ..comm import Span
+from ..comm.progress import watched
 from ..data.corpus import Corpus, TokenWindows, evenly_spaced, load_corpus
 from ..data.stream import SampleStream
 from ..models import build_model
@@ -182,7 +183,8 @@ def _all_reduce_sum(values: list[float], world: dp.World, tracer=None) -> list[f
     if world.world_size > 1:
         # Not the strategy's traffic (not in bytes_sent), but the training thread waits on it.
         with tracer.span("wait", "blocked", kind="all_reduce") if tracer else _NO_SPAN:
-            dist.all_reduce(tensor, group=world.group)
+            with watched(world.group, "all_reduce", tensor, what="trainer sums"):  # watchdog
+                dist.all_reduce(tensor, group=world.group)
     return tensor.tolist()
 
 

@@ -21,6 +21,7 @@ import torch
 import dataparallel as dp
 
 from ..checkpoint import CheckpointError, latest_checkpoint
+from ..comm.progress import CollectiveMismatch, watched
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
 from .config import RunConfig, apply_mapping, to_toml
 from .metrics import MetricsLogger
@@ -59,7 +60,8 @@ def agree_on_config(config: RunConfig, world: dp.World) -> RunConfig:
     if world.world_size == 1:
         return config
     everyone = [None] * world.world_size
-    torch.distributed.all_gather_object(everyone, config.to_dict(), group=world.group)
+    with watched(world.group, "all_gather_object", what="config"):
+        torch.distributed.all_gather_object(everyone, config.to_dict(), group=world.group)
 
     def comparable(d: dict) -> dict:
         return {**d, "launch": {**d["launch"], "out": "", "node_rank": 0}}
@@ -175,10 +177,17 @@ def prepare(
 def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None:
     """Train one rank of the run `config` describes; rank 0 writes the run directory.
 
-    Exits (SystemExit) with 130 on Ctrl-C and 1 when the loss diverges, with one short note
-    from rank 0 instead of a traceback from every rank.
+    Exits (SystemExit) with 130 on Ctrl-C and 1 when the loss diverges or the ranks call
+    different collectives (--check-collectives), with one short note from rank 0 instead of a
+    traceback from every rank. A collective that waits longer than --collective-timeout ends
+    the process from the watchdog's thread (docs/watchdog.md).
     """
-    world = dp.init(threads=config.launch.threads or None)
+    launch = config.launch
+    world = dp.init(
+        threads=launch.threads or None,
+        collective_timeout=launch.collective_timeout,
+        check_collectives=launch.check_collectives,
+    )
     state = callbacks = None
     try:
         config = agree_on_config(config, world)
@@ -197,7 +206,7 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
             if latest:
                 print(f"continue with: dataparallel train --resume {config.launch.out}", flush=True)
         raise SystemExit(130) from None
-    except FloatingPointError as error:  # a diverged run: the user's to fix, not a bug
+    except (FloatingPointError, CollectiveMismatch) as error:  # the user's to fix, not a bug
         _finish_saving(callbacks)
         if world.is_main:
             print(f"dataparallel train: error: {error}", file=sys.stderr, flush=True)

@@ -1,0 +1,148 @@
+"""A stalled worker is named: `dataparallel train --collective-timeout 5` with 2 workers, one of
+them stopped (SIGSTOP) once training has started ([Note: watchdog] in comm/watchdog.py).
+
+The other worker's watchdog must print one line naming the stopped rank and the collective it
+never arrived at, within the timeout plus a few seconds, and the run must end with no worker
+left. [Note: stopped worker] torchrun's agent stops the remaining workers with SIGTERM and waits
+its shutdown timeout (30 s) before SIGKILL; a stopped process keeps SIGTERM pending until it is
+continued, so the test continues it (SIGCONT) once the line is out, as an operator would, and
+the run then ends at once. The detection latency is measured and printed (docs/watchdog.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from .make_reference_curve import CORPUS
+
+TIMEOUT_S = 5
+ARGS = [
+    "--nproc", "2",
+    "--threads", "1",
+    "--model", "gpt-tiny",
+    "--block-size", "32",
+    "--batch", "4",
+    "--steps", "5000",  # never reached: the run is stopped long before
+    "--eval-every", "0",
+    "--checkpoint-every", "0",
+    "--log-every", "1",
+    "--collective-timeout", str(TIMEOUT_S),
+    "--max-restarts", "0",  # the run ends at the hang (restarts would resume it)
+]  # fmt: skip
+
+
+class _Lines:
+    """Lines of a stream with the time.monotonic() each arrived, read on a thread."""
+
+    def __init__(self, stream):
+        self.lines: list[tuple[float, str]] = []
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def first(self, fragment: str) -> tuple[float, str] | None:
+        return next(((t, line) for t, line in list(self.lines) if fragment in line), None)
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def _wait_for(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} within {seconds} s")
+
+
+def _rank_of(process: psutil.Process) -> int | None:
+    try:
+        rank = process.environ().get("RANK")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return int(rank) if rank is not None else None
+
+
+def _workers(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    children = psutil.Process(launcher.pid).children(recursive=True)
+    ranks = {_rank_of(p): p for p in children}
+    return {rank: p for rank, p in ranks.items() if rank is not None}
+
+
+def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS)]
+    launcher = subprocess.Popen(
+        [*command, *ARGS, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    stdout, stderr = _Lines(launcher.stdout), _Lines(launcher.stderr)
+    workers: dict[int, psutil.Process] = {}
+    try:
+        metrics = out / "metrics.jsonl"
+        _wait_for(
+            lambda: metrics.exists() and '"kind": "train"' in metrics.read_text(),
+            120,
+            "no training step",
+        )
+        workers = _wait_for(lambda: len(_workers(launcher)) == 2 and _workers(launcher), 10, "")
+        os.kill(workers[1].pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        found = _wait_for(
+            lambda: stderr.first("collective timeout:"), TIMEOUT_S + 20, "no timeout line"
+        )
+        latency = found[0] - stopped_at
+        print(f"\ndetection latency: {latency:.2f} s (timeout {TIMEOUT_S} s)\n{found[1]}")
+        os.kill(workers[1].pid, signal.SIGCONT)  # [Note: stopped worker]
+        launcher.wait(timeout=20)
+        ended = time.monotonic() - stopped_at
+    finally:
+        for process in workers.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGCONT)
+                process.kill()
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    stdout.thread.join(5)
+    stderr.thread.join(5)
+    line = found[1]
+    context = f"stdout:\n{stdout.text()}\nstderr:\n{stderr.text()}"
+    # Not before the timeout; within it plus one 0.5 s tick, and room for a loaded machine.
+    assert TIMEOUT_S <= latency < TIMEOUT_S + 10, context
+    # Stopped between collectives, rank 1 "never arrived"; stopped inside one (its part not
+    # sent yet), it "stopped responding inside" it. Either way it is named, with the collective.
+    named = re.match(
+        r"collective timeout: rank 1 (never arrived at|stopped responding inside) "
+        r"(all_reduce|broadcast|reduce_scatter|all_gather) #\d+ (\([^)]*\) )?on ranks 0-1: "
+        r"rank 0 waited (\d+\.\d) s \(rank 1 is not responding, last reported at #\d+\); ",
+        line,
+    )
+    assert named, context
+    assert TIMEOUT_S <= float(named.group(4)) < TIMEOUT_S + 2, line
+    assert len([x for x in stderr.lines if "collective timeout:" in x[1]]) == 1, context
+    assert launcher.returncode != 0
+    assert ended < latency + 10
+    for process in workers.values():  # nothing left behind
+        assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals")
