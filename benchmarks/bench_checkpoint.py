@@ -38,7 +38,7 @@ def run(mode: str, out: Path, args) -> dict:
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = {r["step"]: r for r in records if r["kind"] == "train"}
     stalls = []
-    for step in range(every, args.steps, every or args.steps + 1):
+    for step in range(every, args.steps, every) if every else []:
         if step + 1 in steps:
             gap = steps[step + 1]["elapsed_s"] - steps[step]["elapsed_s"]
             stalls.append(gap - steps[step + 1]["step_time_s"])
