@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -127,6 +129,44 @@ def parity(world, precisions) -> list[dict]:
                 rows.append({"check": "parity", "case": case, "ok": ok, "value": f"{diff:.2e}"})
             except Exception as exc:  # a path that does not run here is a result too
                 rows.append({"check": "parity", "case": case, "ok": False, "value": _why(exc)})
+    return rows
+
+
+def checkpoints(world) -> list[dict]:
+    """Each strategy's sharded checkpoint (device tensors through DCP) loads into every other
+    strategy exactly."""
+    from dataparallel.checkpoint import load_state, save_chunks, state_chunks
+
+    rows, folder = [], tempfile.mkdtemp(prefix="gpu-check-")
+    for source in STRATEGIES:
+        try:
+            torch.manual_seed(0)
+            model = dp.parallelize(GPT(SMALL_GPT).to(world.device), policy(source))
+            opt = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-3)
+            for step in range(2):
+                x, y = batch(step, 4, world.device)
+                lm_loss(model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+            save_chunks(
+                state_chunks(model, opt, rank=world.rank), f"{folder}/{source}", world.group
+            )
+            want = dp.full_state_dict(model)
+            for target in STRATEGIES:
+                fresh = dp.parallelize(GPT(SMALL_GPT).to(world.device), policy(target))
+                fresh_opt = dp.build_optimizer(fresh, torch.optim.AdamW, lr=1e-3)
+                load_state(
+                    f"{folder}/{source}", fresh, fresh_opt, rank=world.rank, group=world.group
+                )
+                got = dp.full_state_dict(fresh)
+                diff = max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+                case = f"{source} -> {target} ({world.backend})"
+                rows.append(
+                    {"check": "checkpoint", "case": case, "ok": diff == 0, "value": f"{diff:.1e}"}
+                )
+        except Exception as exc:  # a path that does not run here is a result too
+            rows.append({"check": "checkpoint", "case": source, "ok": False, "value": _why(exc)})
+    shutil.rmtree(folder, ignore_errors=True)
     return rows
 
 
@@ -289,6 +329,7 @@ def main() -> int:
     rows += run_world(1, single, args.device, all_parity)
     rows += run_world(2, "gloo", args.device, fp32_parity)
     rows += run_world(1, single, args.device, memory)
+    rows += run_world(1, single, args.device, checkpoints)
     rows += run_world(1, single, args.device, benchmarks)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"gpu_check: torch {torch.__version__}, {name}, {time.strftime('%Y-%m-%d %H:%M')}")

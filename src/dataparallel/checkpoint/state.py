@@ -156,9 +156,13 @@ def load_state(
     _load_optimizer(optimizer, optim_state)
     if hook_tensors:
         rounds = int(hook_tensors.pop("rounds"))
-        hook.load_state_dict({"rounds": rounds}, hook_tensors)
+        device = next(model.parameters()).device  # loaded on the CPU; kept where training is
+        moved = {k: v.to(device) for k, v in hook_tensors.items()}
+        hook.load_state_dict({"rounds": rounds}, moved)
     if outer is not None:
         steps, shared, local_state = outer
+        device = averager.tensors[0].device if averager.tensors else "cpu"
+        local_state = {k: v.to(device) for k, v in local_state.items()}
         averager.load_state_dict(int(steps), shared, local_state)
     strategy.after_load()
 

@@ -11,7 +11,9 @@ holds, the overlapping parts of what the writers held, so a checkpoint resumes o
 number of ranks or under another strategy (docs/faults.md has the rules).
 
 [Note: async checkpoints] With `checkpoint_save = "async"` the training thread only copies its
-chunks (a memory copy, the only stall) and a background thread writes them. The background
+chunks into host buffers (reused from one save to the next; the only stall) and a background
+thread writes them. On a machine whose cores all train (2 ranks on 2 cores here) the writing
+still competes with training for CPU: BENCHMARKS.md measures both. The background
 thread's collectives (DCP's plan exchange, a barrier) run on a process group of their own,
 created by every rank at start, so they never interleave with the training's collectives on
 the world group. One save is in flight at a time: the next one, the end of the run, and an
@@ -118,6 +120,7 @@ class Checkpointer:
         self.executor = ThreadPoolExecutor(1, "checkpoint") if mode == "async" else None
         self.pending: Future | None = None
         self.stalls: list[float] = []  # seconds the training thread spent per save
+        self.staging: dict[str, torch.Tensor] = {}  # host buffers of async saves, reused
 
     def save(self, state: TrainState) -> None:
         """Checkpoint `state` now (collective: every rank calls it at the same step)."""
@@ -136,10 +139,19 @@ class Checkpointer:
             self._write(chunks, state.step, plain)
         else:
             staged = {
-                k: Chunk(c.tensor.detach().clone(), c.offset, c.numel) for k, c in chunks.items()
+                k: Chunk(self._stage(k, c.tensor), c.offset, c.numel) for k, c in chunks.items()
             }
             self.pending = self.executor.submit(self._write, staged, state.step, plain)
         self.stalls.append(time.perf_counter() - started)
+
+    def _stage(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of `tensor`, the only stall of an async save, into the buffer the last
+        save used for `key` (free again: that save is over), so that only the first save
+        allocates."""
+        buffer = self.staging.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self.staging[key] = torch.empty(tensor.shape, dtype=tensor.dtype)
+        return buffer.copy_(tensor.detach())
 
     def _write(self, chunks: dict, step: int, plain: dict) -> None:
         tmp = self.folder / (step_name(step) + ".tmp")
