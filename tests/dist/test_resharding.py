@@ -232,8 +232,10 @@ def train_and_count(world, run_dir: str, strategy: str, steps: int, resume: bool
     Checkpointer(run_dir, state, "sync").save(state)
     everyone = [None] * world.world_size
     torch.distributed.all_gather_object(everyone, taken)
-    # Step by step, rank by rank: what the whole world trained on.
-    return [i for step in zip(*everyone, strict=True) for part in step for i in part]
+    # In stream order: rank r took positions r, r + W, r + 2W, ... of each step.
+    return [
+        part[k] for step in zip(*everyone, strict=True) for k in range(len(step[0])) for part in step
+    ]
 
 
 def test_the_trainer_resumed_on_another_world_size_trains_on_every_sample_once(tmp_path):

@@ -72,8 +72,10 @@ def test_a_resume_on_one_rank_under_ddp_keeps_every_sample(whole, stopped, tmp_p
     latest = run / "checkpoint" / (run / "checkpoint" / "latest").read_text().strip()
     state = json.loads((latest / "train_state.json").read_text())
     assert state["samples"]["consumed"] == 12 * 16  # the same samples as the whole run
+    # Sums in another order: Adam turns a rounding difference in a ~0 gradient into a visible
+    # part of lr = 3e-3 (tests/unit/test_train_loop.py); 1e-4 is 3% of it (measured: 2.9e-5).
     ours, reference = _weights(run), _weights(whole)
-    assert max((ours[k] - reference[k]).abs().max().item() for k in ours) < 1e-5
+    assert max((ours[k] - reference[k]).abs().max().item() for k in ours) < 1e-4
 
 
 def test_killing_a_worker_loses_nothing(whole, tmp_path):
