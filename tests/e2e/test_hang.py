@@ -21,7 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from .make_reference_curve import CORPUS
@@ -71,18 +70,38 @@ def _wait_for(condition, seconds: float, what: str):
     raise AssertionError(f"{what} within {seconds} s")
 
 
-def _rank_of(process: psutil.Process) -> int | None:
+def _rank_of(pid: int) -> int | None:
+    """RANK from the worker's environment (/proc; Linux, where the test runs)."""
     try:
-        rank = process.environ().get("RANK")
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
         return None
-    return int(rank) if rank is not None else None
+    for entry in environ:
+        if entry.startswith(b"RANK="):
+            return int(entry[5:])
+    return None
 
 
-def _workers(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
-    children = psutil.Process(launcher.pid).children(recursive=True)
-    ranks = {_rank_of(p): p for p in children}
-    return {rank: p for rank, p in ranks.items() if rank is not None}
+def _children(pid: int) -> list[int]:
+    try:
+        direct = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return direct + [g for c in direct for g in _children(c)]
+
+
+def _workers(launcher: subprocess.Popen) -> dict[int, int]:
+    """rank -> pid of the launcher's workers."""
+    ranks = {_rank_of(p): p for p in _children(launcher.pid)}
+    return {rank: pid for rank, pid in ranks.items() if rank is not None}
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path):
@@ -95,7 +114,7 @@ def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path):
         text=True,
     )
     stdout, stderr = _Lines(launcher.stdout), _Lines(launcher.stderr)
-    workers: dict[int, psutil.Process] = {}
+    workers: dict[int, int] = {}
     try:
         metrics = out / "metrics.jsonl"
         _wait_for(
@@ -104,21 +123,21 @@ def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path):
             "no training step",
         )
         workers = _wait_for(lambda: len(_workers(launcher)) == 2 and _workers(launcher), 10, "")
-        os.kill(workers[1].pid, signal.SIGSTOP)
+        os.kill(workers[1], signal.SIGSTOP)
         stopped_at = time.monotonic()
         found = _wait_for(
             lambda: stderr.first("collective timeout:"), TIMEOUT_S + 20, "no timeout line"
         )
         latency = found[0] - stopped_at
         print(f"\ndetection latency: {latency:.2f} s (timeout {TIMEOUT_S} s)\n{found[1]}")
-        os.kill(workers[1].pid, signal.SIGCONT)  # [Note: stopped worker]
+        os.kill(workers[1], signal.SIGCONT)  # [Note: stopped worker]
         launcher.wait(timeout=20)
         ended = time.monotonic() - stopped_at
     finally:
-        for process in workers.values():
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.send_signal(signal.SIGCONT)
-                process.kill()
+        for pid in workers.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
@@ -141,8 +160,8 @@ def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path):
     assert len([x for x in stderr.lines if "collective timeout:" in x[1]]) == 1, context
     assert launcher.returncode != 0
     assert ended < latency + 10
-    for process in workers.values():  # nothing left behind
-        assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    for pid in workers.values():  # nothing left behind
+        assert not _alive(pid)
 
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals")
