@@ -164,7 +164,7 @@ def load_state(
         device = averager.tensors[0].device if averager.tensors else "cpu"
         local_state = {k: v.to(device) for k, v in local_state.items()}
         averager.load_state_dict(int(steps), shared, local_state)
-    strategy.after_load()
+    strategy.refresh_params()  # ZeRO-1/2 all-gather their loaded shards, ZeRO-3 regathers
 
 
 def _blank(size: torch.Size, dtype: torch.dtype, piece) -> torch.Tensor:

@@ -104,6 +104,7 @@ class Strategy:
         self.comm = comm
         self.groups = groups
         self.sync_enabled = True
+        self.hook = None  # the communication hook the strategy reduces gradients with
 
     # -- the calls the public API forwards ---------------------------------------------------
     def build_optimizer(self, optimizer_cls, params=None, **kwargs) -> torch.optim.Optimizer:
@@ -133,8 +134,8 @@ class Strategy:
         """Wait for parameter communication still in flight (none, unless a strategy says so)."""
 
     def refresh_params(self) -> None:
-        """The optimizer's parameters were changed outside `step()` (an averager): bring the
-        model's parameters up to date. Nothing to do where the model's parameters are the ones
+        """The optimizer's parameters were changed outside `step()` (an averager, a checkpoint
+        load): bring the model's parameters up to date. Nothing to do where the model's parameters are the ones
         the optimizer updates (DDP) or are gathered from them at each forward (ZeRO-3)."""
 
     def comms(self) -> list[Comm]:
@@ -172,12 +173,9 @@ class Strategy:
         pieces, covered = shard_pieces(self.model, self.flat_shards())
         return pieces + whole_pieces(self.model, optimized_ids(optimizer), covered)
 
-    def after_load(self) -> None:
-        """The held pieces were overwritten (a checkpoint load): make the model follow."""
-
     def stateful_hook(self):
         """The communication hook, when it keeps state between steps (compression), else None."""
-        return None
+        return self.hook if hasattr(self.hook, "state_dict") else None
 
 
 def hook_state_report(hook) -> dict[str, int]:

@@ -157,6 +157,7 @@ class DDPStrategy(Strategy):
                 "reduce_dtype"
             )
         hook = policy.comm_hook or default_hook("all_reduce", precision.wire_dtype(dtype))
+        self.hook = hook
         self.reducer = GradientReducer(
             planned,
             specs,
@@ -202,9 +203,6 @@ class DDPStrategy(Strategy):
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
-
-    def stateful_hook(self):
-        return self.reducer.hook if hasattr(self.reducer.hook, "state_dict") else None
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         return {

@@ -375,28 +375,21 @@ class ZeRO3Strategy(Strategy):
     def flat_shards(self) -> list:
         return [(u.shard, u.params) for u in self.units]
 
-    def after_load(self) -> None:
+    def refresh_params(self) -> None:
         for unit in self.units:
-            unit.free()  # the next forward gathers the loaded shards
-
-    def stateful_hook(self):
-        return self.hook if hasattr(self.hook, "state_dict") else None
+            unit.free()  # the next forward gathers the shards the optimizer holds
 
     def _originals(self, optimizer) -> list[list[nn.Parameter]]:
         if optimizer not in self.original_groups:
-            raise ValueError(
-                "ZeRO3: this optimizer was not built by dp.build_optimizer for this model"
-            )
+            raise ValueError("ZeRO3: this optimizer was not built by dp.build_optimizer here")
         return self.original_groups[optimizer]
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds now; `largest_gathered_unit` is the largest buffer a gather
         has allocated so far (the transient on top of the rest)."""
-        params, grads = [], []
-        for u in self.units:
-            held_params, held_grads = u.held_tensors()
-            params += held_params
-            grads += held_grads
+        held = [u.held_tensors() for u in self.units]
+        params = [t for unit_params, _ in held for t in unit_params]
+        grads = [t for _, unit_grads in held for t in unit_grads]
         return {
             "params": tensor_bytes(params),
             "grads": tensor_bytes(grads),

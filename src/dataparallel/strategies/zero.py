@@ -255,6 +255,7 @@ class ZeROStrategy(Strategy):
             state = HookState(shard_comm, self.groups.replicate)
             shards = [b.shard.layout.shard_range(b.shard.rank) for b in self.buckets]
         state = self.policy.hook_state or state
+        self.hook = hook
         self.reducer = GradientReducer(
             planned,
             grad_specs,
@@ -382,12 +383,6 @@ class ZeROStrategy(Strategy):
 
     def flat_shards(self) -> list:
         return [(b.shard, b.params) for b in self.buckets]
-
-    def after_load(self) -> None:
-        self.refresh_params()  # masters into the compute slices, then all-gather the buffers
-
-    def stateful_hook(self):
-        return self.reducer.hook if hasattr(self.reducer.hook, "state_dict") else None
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds; in mixed precision the fp32 masters count as optimizer state

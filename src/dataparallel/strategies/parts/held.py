@@ -8,9 +8,9 @@ its flattened elements this rank holds and which tensor the optimizer keys its s
   the piece the optimizer steps, fp32 masters in mixed precision. A parameter with no element
   in this rank's shard is not listed.
 Saving writes each piece where it belongs in the flattened parameter; loading writes into the
-same pieces, after which `Strategy.after_load` makes the model's parameters follow (ZeRO-1/2
-all-gather their shards again). A parameter under two names (tied weights) is listed under
-the first name the model's state_dict gives it.
+same pieces, after which `Strategy.refresh_params` makes the model's parameters follow
+(ZeRO-1/2 all-gather their shards again, ZeRO-3 gathers them at the next forward). A parameter
+under two names (tied weights) is listed under the first name the model's state_dict gives it.
 """
 
 from __future__ import annotations
