@@ -192,11 +192,9 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-def save_chunks(
-    chunks: dict[str, Chunk], folder, group: dist.ProcessGroup | None, *, threads: int = 1
-) -> None:
+def save_chunks(chunks: dict[str, Chunk], folder, group: dist.ProcessGroup | None) -> None:
     """Write every rank's `chunks` into `folder` (collective over `group`; None: one process)."""
-    writer = dcp.FileSystemWriter(str(folder), thread_count=threads, overwrite=True)
+    writer = dcp.FileSystemWriter(str(folder), overwrite=True)
     state = {key: chunk.tensor for key, chunk in chunks.items()}
     dcp.save(
         state,
@@ -209,7 +207,7 @@ def save_chunks(
 
 def load_chunks(chunks: dict[str, Chunk], folder, group: dist.ProcessGroup | None) -> None:
     """Fill every rank's `chunks` from `folder` (collective over `group`; None: one process).
-    Every key must be in the checkpoint (see `stored_keys`)."""
+    Every key must be in the checkpoint (see `stored_tensors`)."""
     state = {key: chunk.tensor for key, chunk in chunks.items()}
     try:
         dcp.load(

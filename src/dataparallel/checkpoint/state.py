@@ -139,9 +139,8 @@ def load_state(
     optim_state: dict[int, dict] = {}
     for piece in optimized.values():
         for key, size, dtype in _stored_under(stored, f"{prefix}optim/{piece.name}/"):
-            tensor = _blank(size, dtype, piece)
-            chunks[f"{prefix}optim/{piece.name}/{key}"] = _like(tensor, piece)
-            optim_state.setdefault(id(piece.key), {})[key] = tensor
+            target = chunks[f"{prefix}optim/{piece.name}/{key}"] = _target(size, dtype, piece)
+            optim_state.setdefault(id(piece.key), {})[key] = target.tensor
     hook = strategy.stateful_hook()
     hook_tensors: dict[str, torch.Tensor] = {}
     if hook is not None and local and f"rank{rank}/hook/rounds" in stored:
@@ -167,16 +166,13 @@ def load_state(
     strategy.refresh_params()  # ZeRO-1/2 all-gather their loaded shards, ZeRO-3 regathers
 
 
-def _blank(size: torch.Size, dtype: torch.dtype, piece) -> torch.Tensor:
+def _target(size: torch.Size, dtype: torch.dtype, piece) -> Chunk:
+    """Where a load puts a stored per-parameter entry of `piece`: a scalar whole, or the
+    piece's run of an elementwise entry."""
     if len(size) == 0:
-        return torch.zeros((), dtype=dtype)
-    return torch.zeros(piece.value.numel(), dtype=dtype, device=piece.value.device)
-
-
-def _like(tensor: torch.Tensor, piece) -> Chunk:
-    if tensor.dim() == 0:
-        return Chunk(tensor)
-    return Chunk(tensor, piece.offset, piece.shape.numel())
+        return Chunk(torch.zeros((), dtype=dtype))
+    blank = torch.zeros(piece.value.numel(), dtype=dtype, device=piece.value.device)
+    return Chunk(blank, piece.offset, piece.shape.numel())
 
 
 def _stored_under(stored: dict, head: str):
@@ -196,8 +192,8 @@ def _averager_targets(averager, optimized, stored, rank, local, chunks):
         piece = optimized[id(held)]
         entries = {}
         for key, size, dtype in _stored_under(stored, f"outer/{piece.name}/"):
-            entries[key] = _blank(size, dtype, piece)
-            chunks[f"outer/{piece.name}/{key}"] = _like(entries[key], piece)
+            target = chunks[f"outer/{piece.name}/{key}"] = _target(size, dtype, piece)
+            entries[key] = target.tensor
         shared.append(entries)
     local_state = {}
     if local:

@@ -135,6 +135,11 @@ def verify(path: Path) -> dict:
         if size != expected["bytes"] or _crc32(file) != expected["crc32"]:
             why = "truncated" if size < expected["bytes"] else "corrupted (its CRC-32 differs)"
             raise CheckpointError(f"{file} is {why}{_previous(path)}")
+    return read_train_state(path)
+
+
+def read_train_state(path: Path) -> dict:
+    """The plain (JSON) state of checkpoint `path`, unchecked (`verify` checks the files)."""
     return json.loads((path / TRAIN_STATE).read_text())
 
 

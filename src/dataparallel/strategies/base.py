@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from .parts.held import HeldPiece, optimized_ids, shard_pieces, whole_pieces
+from .parts.held import HeldPiece, optimized_ids, parameter_names, shard_pieces, whole_pieces
 
 
 def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -135,8 +135,8 @@ class Strategy:
 
     def refresh_params(self) -> None:
         """The optimizer's parameters were changed outside `step()` (an averager, a checkpoint
-        load): bring the model's parameters up to date. Nothing to do where the model's parameters are the ones
-        the optimizer updates (DDP) or are gathered from them at each forward (ZeRO-3)."""
+        load): bring the model's parameters up to date. Nothing to do where the model's
+        parameters are the ones the optimizer updates (DDP)."""
 
     def comms(self) -> list[Comm]:
         """Every Comm the strategy sends through, each once (for byte counts)."""
@@ -170,8 +170,9 @@ class Strategy:
         """The runs of each parameter this rank holds, named as in the plain model: the pieces
         of its flat shards, and every other parameter whole."""
         self.finish_param_gather()
-        pieces, covered = shard_pieces(self.model, self.flat_shards())
-        return pieces + whole_pieces(self.model, optimized_ids(optimizer), covered)
+        names = parameter_names(self.model)
+        pieces, covered = shard_pieces(names, self.flat_shards())
+        return pieces + whole_pieces(self.model, names, optimized_ids(optimizer), covered)
 
     def stateful_hook(self):
         """The communication hook, when it keeps state between steps (compression), else None."""

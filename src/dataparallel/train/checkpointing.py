@@ -23,7 +23,6 @@ interruption wait for it.
 from __future__ import annotations
 
 import dataclasses
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from ..checkpoint import (
     load_chunks,
     load_state,
     model_shapes,
+    read_train_state,
     save_chunks,
     state_chunks,
     step_name,
@@ -75,6 +75,12 @@ def replica_of(state: TrainState) -> tuple[int, int]:
     return state.world.rank // size, state.world.world_size // size
 
 
+def replica_prefix(state: TrainState) -> str:
+    """The name prefix of this rank's replica's state ("" with one replica)."""
+    replica, replicas = replica_of(state)
+    return f"replica{replica}/" if replicas > 1 else ""
+
+
 def layout(state: TrainState) -> dict:
     """What rank-local state (compression residuals) depends on: equal layouts can reuse it."""
     config = state.config
@@ -88,14 +94,14 @@ def layout(state: TrainState) -> dict:
 
 def run_state(state: TrainState) -> dict:
     """The plain (JSON) part of a checkpoint."""
-    replica, replicas = replica_of(state)
-    prefix = f"replica{replica}/" if replicas > 1 else ""
+    _, replicas = replica_of(state)
+    prefix = "replica0/" if replicas > 1 else ""  # the export takes replica 0's weights
     names = parameter_names(state.model)
     weights = []
     for name, tensor in state.model.state_dict(keep_vars=True).items():
         first = names.get(id(tensor))
         key = f"model/{first}" if first is not None else f"buffer/{name}"
-        weights.append([name, ("replica0/" if prefix else "") + key])
+        weights.append([name, prefix + key])
     return {
         "step": state.step,
         "samples": state.samples.state_dict(),
@@ -119,20 +125,17 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if state.world.world_size > 1 else None
         self.executor = ThreadPoolExecutor(1, "checkpoint") if mode == "async" else None
         self.pending: Future | None = None
-        self.stalls: list[float] = []  # seconds the training thread spent per save
         self.staging: dict[str, torch.Tensor] = {}  # host buffers of async saves, reused
 
     def save(self, state: TrainState) -> None:
         """Checkpoint `state` now (collective: every rank calls it at the same step)."""
-        started = time.perf_counter()
         self.wait()
-        replica, replicas = replica_of(state)
         chunks = state_chunks(
             state.model,
             state.optimizer,
             state.averager,
             rank=self.world.rank,
-            prefix=f"replica{replica}/" if replicas > 1 else "",
+            prefix=replica_prefix(state),
         )
         plain = run_state(state) if self.world.is_main else {}
         if self.executor is None:
@@ -142,7 +145,6 @@ class Checkpointer:
                 k: Chunk(self._stage(k, c.tensor), c.offset, c.numel) for k, c in chunks.items()
             }
             self.pending = self.executor.submit(self._write, staged, state.step, plain)
-        self.stalls.append(time.perf_counter() - started)
 
     def _stage(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of `tensor`, the only stall of an async save, into the buffer the last
@@ -178,7 +180,7 @@ class Checkpointer:
 def export_weights(checkpoint: Path, path: Path) -> None:
     """The checkpoint's model as one safetensors file that plain PyTorch loads (rank 0 only):
     read from the checkpoint one tensor at a time, so no rank ever holds the whole model."""
-    plain = verify(checkpoint)
+    plain = read_train_state(checkpoint)  # this rank just committed it: no CRC pass needed
     stored = dict(plain["weights"])
     dtypes = stored_tensors(checkpoint)
     entries = [(name, plain["shapes"][name], dtypes[key][1]) for name, key in plain["weights"]]
@@ -222,7 +224,7 @@ def restore(state: TrainState, run_dir: Path, name: str = "") -> None:
             f"the checkpoint was trained with a global batch of {plain['global_batch']} windows, "
             f"this run has {state.config.global_batch}; keep the global batch (docs/faults.md)"
         )
-    replica, replicas = replica_of(state)
+    _, replicas = replica_of(state)
     if plain["replicas"] != replicas:
         raise CheckpointError(
             f"the checkpoint holds {plain['replicas']} replicas (--local-sgd/--diloco), this run "
@@ -235,7 +237,7 @@ def restore(state: TrainState, run_dir: Path, name: str = "") -> None:
         state.averager,
         rank=state.world.rank,
         group=state.world.group if state.world.world_size > 1 else None,
-        prefix=f"replica{replica}/" if replicas > 1 else "",
+        prefix=replica_prefix(state),
         local=plain["layout"] == layout(state),
     )
     state.samples.load_state_dict(plain["samples"])

@@ -50,20 +50,23 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
     return names
 
 
-def whole_pieces(model: nn.Module, optimized: set[int], skip: set[int]) -> list[HeldPiece]:
-    """Every parameter not in `skip`, whole (DDP's case and the rest of a sharded model)."""
+def whole_pieces(
+    model: nn.Module, names: dict[int, str], optimized: set[int], skip: set[int]
+) -> list[HeldPiece]:
+    """Every parameter not in `skip`, whole (DDP's case and the rest of a sharded model);
+    `names` from `parameter_names`."""
     out = []
-    for name, p in _unique_parameters(model):
+    for p in model.parameters():  # each parameter once, tied ones too
         if id(p) in skip:
             continue
         key = p if id(p) in optimized else None
-        out.append(HeldPiece(name, p.shape, 0, p.detach().view(-1), key))
+        out.append(HeldPiece(names[id(p)], p.shape, 0, p.detach().view(-1), key))
     return out
 
 
-def shard_pieces(model: nn.Module, sharded: list[tuple[FlatShard, list[nn.Parameter]]]):
-    """The pieces of the flat shards, named; and the ids of the parameters they cover."""
-    names = parameter_names(model)
+def shard_pieces(names: dict[int, str], sharded: list[tuple[FlatShard, list[nn.Parameter]]]):
+    """The pieces of the flat shards, named by `names` (`parameter_names`); and the ids of
+    the parameters they cover."""
     out, covered = [], set()
     for shard, params in sharded:
         for position, (piece, param) in enumerate(zip(shard.pieces, params, strict=True)):
@@ -80,12 +83,3 @@ def optimized_ids(optimizer: torch.optim.Optimizer | None) -> set[int]:
     if optimizer is None:
         return set()
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
-
-
-def _unique_parameters(model: nn.Module):
-    names = parameter_names(model)
-    seen = set()
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield names[id(p)], p
