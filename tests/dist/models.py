@@ -27,6 +27,38 @@ class Branchy(nn.Module):
         return self.head(h + self.frozen(h))
 
 
+class MoE(nn.Module):
+    """A mixture of experts: each row goes to the expert its first feature's sign picks, and an
+    expert no row picked is not run (so ranks whose rows pick different experts run different
+    modules)."""
+
+    def __init__(self, experts: int = 2):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(experts))
+
+    def forward(self, x):
+        route = (x[:, 0] > 0).long()
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = route == i
+            if rows.any():
+                out[rows] = expert(x[rows])
+        return out
+
+
+class WithMoE(nn.Module):
+    """A mixture-of-experts layer on the input, a trunk, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.moe = MoE()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.trunk(self.moe(x) + x))
+
+
 class Odd(nn.Module):
     """Parameter sizes that divide by neither 2 nor 3 (7, 5, 11, 13 ...)."""
 

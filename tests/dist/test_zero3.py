@@ -7,7 +7,9 @@ of sub-cases; the test functions below only read its results.
 
 from __future__ import annotations
 
+import copy
 import functools
+import time
 
 import pytest
 import torch
@@ -19,8 +21,8 @@ from dataparallel.models.gpt import Block
 from dataparallel.strategies.fsdp_plan import plan_units
 from dataparallel.strategies.parts.layout import ShardLayout
 
-from .harness import run_world
-from .models import OPTIMIZERS, batch, build, loss_fn, reference_loss
+from .harness import RankError, run_world
+from .models import OPTIMIZERS, MoE, WithMoE, batch, build, loss_fn, reference_loss
 
 STEPS = 10
 PER_RANK = 4
@@ -387,3 +389,45 @@ def test_policy_errors_name_the_field():
         dp.MixedPrecision(param_dtype=torch.int8)
     with pytest.raises(ValueError, match="wrap="):
         dp.ZeRO3(wrap=("Block",))
+
+
+def _moe_world(world, wrap_layer: bool):
+    torch.manual_seed(0)
+    model = WithMoE()
+    reference = copy.deepcopy(model)
+    policy = dp.ZeRO3(wrap=(MoE,)) if wrap_layer else dp.ZeRO3()  # default: each expert a unit
+    dp.parallelize(model, policy)
+    optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        # Rank r's rows all route to expert r (the sign of their first feature).
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        x[:2, 0], x[2:, 0] = -x[:2, 0].abs() - 0.1, x[2:, 0].abs() + 0.1
+        mine = x[2 * world.rank : 2 * world.rank + 2]
+        model(mine).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference(x).square().mean().backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    full = dp.full_state_dict(model)
+    return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+def test_units_some_ranks_skip_stop_every_rank_with_one_error():
+    """Each expert its own unit, ranks routing to different experts: every rank raises the
+    same one-line error naming the units, at once, instead of hanging in mismatched gathers."""
+    start = time.monotonic()
+    with pytest.raises(RankError) as raised:
+        run_world(2, _moe_world, False, timeout=60)
+    assert time.monotonic() - start < 30
+    assert sorted(raised.value.errors) == [0, 1]  # every rank
+    for text in raised.value.errors.values():
+        line = text.strip().splitlines()[-1]
+        assert "ranks ran different units" in line
+        assert "rank 0: 'moe.experts.0', rank 1: 'moe.experts.1'" in line
+        assert "wrap the module that holds the optional ones" in line
+
+
+def test_a_mixture_of_experts_wrapped_as_one_unit_matches_one_process():
+    assert max(run_world(2, _moe_world, True)) < 1e-6

@@ -6,26 +6,30 @@ The contract (what `parallelize(model, ZeRO3(...))` guarantees):
   fsdp_unit.py), padded so any size works. Between steps a rank holds only its shards.
 - A unit's parameters are all-gathered just before its forward and freed after it, gathered
   again before its backward, and its gradients are averaged across ranks right after its
-  backward, one collective per unit ([Note: schedule]).
+  backward, one collective per unit ([Note: schedule] in fsdp_schedule.py).
 - After `loss.backward()` returns, the optimizer's parameters (shard pieces) hold the average
   gradient; an elementwise optimizer (SGD, Adam, AdamW, ...) then steps exactly as it would on
   the whole model in one process.
 - Every rank must run the same units in the same order each step (the collectives of one
-  process group are matched by order); inside a unit, parameters may go unused on any rank.
+  process group are matched by order); a rank that does not stops every rank with one error
+  ([Note: same units on every rank]). Inside a unit, parameters may go unused on any rank.
 - Read and write weights with `dp.full_state_dict` / `dp.load_full_state_dict`; outside its
   unit's forward a parameter reads as NaN ([Note: parameters at rest] in fsdp_unit.py).
 
-[Note: schedule] Pre-forward hook of a unit: start its gather (unless prefetched), start the
-gather of the next unit in the previous step's forward order (prefetch), wait for its own, wrap
-its inputs so that autograd calls back when their gradient is computed (the unit's backward is
-then over). Post-forward hook: free the unit (not the root, nor the unit that ran last in
-forward: their backward comes first, so a free would be followed by an exposed gather at once)
-and hook its outputs' gradient (pre-backward: gather again, prefetch the unit whose backward
-comes next). Post-backward: finish the previous unit's reduction (it had this unit's backward
-to run in), start this unit's, and free the unit: one reduction is in flight at a time. When
-autograd has finished, a queued callback reduces the units autograd did not call back for (the
-root, whose inputs are token ids), waits for everything, agrees with every rank on which
-parameters none used and on found-inf ([Note: backward round]), and frees all units.
+The strategy is wiring: module hooks and gradient hooks that call each unit's verbs ([Note:
+unit life cycle] in fsdp_unit.py) and the step's `Schedule` ([Note: schedule] in
+fsdp_schedule.py: prefetch, resharding, the one reduction in flight, the unit-order check).
+When autograd has finished, a queued callback reduces what is left, waits for everything,
+agrees with every rank on which parameters none used and on found-inf ([Note: backward round]),
+and ends every unit's round.
+
+[Note: compile] `torch.compile` works on the model before or after `parallelize`, whole or per
+block. Every hook of ours is opaque to the compiler (`torch._dynamo.disable`): the compiler
+stops at a unit's hooks, runs them eagerly, and compiles the code between them, which runs
+only while the unit is gathered, so what it traces and guards on are the gathered views, the
+same every step ([Note: parameters at rest] in fsdp_unit.py). A whole-model compile therefore
+makes one graph per stretch between unit boundaries (per block: a block's forward stays one
+graph); collectives never enter a graph.
 
 Mixed precision ([Note: mixed precision] in parts/precision.py): with
 `MixedPrecision(param_dtype=torch.bfloat16)` the gathered parameters, the gradients and their
@@ -65,6 +69,7 @@ from .base import (
 )
 from .ddp import broadcast_model
 from .fsdp_plan import plan_units, select_units
+from .fsdp_schedule import Schedule
 from .fsdp_unit import FlatUnit
 from .parts.clip import clip_grad_norm_
 from .parts.mesh import Groups
@@ -105,6 +110,10 @@ class ZeRO3:
     comm_hook: `hook(state, bucket) -> future` reducing one unit's gradients ([Note: reduction
         interface] in comm/hooks.py); None picks the built-in one `reduce` names.
     hook_state: passed to `comm_hook`; None builds a `HookState` for the strategy's groups.
+    check_order: before each unit's forward, check that every rank of the shard group runs the
+        same unit (one all-gather of one integer per rank), so that a unit some ranks skip
+        stops every rank with one error instead of a hang ([Note: same units on every rank]
+        in fsdp_schedule.py). False saves that collective for models whose units always run.
     """
 
     name: ClassVar[str] = "zero3"
@@ -115,6 +124,7 @@ class ZeRO3:
     reduce: str = "auto"
     comm_hook: Callable | None = None
     hook_state: object | None = None
+    check_order: bool = True
 
     def __post_init__(self):
         if isinstance(self.wrap, type):  # wrap=Block means wrap=(Block,), not Block(module)
@@ -149,7 +159,14 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def _opaque(fn):
+    """`fn` as a hook the compiler does not trace ([Note: compile])."""
+    return torch._dynamo.disable(fn, recursive=True)
+
+
 class ZeRO3Strategy(Strategy):
+    """Wiring: module and gradient hooks that call the units' verbs and the schedule."""
+
     name = "zero3"
 
     def __init__(self, model: nn.Module, groups: Groups, policy: ZeRO3):
@@ -180,32 +197,30 @@ class ZeRO3Strategy(Strategy):
         self.first_index = [0]
         for u in self.units:
             self.first_index.append(self.first_index[-1] + len(u.params))
+        self.schedule = Schedule(
+            self.units,
+            policy.prefetch,
+            policy.reshard_after_forward,
+            groups.shard if policy.check_order else None,
+        )
         self.casts = install_casts(model, precision, self.compute, model_dtype)
-        self.root = self.units[0]
         self.piece_of = {
             id(p): piece
             for u in self.units
             for p, piece in zip(u.params, u.shard.pieces, strict=True)
         }
-        self.forward_order: list[int] = []  # this step's pre-forward order
-        self.prefetch_order: list[int] = []  # the previous step's, for forward prefetch
-        self.post_forward_order: list[int] = []
-        self.backward_order: list[int] = []
-        self.pending: FlatUnit | None = None  # the unit whose reduction is in flight
         self.original_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.handles = []
         for unit in self.units:
-            self.handles.append(
-                unit.module.register_forward_pre_hook(
-                    partial(self._pre_forward, unit), with_kwargs=True
-                )
+            pre, post = (
+                _opaque(partial(self._pre_forward, unit)),
+                _opaque(partial(self._post_forward, unit)),
             )
-            self.handles.append(
-                unit.module.register_forward_hook(partial(self._post_forward, unit))
-            )
+            self.handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(unit.module.register_forward_hook(post))
             for position, p in enumerate(unit.params):
                 if p.requires_grad:
-                    hook = partial(self._on_grad, unit, position)
+                    hook = _opaque(partial(self._on_grad, unit, position))
                     self.handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def _wrap(self, model: nn.Module, model_dtype: torch.dtype):
@@ -223,28 +238,20 @@ class ZeRO3Strategy(Strategy):
 
     # -- forward ------------------------------------------------------------------------------
     def _pre_forward(self, unit: FlatUnit, module, args, kwargs):
-        if unit is self.root:
-            self.forward_order, self.post_forward_order = [], []
-            for u in self.units:  # left gathered by a forward with no backward: maybe stale
-                u.free()
-        position = len(self.forward_order)
-        self.forward_order.append(unit.index)
-        unit.start_gather()  # then the next unit's, so both are under way while this one waits
-        if self.policy.prefetch and position + 1 < len(self.prefetch_order):
-            self.units[self.prefetch_order[position + 1]].start_gather(prefetch=True)
-        unit.gather()
+        self.schedule.before_forward(unit)
+        training = torch.is_grad_enabled()
+        unit.pre_forward(training)
         self.comm.tracer.mark("forward_start", unit=unit.index)
         if self.precision.cast_forward_inputs and self.precision.param_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), unit.compute_dtype)
-        if not torch.is_grad_enabled():
+        if not training:
             return args, kwargs
-        unit.forward_count += 1
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
         if not positions:
             return args, kwargs
         wrapped = _PostBackward.apply(
-            partial(self._post_backward, unit), *(flat[i] for i in positions)
+            _opaque(partial(self._post_backward, unit)), *(flat[i] for i in positions)
         )
         for i, t in zip(positions, wrapped, strict=True):
             flat[i] = t
@@ -252,75 +259,38 @@ class ZeRO3Strategy(Strategy):
 
     def _post_forward(self, unit: FlatUnit, module, args, output):
         self.comm.tracer.mark("forward_end", unit=unit.index)
-        self.post_forward_order.append(unit.index)
         training = torch.is_grad_enabled()
         if training:
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             if tensors:
-                register_multi_grad_hook(tensors, partial(self._pre_backward, unit), mode="any")
-        if unit is self.root:
-            self.prefetch_order = list(self.forward_order)
-            self.backward_order = list(reversed(self.post_forward_order))
-            if not training:
-                for u in self.units:
-                    u.free()
-        elif not training or (self.policy.reshard_after_forward and not self._runs_last(unit)):
-            unit.free()
-
-    def _runs_last(self, unit: FlatUnit) -> bool:
-        """Whether `unit` ran last in the previous step's forward: its backward comes first, so
-        freeing it would only mean gathering it again at once ([Note: schedule])."""
-        return bool(self.prefetch_order) and self.prefetch_order[-1] == unit.index
+                hook = _opaque(partial(self._pre_backward, unit))
+                register_multi_grad_hook(tensors, hook, mode="any")
+        unit.post_forward(reshard=self.schedule.after_forward(unit, training))
 
     # -- backward -----------------------------------------------------------------------------
     def _pre_backward(self, unit: FlatUnit, grad) -> None:
         self.round.open(self._finish_backward)
-        unit.start_gather()
-        if self.policy.prefetch and unit.index in self.backward_order:
-            position = self.backward_order.index(unit.index)
-            if position + 1 < len(self.backward_order):
-                self.units[self.backward_order[position + 1]].start_gather(prefetch=True)
-        unit.gather()
-        unit.prepare_grads()
+        self.schedule.before_backward(unit)
+        unit.pre_backward()
         self.comm.tracer.mark("backward_start", unit=unit.index)
 
     def _post_backward(self, unit: FlatUnit) -> None:
-        unit.forward_count -= 1
-        if unit.forward_count > 0:
+        if not unit.post_backward():
             return  # the unit ran more than once; its other backward passes are still to come
         if self.sync_enabled:
-            self._reduce(unit)
+            self.schedule.reduce(unit, self.hook, self.hook_state)
         unit.free()
-
-    def _reduce(self, unit: FlatUnit) -> None:
-        if unit.reduced:
-            return
-        if self.pending is not None:
-            self.pending.finish_reduce()
-        unit.start_reduce(self.hook, self.hook_state)
-        self.pending = unit
 
     def _finish_backward(self) -> None:
         self.comm.tracer.mark("backward_end")
+        used = None
         if self.sync_enabled:
-            order = self.backward_order + [
-                u.index for u in reversed(self.units) if u.index not in self.backward_order
-            ]
-            for index in order:
-                self._reduce(self.units[index])
-            if self.pending is not None:
-                self.pending.finish_reduce()
-                self.pending = None
+            self.schedule.reduce_rest(self.hook, self.hook_state)
             shards = [u.shard for u in self.units]
             used = self.round.finish_agreement(self.round.start_agreement(shards))
-            for u in self.units:
-                u.end_round(used[self.first_index[u.index] : self.first_index[u.index + 1]])
-        else:
-            for u in self.units:
-                u.forward_count = 0
-                u.grads_attached = False
         for u in self.units:
-            u.free()
+            start, stop = self.first_index[u.index], self.first_index[u.index + 1]
+            u.finish_round(None if used is None else used[start:stop])
         self.round.reset()
         self.comm.tracer.mark("reduce_end")
 

@@ -1,4 +1,4 @@
-"""One ZeRO-3 unit: a flat sharded parameter, its gather and free, its gradient reduction.
+"""One ZeRO-3 unit: a flat sharded parameter that owns its life cycle.
 
 [Note: flat layout] A unit's parameters are concatenated, in registration order, into one
 flat buffer padded with zeros to a multiple of the shard group's size ([Note: shard layout] in
@@ -11,8 +11,20 @@ unit is gathered, its `.data` is a view of the unit's gathered buffer; the buffe
 resizing its storage to zero, so tensors that autograd saved in forward (views of the weights)
 point into the same storage and see the regathered values in backward without holding memory
 in between. At rest `.data` is a one-element NaN expanded to the parameter's shape: reading a
-parameter outside its unit's forward gives NaN (not a crash), writing to it raises. Use
-`dp.full_state_dict(model)` to read weights.
+parameter outside its unit's forward gives NaN (not a crash: a view of the freed storage would
+read freed memory and crash the process), writing to it raises. Use `dp.full_state_dict(model)`
+to read weights. Code that is compiled (`torch.compile`) only ever runs on gathered parameters:
+the unit's hooks are opaque to the compiler ([Note: compile] in fsdp.py), so a compiled region
+starts after the pre-forward hook and ends before the post-forward hook, and its guards see
+the gathered views, the same shape and strides every step.
+
+[Note: unit life cycle] Two states, each an enum set in one place:
+- `ShardedState` (the parameters): SHARDED -> GATHERING (an all-gather in flight into the
+  buffer) -> GATHERED (the parameters view the buffer) -> SHARDED (`free`).
+- `TrainingState` (the step): IDLE -> FORWARD (`pre_forward`, once per forward of the unit; a
+  unit run k times waits for k backward passes) -> BACKWARD (`pre_backward`: gradients come
+  into the bucket) -> REDUCING (`start_reduce`) -> REDUCED (`finish_reduce`) -> IDLE
+  (`finish_round`). Under `no_sync` the round ends from BACKWARD without a reduction.
 
 Gradients: a unit's gradients land in a lazy `Bucket` (parts/buckets.py, the same one ZeRO-1/2
 and DDP use: divided for the mean as they are copied in, views autograd accumulates into under
@@ -23,6 +35,8 @@ bucket is freed, as ZeRO-2 does with its buckets.
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 from ..comm import Comm, HookState
@@ -32,13 +46,30 @@ from .parts.flat_shard import FlatShard
 from .parts.layout import ShardLayout
 
 
+class ShardedState(enum.Enum):
+    """Where a unit's parameters are ([Note: unit life cycle])."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in the step ([Note: unit life cycle])."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    REDUCING = "reducing"
+    REDUCED = "reduced"
+
+
 class FlatUnit:
     """The parameters of one module, flattened and sharded across the shard group.
 
-    Life cycle of a step: `start_gather` (ahead of time, when prefetching) and `gather` before
-    the forward; `free` after it; `gather` and `prepare_grads` before the backward;
-    `start_reduce` after it, then `finish_reduce`; `end_round` once the backward is over.
-
+    index: the unit's position in the strategy's plan (the root is 0).
+    plan: which module and parameters (fsdp_plan.py).
+    comm: the shard group.
     compute_dtype: the dtype gathered parameters and their gradients are in.
     bucket_dtype: the dtype gradients are accumulated and reduced in.
     divisor: ranks the mean divides by (every rank, replicas included).
@@ -75,12 +106,14 @@ class FlatUnit:
                 flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
             data = flat[rank * size : (rank + 1) * size].clone()
         self.shard = FlatShard(self.layout, rank, data, [p.requires_grad for p in self.params])
-        self.full = self._flat_buffer(self.compute_dtype)
-        self.views = self._views_of(self.full)
+        self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
+        self.views = [
+            self.full[off : off + p.numel()].view(shape)
+            for p, off, shape in zip(self.params, self.layout.offsets, self.shapes, strict=True)
+        ]
         self.full.untyped_storage().resize_(0)
         self.nan = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
-        for p in self.params:
-            p.data = self.nan.expand(p.shape)  # [Note: parameters at rest]
+        self._rest()
         spec = BucketSpec(
             index,
             tuple(range(len(self.params))),
@@ -90,36 +123,25 @@ class FlatUnit:
             self.device,
         )
         self.bucket = Bucket(spec, self.params, True, divisor, self.layout.shard_range(rank))
-        self.state = "free"  # "free" -> "gathering" -> "gathered" -> "free"
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.pending_backwards = 0  # forwards whose backward has not run yet
         self._gather_work = None
         self._gather_source: torch.Tensor | None = None
         self.largest_gathered = 0
-        self.forward_count = 0
-        self.grads_attached = False
-        self.reduced = False
-        self.reducing = False
-
-    def _flat_buffer(self, dtype) -> torch.Tensor:
-        return torch.empty(self.layout.numel, dtype=dtype, device=self.device)
-
-    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [
-            flat[off : off + p.numel()].view(shape)
-            for p, off, shape in zip(self.params, self.layout.offsets, self.shapes, strict=True)
-        ]
 
     @property
     def empty(self) -> bool:
         return self.layout.numel == 0
 
-    @property
-    def pieces(self) -> list:
-        return self.shard.pieces
+    def _rest(self) -> None:
+        for p in self.params:
+            p.data = self.nan.expand(p.shape)  # [Note: parameters at rest]
 
     # -- parameters -------------------------------------------------------------------------
     def start_gather(self, prefetch: bool = False) -> None:
-        """Start the all-gather of the shards into the unit's buffer (no-op if under way)."""
-        if self.state != "free" or self.empty:
+        """Start the all-gather of the shards into the unit's buffer (no-op unless SHARDED)."""
+        if self.sharded_state is not ShardedState.SHARDED or self.empty:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         self.largest_gathered = max(self.largest_gathered, self.full.untyped_storage().nbytes())
@@ -133,11 +155,11 @@ class FlatUnit:
             with self.comm.tracer.labelled(unit=self.index):
                 self._gather_work = self.comm.all_gather(self.full, source, async_op=True)
             self._gather_source = source  # alive until the collective has read it
-        self.state = "gathering"
+        self.sharded_state = ShardedState.GATHERING
 
     def gather(self) -> None:
         """Make the parameters usable: finish (or start and finish) the gather, point them at it."""
-        if self.state == "gathered" or self.empty:
+        if self.sharded_state is ShardedState.GATHERED or self.empty:
             return
         self.start_gather()
         if self._gather_work is not None:
@@ -147,68 +169,89 @@ class FlatUnit:
         self.comm.tracer.mark("gather_end", unit=self.index)
         for p, view in zip(self.params, self.views, strict=True):
             p.data = view
-        self.state = "gathered"
+        self.sharded_state = ShardedState.GATHERED
 
     def free(self) -> None:
         """Release the gathered buffer; the parameters go back to rest."""
-        if self.state == "free":
+        if self.sharded_state is ShardedState.SHARDED:
             return
         if self._gather_work is not None:
             self._gather_work.wait()  # never free a buffer a collective still writes
         self._gather_work = self._gather_source = None
-        for p in self.params:
-            p.data = self.nan.expand(p.shape)
+        self._rest()
         self.full.untyped_storage().resize_(0)
-        self.state = "free"
+        self.sharded_state = ShardedState.SHARDED
 
-    # -- gradients --------------------------------------------------------------------------
-    def prepare_grads(self) -> None:
-        """Before the unit's first backward of a round: gradients that exist (kept across
-        `no_sync` backwards) come into the bucket; fresh ones arrive in `on_grad_accumulated`."""
-        if self.empty or self.grads_attached:
-            return
-        self.grads_attached = True
-        if any(p.grad is not None for p in self.params):
-            self.bucket.attach_grads()
+    # -- the verbs of a step ([Note: unit life cycle]) --------------------------------------
+    def pre_forward(self, training: bool) -> None:
+        """Gather (the strategy may have started it) and, in training, expect one more backward."""
+        self.gather()
+        if training:
+            self.training_state = TrainingState.FORWARD
+            self.pending_backwards += 1
+
+    def post_forward(self, reshard: bool) -> None:
+        if reshard:
+            self.free()
+
+    def pre_backward(self) -> None:
+        """Gather again; gradients that exist (kept across `no_sync` backwards) come into the
+        bucket, fresh ones arrive in `on_grad_accumulated`."""
+        self.gather()
+        if self.training_state is TrainingState.FORWARD:
+            self.training_state = TrainingState.BACKWARD
+            if not self.empty and any(p.grad is not None for p in self.params):
+                self.bucket.attach_grads()
+
+    def post_backward(self) -> bool:
+        """One backward of the unit is over; True when it was the last one this round."""
+        self.pending_backwards -= 1
+        return self.pending_backwards <= 0
 
     def on_grad_accumulated(self, position: int, divide: bool) -> None:
-        if self.reduced:
+        if self.training_state in (TrainingState.REDUCING, TrainingState.REDUCED):
             raise RuntimeError(
                 f"ZeRO3: a gradient of unit '{self.name}' arrived after the unit was reduced; "
                 "does a module outside the unit use its parameters? wrap differently"
             )
         self.bucket.adopt_grad(position, divide=divide)
 
+    @property
+    def needs_reduce(self) -> bool:
+        return self.training_state not in (TrainingState.REDUCING, TrainingState.REDUCED)
+
     def start_reduce(self, hook, state: HookState) -> None:
         """Start reducing the unit's gradients to this rank's shard ([Note: reduction
         interface]); the parameters' .grad are dropped (the shard will hold the result)."""
-        self.reduced = True
         if self.empty:
+            self.training_state = TrainingState.REDUCED
             return
+        self.training_state = TrainingState.REDUCING
         self.comm.tracer.mark("reduce_start", unit=self.index)
         with self.comm.tracer.labelled(unit=self.index):
             self.bucket.launch(hook, state)
         for p in self.params:
             p.grad = None
-        self.reducing = True
 
     def finish_reduce(self) -> None:
         """Wait for the reduction and add this rank's averaged part into the shard's gradient."""
-        if not self.reducing:
+        if self.training_state is not TrainingState.REDUCING:
             return
-        self.reducing = False
         self.bucket.wait()
         self.comm.tracer.mark("reduce_end", unit=self.index)
         self.shard.take_reduced(self.bucket.reduced())
         self.bucket.release()
         self.bucket.reset()
+        self.training_state = TrainingState.REDUCED
 
-    def end_round(self, used: list[bool]) -> None:
-        """The round is over: pieces of parameters some rank used get their .grad."""
-        self.shard.attach_grads(used)
-        self.reduced = False
-        self.forward_count = 0
-        self.grads_attached = False
+    def finish_round(self, used: list[bool] | None) -> None:
+        """The backward is over (`used`: per parameter, whether some rank used it; None under
+        `no_sync`): pieces of used parameters get their .grad, and the unit is freed."""
+        if used is not None:
+            self.shard.attach_grads(used)
+        self.training_state = TrainingState.IDLE
+        self.pending_backwards = 0
+        self.free()
 
     # -- what this rank holds ---------------------------------------------------------------
     def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
