@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch.nn import functional as F
 
@@ -129,21 +128,19 @@ def test_compile_under_mixed_precision_and_a_mesh():
         assert diff < 1e-4, (case, diff)
 
 
-@pytest.mark.parametrize("order", ["after"])
-def test_compiled_zero3_frees_units_between_steps(order):
-    """The compiled model still holds only shards at rest (the parameters read as NaN)."""
+def _rest_world(world):
+    model = GPT(CONFIG)
+    dp.parallelize(model, "zero3")
+    compiled = torch.compile(model)
+    optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2)
+    _train(compiled, optimizer, world.rank, world.world_size, 2)
+    at_rest = all(torch.isnan(p).all().item() for p in model.blocks[0].parameters())
+    return at_rest, dp.memory_report(model, optimizer)
 
-    def body(world):
-        model = GPT(CONFIG)
-        dp.parallelize(model, "zero3")
-        compiled = torch.compile(model)
-        optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2)
-        _train(compiled, optimizer, world.rank, world.world_size, 2)
-        report = dp.memory_report(model, optimizer)
-        return torch.isnan(model.blocks[0].mlp_fc.weight).all().item() if hasattr(
-            model.blocks[0], "mlp_fc"
-        ) else all(torch.isnan(p).all().item() for p in model.blocks[0].parameters()), report
 
-    nan, report = run_world(2, body)[0]
-    assert nan
-    assert report["params"] > 0
+def test_compiled_zero3_holds_only_shards_between_steps():
+    """[Note: parameters at rest]: after compiled steps the units are freed again."""
+    at_rest, report = run_world(2, _rest_world)[0]
+    assert at_rest
+    full = sum(p.numel() for p in GPT(CONFIG).parameters()) * 4
+    assert report["params"] < 0.75 * full  # shards (half) plus the largest gathered unit freed
