@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import Comm, Tracer
-from .strategies import Groups, Mesh, Strategy, resolve_policy
+from .strategies import Geometry, Groups, Mesh, Strategy, resolve_policy
 
 _ATTR = "_dataparallel_strategy"
 
@@ -128,6 +128,14 @@ def bytes_sent(model: nn.Module) -> int:
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm across ranks and shards; return that norm."""
     return strategy_of(model).clip_grad_norm_(max_norm, norm_type)
+
+
+def geometry(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
+    """What this rank holds of each parameter of a parallelized model ([Note: geometry] in
+    strategies/parts/geometry.py): the runs of the flattened parameters, the tensors the
+    optimizer updates for them, and the group over which they fit together. The state dicts,
+    sharded checkpoints and memory reports are derived from it."""
+    return strategy_of(model).geometry(optimizer)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api import strategy_of
-from ..strategies.parts.plain_state import SCALAR_STATE_KEYS, elementwise
+from ..api import geometry, strategy_of
+from ..strategies import SCALAR_STATE_KEYS, elementwise
 from .dcp import Chunk, load_chunks, stored_tensors
 
 
@@ -39,7 +39,7 @@ def _held(model, optimizer, prefix: str) -> tuple[dict[str, Chunk], dict[int, ob
     and its optimized pieces by the id of the tensor the optimizer keys them by."""
     chunks: dict[str, Chunk] = {}
     optimized = {}
-    for piece in strategy_of(model).held_pieces(optimizer):
+    for piece in geometry(model, optimizer).pieces:
         numel = piece.shape.numel()
         chunks[f"{prefix}model/{piece.name}"] = Chunk(piece.value, piece.offset, numel)
         if piece.key is not None:

@@ -3,6 +3,7 @@
 from .base import Strategy
 from .ddp import DDP, DDPStrategy
 from .fsdp import ZeRO3, ZeRO3Strategy
+from .parts.geometry import SCALAR_STATE_KEYS, Geometry, HeldPiece, elementwise
 from .parts.mesh import Groups, Mesh, init_mesh
 from .parts.precision import MixedPrecision
 from .zero import ZeRO1, ZeRO2, ZeROStrategy
@@ -28,16 +29,20 @@ def resolve_policy(strategy):
 __all__ = [
     "DDP",
     "DDPStrategy",
+    "Geometry",
     "Groups",
+    "HeldPiece",
     "Mesh",
     "MixedPrecision",
     "POLICIES",
+    "SCALAR_STATE_KEYS",
     "Strategy",
     "ZeRO1",
     "ZeRO2",
     "ZeRO3",
     "ZeRO3Strategy",
     "ZeROStrategy",
+    "elementwise",
     "init_mesh",
     "resolve_policy",
 ]

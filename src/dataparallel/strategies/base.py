@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from .parts.held import HeldPiece, optimized_ids, parameter_names, shard_pieces, whole_pieces
+from .parts import geometry as geo
+from .parts.geometry import Geometry
 
 
 def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -145,34 +146,34 @@ class Strategy:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         raise NotImplementedError
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    # -- what this rank holds, and every plain form of it ([Note: geometry]) --------------------
+    def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
+        """What this rank holds of each parameter, and what `optimizer` keys it by."""
         raise NotImplementedError
+
+    def user_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
+        """The model parameters of `optimizer`'s param groups, as the user passed them."""
+        return [list(g["params"]) for g in optimizer.param_groups]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        self.finish_param_gather()
+        return geo.full_state_dict(self.model, self.geometry())
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        raise NotImplementedError
+        self.finish_param_gather()
+        geo.load_full_state_dict(self.model, self.geometry(), state_dict)
+        self.refresh_params()
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        raise NotImplementedError
+        groups = self.user_groups(optimizer)
+        return geo.optimizer_state_dict(self.geometry(optimizer), optimizer, groups)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        raise NotImplementedError
+        groups = self.user_groups(optimizer)
+        geo.load_optimizer_state_dict(self.geometry(optimizer), optimizer, groups, state)
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         raise NotImplementedError
-
-    # -- sharded checkpoints ([Note: held pieces] in parts/held.py) ----------------------------
-    def flat_shards(self) -> list:
-        """(FlatShard, its parameters) of every flat buffer this rank holds a shard of (none
-        for DDP, which holds every parameter whole)."""
-        return []
-
-    def held_pieces(self, optimizer: torch.optim.Optimizer | None = None) -> list[HeldPiece]:
-        """The runs of each parameter this rank holds, named as in the plain model: the pieces
-        of its flat shards, and every other parameter whole."""
-        self.finish_param_gather()
-        names = parameter_names(self.model)
-        pieces, covered = shard_pieces(names, self.flat_shards())
-        return pieces + whole_pieces(self.model, names, optimized_ids(optimizer), covered)
 
     def stateful_hook(self):
         """The communication hook, when it keeps state between steps (compression), else None."""

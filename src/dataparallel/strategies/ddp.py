@@ -40,6 +40,7 @@ from .base import (
     verify_same_model,
 )
 from .parts.buckets import plan_buckets
+from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups, init_mesh
 from .parts.precision import MixedPrecision, check_precision, install_casts
 from .parts.reducer import GradientReducer
@@ -192,17 +193,9 @@ class DDPStrategy(Strategy):
         grads = [p for p in self.model.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state_dict)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        return optimizer.state_dict()
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        optimizer.load_state_dict(state)
+    def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
+        """Every parameter whole, stepped as itself ([Note: geometry])."""
+        return build_geometry(self.model, [], None, optimized_ids(optimizer))
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         return {

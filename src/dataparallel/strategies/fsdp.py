@@ -58,7 +58,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import HookState
 from ..comm.hooks import default_hook
-from . import fsdp_checkpoint
 from .base import (
     Strategy,
     hook_state_report,
@@ -72,8 +71,8 @@ from .fsdp_plan import plan_units, select_units
 from .fsdp_schedule import Schedule
 from .fsdp_unit import FlatUnit
 from .parts.clip import clip_grad_norm_
+from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
-from .parts.plain_state import gather_plain_state, load_plain_state
 from .parts.precision import MixedPrecision, cast_floats, check_precision, install_casts, is_norm
 from .parts.round import BackwardRound
 
@@ -329,21 +328,16 @@ class ZeRO3Strategy(Strategy):
         grads = [g for u in self.units for g in u.shard.grad_tensors()]
         return clip_grad_norm_(grads, max_norm, norm_type, self.groups.shard)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return fsdp_checkpoint.full_state_dict(self.model, self.units, self.groups.shard)
+    def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
+        """Each unit's shard pieces, in the units' master dtype ([Note: geometry])."""
+        dtypes = {id(p): u.dtype for u in self.units for p in u.params}
+        shards = [(u.shard, u.params) for u in self.units]
+        return build_geometry(
+            self.model, shards, self.groups.shard, optimized_ids(optimizer), dtypes
+        )
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        fsdp_checkpoint.load_full_state_dict(self.model, self.units, state_dict)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        originals = self._originals(optimizer)
-        return gather_plain_state(optimizer, self.flat_shards(), originals, self.groups.shard)
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        load_plain_state(optimizer, self.flat_shards(), self._originals(optimizer), state)
-
-    def flat_shards(self) -> list:
-        return [(u.shard, u.params) for u in self.units]
+    def user_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
+        return self._originals(optimizer)
 
     def refresh_params(self) -> None:
         for unit in self.units:

@@ -46,11 +46,11 @@ from .ddp import MB, broadcast_buffers, broadcast_model
 from .parts.buckets import Bucket, plan_buckets
 from .parts.clip import clip_grad_norm_
 from .parts.flat_shard import FlatShard
+from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
-from .parts.plain_state import gather_plain_state, load_plain_state
 from .parts.precision import MixedPrecision, check_precision, install_casts, norm_params
 from .parts.reducer import GradientReducer
-from .zero_step import BucketShard, ShardedStep, flatten_bucket, gather_full_params, load_masters
+from .zero_step import BucketShard, ShardedStep, flatten_bucket
 
 # Bucket reductions in flight at once in backward: bounds ZeRO-2's full-size buckets and the
 # receive buffers of pairwise reduce-scatters (`max_in_flight` in reducer.py).
@@ -200,7 +200,7 @@ class ZeROStrategy(Strategy):
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = None
         self.sharded_step: ShardedStep | None = None
-        self.user_groups: list[list[nn.Parameter]] = [list(self.trainable)]
+        self.user_groups_: list[list[nn.Parameter]] = [list(self.trainable)]
         self.reducer: GradientReducer | None = None
         self.buckets: list[BucketShard] = []
         self.round_done = False  # a synchronised backward ended, no forward since
@@ -308,11 +308,10 @@ class ZeROStrategy(Strategy):
         if len(ids) != len(set(ids)):
             raise ValueError("build_optimizer: a parameter appears in two param groups")
         trainable = {id(p) for p in self.trainable}
-        self.user_groups = [list(g["params"]) for g in groups]
-        shard_groups = [[p for p in g if id(p) in trainable] for g in self.user_groups]
+        self.user_groups_ = [list(g["params"]) for g in groups]
+        shard_groups = [[p for p in g if id(p) in trainable] for g in self.user_groups_]
         if [[id(p) for p in g] for g in shard_groups] != self.groups_ids:
-            values = gather_full_params(self.buckets, self.groups.shard)
-            self._shard_parameters(shard_groups, values)
+            self._shard_parameters(shard_groups, self._full_values())
         optimizer = optimizer_cls(
             [
                 {
@@ -340,49 +339,47 @@ class ZeROStrategy(Strategy):
             self.sharded_step.gather.finish()
 
     def refresh_params(self) -> None:
-        """Masters (or shards) changed outside step(): write them back and all-gather again."""
-        if self.sharded_step is not None:
-            self.sharded_step.gather.finish()
-            self.sharded_step.after(self.optimizer, (), {})
+        """Masters (or shards) changed outside step(): write them back and all-gather every
+        bucket again."""
+        self.finish_param_gather()
+        shard = self.groups.shard
+        for bucket in self.buckets:
+            bucket.write_back()
+            if shard.world_size > 1:
+                shard.all_gather(bucket.flat, bucket.own)
+
+    def _full_values(self) -> dict[int, torch.Tensor]:
+        """id(trainable parameter) -> its whole value (the masters' under mixed precision).
+        Collective over the shard group."""
+        full = self.full_state_dict()
+        names = self.geometry().names
+        return {id(p): full[names[id(p)]].to(p.device) for p in self.trainable}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         grads = [g for b in self.buckets for g in b.shard.grad_tensors()]
         return clip_grad_norm_(grads, max_norm, norm_type, self.groups.shard)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        self.finish_param_gather()
-        values = gather_full_params(self.buckets, self.groups.shard)
-        out = {}
-        for key, tensor in self.model.state_dict(keep_vars=True).items():
-            value = values.get(id(tensor), tensor.detach())
-            dtype = self.original_dtypes.get(id(tensor), value.dtype)
-            out[key] = value.to("cpu", dtype, copy=True)
-        return out
+    def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
+        """The buckets' shard pieces (masters in mixed precision), frozen parameters whole
+        ([Note: geometry])."""
+        if optimizer is not None:
+            self._check_ours(optimizer)
+        shards = [(b.shard, b.params) for b in self.buckets]
+        optimized = optimized_ids(optimizer)
+        return build_geometry(
+            self.model, shards, self.groups.shard, optimized, self.original_dtypes
+        )
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.finish_param_gather()
-        self.model.load_state_dict(state_dict)  # into the flat buffers the params view
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        load_masters(self.buckets, {i: state_dict[name] for i, name in names.items()})
+    def user_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
+        self._check_ours(optimizer)
+        return self.user_groups_
 
-    def _sharded(self, optimizer: torch.optim.Optimizer):
-        """(shard, parameters) of the buckets `optimizer` steps, in bucket order."""
+    def _check_ours(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is not self.optimizer:
             raise ValueError(
                 f"{self.name}: this optimizer was not built by dataparallel.build_optimizer "
                 "for this model"
             )
-        return [(b.shard, b.params) for b in self.buckets if b.optimized]
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        sharded = self._sharded(optimizer)
-        return gather_plain_state(optimizer, sharded, self.user_groups, self.groups.shard)
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        load_plain_state(optimizer, self._sharded(optimizer), self.user_groups, state)
-
-    def flat_shards(self) -> list:
-        return [(b.shard, b.params) for b in self.buckets]
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds; in mixed precision the fp32 masters count as optimizer state

@@ -84,36 +84,6 @@ def flatten_bucket(
     return BucketShard(flat, layout, rank, master, params, optimized)
 
 
-def gather_full_params(buckets: list[BucketShard], comm: Comm) -> dict[int, torch.Tensor]:
-    """id(param) -> its full value from the masters, for buckets that have them. Collective
-    over the shard group `comm`."""
-    out = {}
-    for bucket in buckets:
-        if not bucket.has_master:
-            continue  # the model's parameters are the exact values, whole on every rank
-        master = bucket.shard.data
-        full = torch.empty(bucket.shard.layout.numel, dtype=master.dtype, device=master.device)
-        if comm.world_size > 1:
-            comm.all_gather(full, master)
-        else:
-            full.copy_(master)
-        for p, offset in zip(bucket.params, bucket.shard.layout.offsets, strict=True):
-            out[id(p)] = full[offset : offset + p.numel()].view_as(p)
-    return out
-
-
-@torch.no_grad()
-def load_masters(buckets: list[BucketShard], values: dict[int, torch.Tensor]) -> None:
-    """Set every master slice from full values (id(param) -> tensor)."""
-    for bucket in buckets:
-        if not bucket.has_master:
-            continue
-        layout, shard = bucket.shard.layout, bucket.shard
-        for piece in layout.pieces(shard.rank):
-            part = values[id(bucket.params[piece.param])].reshape(-1)[piece.start : piece.stop]
-            shard.data[piece.shard_start : piece.shard_start + piece.numel].copy_(part)
-
-
 class ShardedStep:
     """The step hooks of [Note: sharded step].
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import dataparallel as dp
+
 from ..checkpoint import (
     CheckpointError,
     Chunk,
@@ -47,7 +49,6 @@ from ..checkpoint import (
     verify,
     write_safetensors,
 )
-from ..strategies.parts.held import parameter_names
 from .trainer import Callback, StepRecord, TrainState
 
 CHECKPOINTS = "checkpoint"
@@ -96,7 +97,7 @@ def run_state(state: TrainState) -> dict:
     """The plain (JSON) part of a checkpoint."""
     _, replicas = replica_of(state)
     prefix = "replica0/" if replicas > 1 else ""  # the export takes replica 0's weights
-    names = parameter_names(state.model)
+    names = dp.geometry(state.model).names
     weights = []
     for name, tensor in state.model.state_dict(keep_vars=True).items():
         first = names.get(id(tensor))
