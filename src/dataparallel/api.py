@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import Comm, Tracer
-from .strategies import Geometry, Groups, Mesh, Strategy, resolve_policy
+from .strategies import Geometry, Groups, Mesh, Strategy, apply_policy, resolve_policy
 
 _ATTR = "_dataparallel_strategy"
 
@@ -58,7 +58,7 @@ def parallelize(
     if mesh is not None and group is not None:
         raise ValueError("parallelize: pass a group or a mesh (built over a group), not both")
     policy = resolve_policy(strategy)
-    instance = policy.apply(model, Groups.build(group, mesh, tracer, pairwise))
+    instance = apply_policy(policy, model, Groups.build(group, mesh, tracer, pairwise))
     object.__setattr__(model, _ATTR, instance)
     return model
 

@@ -90,6 +90,23 @@ def normalize_param_groups(model: nn.Module, params) -> list[dict]:
     return groups
 
 
+def broadcast_model(model: nn.Module, comm: Comm) -> None:
+    """Give every rank rank 0's parameters and buffers (one collective per dtype)."""
+    tensors = [p.data for p in model.parameters()] + list(model.buffers())
+    if comm.world_size > 1 and tensors:
+        comm.broadcast_tensors(tensors, src=0)
+
+
+def broadcast_buffers(module: nn.Module, buffers: list[torch.Tensor], comm: Comm) -> None:
+    """At a training forward, give every rank rank 0's buffers (BatchNorm statistics).
+
+    Only in train() mode (callers check grad mode), so an evaluation that runs on one rank
+    alone never waits for the others.
+    """
+    if module.training and buffers and comm.world_size > 1:
+        comm.broadcast_tensors(buffers, src=0)
+
+
 class Strategy:
     """The protocol every strategy implements (a base with the shared pieces).
 

@@ -15,7 +15,7 @@ The contract (what `parallelize(model, DDP(...))` guarantees):
 - `precision=MixedPrecision(...)` ([Note: mixed precision] in parts/precision.py): with a
   `param_dtype` narrower than the model's, the parameters are held in it and fp32 masters with
   the optimizer state beside them: that is ZeRO-1 on shard groups of one rank (a 2-D mesh with
-  S = 1, [Note: mesh]), and DDP builds exactly that. The reduced gradients are then the
+  S = 1, [Note: mesh]), and that is what `parallelize` builds (strategies/resolve.py). The reduced gradients are then the
   masters' `.grad`, not the model's.
 """
 
@@ -32,6 +32,8 @@ from ..comm import Comm, HookState
 from ..comm.hooks import default_hook
 from .base import (
     Strategy,
+    broadcast_buffers,
+    broadcast_model,
     check_optimizer_params,
     hook_state_report,
     normalize_param_groups,
@@ -39,13 +41,11 @@ from .base import (
     tensor_bytes,
     verify_same_model,
 )
-from .parts.buckets import plan_buckets
+from .parts.buckets import MB, plan_buckets
 from .parts.geometry import Geometry, build_geometry, optimized_ids
-from .parts.mesh import Groups, init_mesh
+from .parts.mesh import Groups
 from .parts.precision import MixedPrecision, check_precision, install_casts
 from .parts.reducer import GradientReducer
-
-MB = 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,52 +86,15 @@ class DDP:
         check_precision(self.precision, "DDP")
 
     def apply(self, model: nn.Module, groups: Groups) -> Strategy:
+        self.check_groups(groups)
+        return DDPStrategy(model, groups.world, self)
+
+    def check_groups(self, groups: Groups) -> None:
         if groups.shard is not groups.world:
             raise ValueError(
                 "parallelize: DDP replicates every parameter, so a mesh with shard_size > 1 "
                 "means nothing to it; use zero1, zero2 or zero3 with the mesh"
             )
-        precision = check_precision(self.precision, "DDP")
-        first = next(model.parameters(), None)
-        if first is not None and precision.masters(first.dtype) is not None:
-            return self._with_masters(model, groups)
-        return DDPStrategy(model, groups.world, self)
-
-    def _with_masters(self, model: nn.Module, groups: Groups) -> Strategy:
-        """Low-precision parameters with fp32 masters: ZeRO-1 on shard groups of one rank."""
-        from .zero import ZeRO1, ZeROStrategy  # zero.py builds on this module
-
-        if self.reduce_op != "mean":
-            raise ValueError("DDP: reduce_op='sum' is not supported with a low param_dtype")
-        mesh = init_mesh(1, groups.world.group)
-        solo = Groups.build(None, mesh, groups.world.tracer, groups.world.pairwise)
-        policy = ZeRO1(
-            bucket_mb=self.bucket_mb,
-            first_bucket_mb=self.first_bucket_mb,
-            precision=self.precision,
-            grad_reduce="all_reduce",
-            comm_hook=self.comm_hook,
-            hook_state=self.hook_state,
-            broadcast_buffers=self.broadcast_buffers,
-        )
-        return ZeROStrategy(model, solo, policy, name="ddp")
-
-
-def broadcast_model(model: nn.Module, comm: Comm) -> None:
-    """Give every rank rank 0's parameters and buffers (one collective per dtype)."""
-    tensors = [p.data for p in model.parameters()] + list(model.buffers())
-    if comm.world_size > 1 and tensors:
-        comm.broadcast_tensors(tensors, src=0)
-
-
-def broadcast_buffers(module: nn.Module, buffers: list[torch.Tensor], comm: Comm) -> None:
-    """At a training forward, give every rank rank 0's buffers (BatchNorm statistics).
-
-    Only in train() mode (callers check grad mode), so an evaluation that runs on one rank
-    alone never waits for the others.
-    """
-    if module.training and buffers and comm.world_size > 1:
-        comm.broadcast_tensors(buffers, src=0)
 
 
 class DDPStrategy(Strategy):

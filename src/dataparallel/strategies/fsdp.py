@@ -60,13 +60,13 @@ from ..comm import HookState
 from ..comm.hooks import default_hook
 from .base import (
     Strategy,
+    broadcast_model,
     hook_state_report,
     normalize_param_groups,
     optimizer_state_tensors,
     tensor_bytes,
     verify_same_model,
 )
-from .ddp import broadcast_model
 from .fsdp_plan import plan_units, select_units
 from .fsdp_schedule import Schedule
 from .fsdp_unit import FlatUnit

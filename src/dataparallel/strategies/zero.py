@@ -36,14 +36,15 @@ from ..comm import HookState
 from ..comm.hooks import default_hook
 from .base import (
     Strategy,
+    broadcast_buffers,
+    broadcast_model,
     hook_state_report,
     normalize_param_groups,
     optimizer_state_tensors,
     tensor_bytes,
     verify_same_model,
 )
-from .ddp import MB, broadcast_buffers, broadcast_model
-from .parts.buckets import Bucket, plan_buckets
+from .parts.buckets import MB, Bucket, plan_buckets
 from .parts.clip import clip_grad_norm_
 from .parts.flat_shard import FlatShard
 from .parts.geometry import Geometry, build_geometry, optimized_ids

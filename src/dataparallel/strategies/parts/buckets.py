@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+MB = 1024 * 1024  # bucket sizes are given in MiB
+
 
 @dataclass(frozen=True)
 class BucketSpec:
