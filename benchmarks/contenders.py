@@ -135,6 +135,24 @@ OURS: dict[str, tuple[str, dict, dict]] = {
 }
 
 
+def compile_blocks(model) -> None:
+    """Compile each transformer block in place (`Module.compile`): the form [Note: compile] in
+    strategies/fsdp.py recommends; a whole-model compile measures the same here."""
+    for block in model.blocks:
+        block.compile()
+
+
+def compiled(setup: Callable) -> Callable:
+    """`setup` with the model's blocks compiled after it has wrapped the model."""
+
+    def compiled_setup(model, world) -> Prepared:
+        prepared = setup(model, world)
+        compile_blocks(model)
+        return prepared
+
+    return compiled_setup
+
+
 def ours(name: str, package=dp) -> Callable:
     """Our contender `name` (a key of OURS) through `package`'s public API: the current
     dataparallel, or an older one loaded by baseline.py."""
@@ -302,6 +320,19 @@ CONTENDERS: dict[str, Callable] = {
     "zero3-gloo": ours("zero3-gloo"),
     "fsdp2": fsdp2,
     "deepspeed-zero3": deepspeed_zero(3),
+    # torch.compile per block after wrapping, against the eager contender of the same name
+    **{
+        f"{name}-compiled": compiled(CONTENDER)
+        for name, CONTENDER in (
+            ("bound", bound),
+            ("ddp", ours("ddp")),
+            ("torch-ddp", torch_ddp),
+            ("zero1", ours("zero1")),
+            ("zero2", ours("zero2")),
+            ("zero3", ours("zero3")),
+            ("fsdp2", fsdp2),
+        )
+    },
 }
 # The old twins that `--contenders all` adds when there is a --baseline.
 OLD_IN_ALL = ("old-ddp", "old-zero1", "old-zero2", "old-zero3")
@@ -314,6 +345,7 @@ PEERS = {
     "zero2": ["zero2-gloo", "deepspeed-zero2"],
     "zero2-overlap": ["zero2", "deepspeed-zero2"],
     "zero3": ["zero3-gloo", "fsdp2", "deepspeed-zero3"],
+    **{f"{name}-compiled": [name] for name in ("ddp", "zero1", "zero2", "zero3")},
 }
 
 

@@ -189,8 +189,27 @@ class Strategy:
         groups = self.user_groups(optimizer)
         geo.load_optimizer_state_dict(self.geometry(optimizer), optimizer, groups, state)
 
-    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    def working_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(parameters, gradients) the strategy computes with now: the model's parameters or
+        the buffers they view, gathered units, gradient buckets and stores."""
         raise NotImplementedError
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds: what it computes with, and from the geometry what it holds
+        beside that (fp32 masters under mixed precision, which count as optimizer state, the
+        ZeRO paper's K = 12 bytes per parameter, and are also reported on their own)."""
+        params, grads = self.working_tensors()
+        working = {t.untyped_storage().data_ptr() for t in params if t is not None}
+        held = [p.value for p in self.geometry(optimizer).pieces]
+        masters = [t for t in held if t.untyped_storage().data_ptr() not in working]
+        state = optimizer_state_tensors(optimizer) if optimizer is not None else []
+        return {
+            "params": tensor_bytes(params),
+            "grads": tensor_bytes(grads),
+            "optimizer_state": tensor_bytes(state + masters),
+            "master_params": tensor_bytes(masters),
+            **hook_state_report(self.hook),
+        }
 
     def stateful_hook(self):
         """The communication hook, when it keeps state between steps (compression), else None."""

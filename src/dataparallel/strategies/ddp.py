@@ -35,10 +35,7 @@ from .base import (
     broadcast_buffers,
     broadcast_model,
     check_optimizer_params,
-    hook_state_report,
     normalize_param_groups,
-    optimizer_state_tensors,
-    tensor_bytes,
     verify_same_model,
 )
 from .parts.buckets import MB, plan_buckets
@@ -160,10 +157,6 @@ class DDPStrategy(Strategy):
         """Every parameter whole, stepped as itself ([Note: geometry])."""
         return build_geometry(self.model, [], None, optimized_ids(optimizer))
 
-    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        return {
-            "params": tensor_bytes(p.data for p in self.model.parameters()),
-            "grads": tensor_bytes(b.buffer for b in self.reducer.buckets),
-            "optimizer_state": tensor_bytes(optimizer_state_tensors(optimizer)) if optimizer else 0,
-            **hook_state_report(self.reducer.hook),
-        }
+    def working_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        params = [p.data for p in self.model.parameters()]
+        return params, [b.buffer for b in self.reducer.buckets]

@@ -61,10 +61,7 @@ from ..comm.hooks import default_hook
 from .base import (
     Strategy,
     broadcast_model,
-    hook_state_report,
     normalize_param_groups,
-    optimizer_state_tensors,
-    tensor_bytes,
     verify_same_model,
 )
 from .fsdp_plan import plan_units, select_units
@@ -348,16 +345,13 @@ class ZeRO3Strategy(Strategy):
             raise ValueError("ZeRO3: this optimizer was not built by dp.build_optimizer here")
         return self.original_groups[optimizer]
 
-    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds now; `largest_gathered_unit` is the largest buffer a gather
-        has allocated so far (the transient on top of the rest)."""
+    def working_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         held = [u.held_tensors() for u in self.units]
-        params = [t for unit_params, _ in held for t in unit_params]
-        grads = [t for _, unit_grads in held for t in unit_grads]
-        return {
-            "params": tensor_bytes(params),
-            "grads": tensor_bytes(grads),
-            "optimizer_state": tensor_bytes(optimizer_state_tensors(optimizer)) if optimizer else 0,
-            "largest_gathered_unit": max(u.largest_gathered for u in self.units),
-            **hook_state_report(self.hook),
-        }
+        return [t for p, _ in held for t in p], [t for _, g in held for t in g]
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """As every strategy's; `largest_gathered_unit` is the largest buffer a gather has
+        allocated so far (the transient on top of the rest)."""
+        report = super().memory_report(optimizer)
+        report["largest_gathered_unit"] = max(u.largest_gathered for u in self.units)
+        return report

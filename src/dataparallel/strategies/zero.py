@@ -38,10 +38,7 @@ from .base import (
     Strategy,
     broadcast_buffers,
     broadcast_model,
-    hook_state_report,
     normalize_param_groups,
-    optimizer_state_tensors,
-    tensor_bytes,
     verify_same_model,
 )
 from .parts.buckets import MB, Bucket, plan_buckets
@@ -382,16 +379,6 @@ class ZeROStrategy(Strategy):
                 "for this model"
             )
 
-    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds; in mixed precision the fp32 masters count as optimizer state
-        (the ZeRO paper's K = 12 bytes per parameter) and are also reported on their own."""
-        masters = [b.shard.data for b in self.buckets if b.has_master]
+    def working_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         grads = [b.buffer for b in self.reducer.buckets] + [b.shard.store for b in self.buckets]
-        state = optimizer_state_tensors(optimizer) if optimizer is not None else []
-        return {
-            "params": tensor_bytes(p.data for p in self.model.parameters()),
-            "grads": tensor_bytes(grads),
-            "optimizer_state": tensor_bytes(state + masters),
-            "master_params": tensor_bytes(masters),
-            **hook_state_report(self.reducer.hook),
-        }
+        return [p.data for p in self.model.parameters()], grads
