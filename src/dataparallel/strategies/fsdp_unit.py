@@ -42,7 +42,7 @@ import torch
 from ..comm import Comm, HookState
 from .fsdp_plan import UnitPlan
 from .parts.buckets import Bucket, BucketSpec
-from .parts.flat_shard import FlatShard
+from .parts.flat_shard import FlatShard, shard_values
 from .parts.layout import ShardLayout
 
 
@@ -99,12 +99,9 @@ class FlatUnit:
         self.compute_dtype = compute_dtype or self.dtype
         self.shapes = [p.shape for p in self.params]
         self.layout = ShardLayout.pack([p.numel() for p in self.params], comm.world_size)
-        rank, size = comm.rank, self.layout.shard_numel
-        with torch.no_grad():
-            flat = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
-            for p, off in zip(self.params, self.layout.offsets, strict=True):
-                flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
-            data = flat[rank * size : (rank + 1) * size].clone()
+        rank = comm.rank
+        values = [p.detach() for p in self.params]
+        data = shard_values(self.layout, rank, values, self.dtype, self.device)
         self.shard = FlatShard(self.layout, rank, data, [p.requires_grad for p in self.params])
         self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
         self.views = [

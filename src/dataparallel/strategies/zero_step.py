@@ -21,7 +21,7 @@ import torch
 
 from ..comm import Comm
 from .parts.buckets import BucketSpec
-from .parts.flat_shard import FlatShard
+from .parts.flat_shard import FlatShard, shard_values
 from .parts.layout import ShardLayout
 from .parts.param_gather import ParamGather
 
@@ -74,10 +74,7 @@ def flatten_bucket(
     full = [values.get(id(p), p.detach()).reshape(-1) for p in params]
     master = None
     if master_dtype is not None:
-        master = torch.zeros(layout.shard_numel, dtype=master_dtype, device=spec.device)
-        for piece in layout.pieces(rank):
-            part = full[piece.param][piece.start : piece.stop]
-            master[piece.shard_start : piece.shard_start + piece.numel].copy_(part)
+        master = shard_values(layout, rank, full, master_dtype, spec.device)
     for p, offset, value in zip(params, spec.offsets, full, strict=True):
         flat[offset : offset + p.numel()].copy_(value)
         p.data = flat[offset : offset + p.numel()].view_as(p)

@@ -29,6 +29,17 @@ from torch import nn
 from .layout import ShardLayout
 
 
+@torch.no_grad()
+def shard_values(layout: ShardLayout, rank: int, values: list[torch.Tensor], dtype, device):
+    """`rank`'s slice of the flat buffer `values` (whole parameters, in layout order) would
+    make, built from the pieces alone (the flat buffer is never materialised); padding zero."""
+    data = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+    for piece in layout.pieces(rank):
+        part = values[piece.param].reshape(-1)[piece.start : piece.stop]
+        data[piece.shard_start : piece.shard_start + piece.numel].copy_(part)
+    return data
+
+
 class FlatShard:
     """This rank's shard of one flat buffer ([Note: flat shard]).
 
@@ -43,11 +54,15 @@ class FlatShard:
         self.layout = layout
         self.rank = rank
         self.data = data
-        self.ranges: list[tuple[int, int]] = []  # per parameter: its [start, stop) in the shard
+        # Per parameter: its [start, stop) in the shard, and where that part starts inside the
+        # parameter ((0, 0) and 0 when it has no element here): the layout's pieces.
+        self.ranges: list[tuple[int, int]] = [(0, 0)] * len(trainable)
+        self.starts: list[int] = [0] * len(trainable)
+        for piece in layout.pieces(rank):
+            self.ranges[piece.param] = (piece.shard_start, piece.shard_start + piece.numel)
+            self.starts[piece.param] = piece.start
         self.pieces: list[nn.Parameter | None] = []
-        for position, requires_grad in enumerate(trainable):
-            start, stop, _ = layout.local_slice(position, rank)
-            self.ranges.append((start, stop))
+        for (start, stop), requires_grad in zip(self.ranges, trainable, strict=True):
             piece = nn.Parameter(data[start:stop], requires_grad=requires_grad)
             self.pieces.append(piece if stop > start else None)
         # What the optimizer steps: the trainable pieces, in layout order.

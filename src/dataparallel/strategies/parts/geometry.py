@@ -125,7 +125,7 @@ def build_geometry(
             covered.add(id(param))
             if piece is None:
                 continue
-            _, _, inner = shard.layout.local_slice(position, shard.rank)
+            inner = shard.starts[position]
             key = piece if piece.requires_grad and id(piece) in optimized else None
             pieces.append(
                 HeldPiece(names[id(param)], param, param.shape, inner, piece.detach(), key)

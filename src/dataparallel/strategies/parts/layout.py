@@ -104,16 +104,9 @@ class ShardLayout:
 
     def local_slice(self, param: int, rank: int) -> tuple[int, int, int]:
         """(start, stop) of parameter `param` inside `rank`'s shard, and where that part starts
-        inside the parameter; (0, 0, 0) when the parameter has no element there."""
-        lo, hi = self.shard_range(rank)
-        start = max(self.offsets[param], lo)
-        stop = min(self.offsets[param] + self.sizes[param], hi)
-        if stop <= start:
-            return 0, 0, 0
-        return start - lo, stop - lo, start - self.offsets[param]
-
-    def owner(self, param: int) -> int:
-        """The rank whose slice holds the first element of parameter `param`."""
-        if self.shard_numel == 0:
-            return 0
-        return min(self.offsets[param] // self.shard_numel, self.world_size - 1)
+        inside the parameter; (0, 0, 0) when the parameter has no element there. The same
+        arithmetic as `pieces`, for one parameter."""
+        for piece in self.pieces(rank):
+            if piece.param == param:
+                return piece.shard_start, piece.shard_start + piece.numel, piece.start
+        return 0, 0, 0
