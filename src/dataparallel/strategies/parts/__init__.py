@@ -5,7 +5,7 @@ flat_shard.py   FlatShard: this rank's shard of a flat buffer, its pieces and th
 buckets.py      the bucket plan and Bucket: flat gradients, divided for the mean, handed to hooks
 reducer.py      GradientReducer: buckets launched as backward fills them, overlapped
 round.py        BackwardRound: the end of a synchronised backward, used flags, found-inf
-plain_state.py  optimizer state in plain per-parameter form, to and from shards
+geometry.py     Geometry: what a rank holds; state dicts, plain optimizer state, checkpoints
 clip.py         global-norm clipping over shards
 param_gather.py ZeRO-1/2's parameter all-gather after the step, optionally overlapped
 precision.py    MixedPrecision: the dtypes a strategy computes, reduces and returns in
