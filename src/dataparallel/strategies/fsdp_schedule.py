@@ -18,10 +18,19 @@ what one unit cannot know:
 must gather the same units in the same order. A unit that only some ranks run (an expert of a
 mixture of experts wrapped on its own, a branch taken on some ranks) would pair one rank's
 gather with another unit's on another rank: a hang, an abort, or, for units of one size, wrong
-weights. So before each unit's forward, and at the end of the forward, the ranks of the shard
-group all-gather which unit they are at (one integer each); if they differ, every rank raises
-the same one-line error naming the units, before any mismatched gather is posted. It costs one
-small collective per unit forward (`ZeRO3(check_order=False)` drops it).
+weights. So at each unit's forward, and at the end of the forward, the ranks of the shard group
+all-gather which unit they are at (one integer each); if they differ, every rank raises the
+same one-line error naming the units, before any mismatched gather is waited for:
+- a rank that runs the unit the previous (checked) forward ran at this position, already
+  prefetched, posts the check and verifies it at the next unit (lag one): its gathers follow
+  an order every rank agreed on, so nothing it posts can pair wrongly, and the check's latency
+  hides behind the unit's compute;
+- any other rank (the first step, a changed order, prefetch off) verifies the check before it
+  posts the unit's gather;
+- every rank verifies the previous position's check before anything else, so a rank that went
+  on while another stopped at a mismatch raises too, instead of waiting for a gather the other
+  never posts.
+`ZeRO3(check_order=False)` drops the check (measured in BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm
-from .fsdp_unit import FlatUnit
+from .fsdp_unit import FlatUnit, ShardedState
 
 END_OF_FORWARD = -1
 
@@ -55,6 +64,7 @@ class Schedule:
         self.post_forward_order: list[int] = []
         self.backward_order: list[int] = []
         self.pending: FlatUnit | None = None  # the unit whose reduction is in flight
+        self._pending = None  # the unit-order check in flight: (work, everyone, mine, position)
 
     # -- forward ------------------------------------------------------------------------------
     def before_forward(self, unit: FlatUnit) -> None:
@@ -63,9 +73,14 @@ class Schedule:
             self.forward_order, self.post_forward_order = [], []
             for u in self.units:  # left gathered by a forward with no backward: maybe stale
                 u.free()
-        else:
-            self._agree(unit.index)
         position = len(self.forward_order)
+        if unit.index != 0:
+            self._verify()  # the previous position's check
+            self._post_check(unit.index)
+            agreed = position < len(self.previous_forward)
+            agreed = agreed and self.previous_forward[position] == unit.index
+            if not (agreed and unit.sharded_state is not ShardedState.SHARDED):
+                self._verify()  # before posting a gather no rank may have agreed to
         self.forward_order.append(unit.index)
         unit.start_gather()  # then the next unit's, so both are under way while this one waits
         if self.prefetch and position + 1 < len(self.previous_forward):
@@ -75,7 +90,9 @@ class Schedule:
         """Whether to free `unit` now that its forward is over."""
         self.post_forward_order.append(unit.index)
         if unit.index == 0:
-            self._agree(END_OF_FORWARD)
+            self._verify()
+            self._post_check(END_OF_FORWARD)
+            self._verify()
             self.previous_forward = list(self.forward_order)
             self.backward_order = list(reversed(self.post_forward_order))
             if not training:
@@ -87,22 +104,32 @@ class Schedule:
     def _ran_last(self, unit: FlatUnit) -> bool:
         return bool(self.previous_forward) and self.previous_forward[-1] == unit.index
 
-    def _agree(self, index: int) -> None:
-        """[Note: same units on every rank]"""
+    def _post_check(self, index: int) -> None:
+        """Start the all-gather of which unit each rank is at ([Note: same units on every
+        rank])."""
         if self.check is None:
             return
         mine = torch.tensor([index], dtype=torch.int64, device=self.check.device)
         everyone = torch.empty(self.check.world_size, dtype=torch.int64, device=mine.device)
         with self.check.tracer.labelled(what="unit order"):
-            self.check.all_gather(everyone, mine)
+            work = self.check.all_gather(everyone, mine, async_op=True)
+        self._pending = (work, everyone, mine, len(self.forward_order))
+
+    def _verify(self) -> None:
+        """Wait for the check in flight, if any, and raise on every rank if ranks differ."""
+        if self._pending is None:
+            return
+        work, everyone, _, position = self._pending
+        self._pending = None
+        work.wait()
         indices = everyone.tolist()
         if len(set(indices)) > 1:
             ran = ", ".join(f"rank {r}: {self._describe(i)}" for r, i in enumerate(indices))
             raise RuntimeError(
-                f"ZeRO3: ranks ran different units at position {len(self.forward_order)} of "
-                f"this forward ({ran}); every rank must gather the same units in the same order: "
-                "wrap the module that holds the optional ones (all experts of a mixture of "
-                "experts, both sides of a branch) as one unit, e.g. ZeRO3(wrap=(MoELayer,))"
+                f"ZeRO3: ranks ran different units at position {position} of this forward "
+                f"({ran}); every rank must gather the same units in the same order: wrap the "
+                "module that holds the optional ones (all experts of a mixture of experts, "
+                "both sides of a branch) as one unit, e.g. ZeRO3(wrap=(MoELayer,))"
             )
 
     def _describe(self, index: int) -> str:
