@@ -41,6 +41,7 @@ from .base import (
 from .parts.buckets import MB, plan_buckets
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
+from .parts.opaque import opaque
 from .parts.precision import MixedPrecision, check_precision, install_casts
 from .parts.reducer import GradientReducer
 
@@ -129,7 +130,7 @@ class DDPStrategy(Strategy):
         )
         self.casts = install_casts(model, precision, dtype, dtype)
         self.buffers = [b for b in model.buffers()]
-        self._pre_hook = model.register_forward_pre_hook(self._before_forward)
+        self._pre_hook = model.register_forward_pre_hook(opaque(self._before_forward))
 
     def _before_forward(self, module, args) -> None:
         if torch.is_grad_enabled():

@@ -70,6 +70,7 @@ from .fsdp_unit import FlatUnit
 from .parts.clip import clip_grad_norm_
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
+from .parts.opaque import opaque
 from .parts.precision import MixedPrecision, cast_floats, check_precision, install_casts, is_norm
 from .parts.round import BackwardRound
 
@@ -155,11 +156,6 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def _opaque(fn):
-    """`fn` as a hook the compiler does not trace ([Note: compile])."""
-    return torch._dynamo.disable(fn, recursive=True)
-
-
 class ZeRO3Strategy(Strategy):
     """Wiring: module and gradient hooks that call the units' verbs and the schedule."""
 
@@ -209,14 +205,14 @@ class ZeRO3Strategy(Strategy):
         self.handles = []
         for unit in self.units:
             pre, post = (
-                _opaque(partial(self._pre_forward, unit)),
-                _opaque(partial(self._post_forward, unit)),
+                opaque(partial(self._pre_forward, unit)),
+                opaque(partial(self._post_forward, unit)),
             )
             self.handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
             self.handles.append(unit.module.register_forward_hook(post))
             for position, p in enumerate(unit.params):
                 if p.requires_grad:
-                    hook = _opaque(partial(self._on_grad, unit, position))
+                    hook = opaque(partial(self._on_grad, unit, position))
                     self.handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def _wrap(self, model: nn.Module, model_dtype: torch.dtype):
@@ -247,7 +243,7 @@ class ZeRO3Strategy(Strategy):
         if not positions:
             return args, kwargs
         wrapped = _PostBackward.apply(
-            _opaque(partial(self._post_backward, unit)), *(flat[i] for i in positions)
+            opaque(partial(self._post_backward, unit)), *(flat[i] for i in positions)
         )
         for i, t in zip(positions, wrapped, strict=True):
             flat[i] = t
@@ -259,7 +255,7 @@ class ZeRO3Strategy(Strategy):
         if training:
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             if tensors:
-                hook = _opaque(partial(self._pre_backward, unit))
+                hook = opaque(partial(self._pre_backward, unit))
                 register_multi_grad_hook(tensors, hook, mode="any")
         unit.post_forward(reshard=self.schedule.after_forward(unit, training))
 

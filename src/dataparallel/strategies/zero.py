@@ -46,6 +46,7 @@ from .parts.clip import clip_grad_norm_
 from .parts.flat_shard import FlatShard
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
+from .parts.opaque import opaque
 from .parts.precision import MixedPrecision, check_precision, install_casts, norm_params
 from .parts.reducer import GradientReducer
 from .zero_step import BucketShard, ShardedStep, flatten_bucket
@@ -205,7 +206,7 @@ class ZeROStrategy(Strategy):
         self._shard_parameters([list(self.trainable)], values={})
         self.buffers = list(model.buffers())
         self.casts = install_casts(model, self.precision, self.compute, self.model_dtype)
-        self._pre_hook = model.register_forward_pre_hook(self._before_forward)
+        self._pre_hook = model.register_forward_pre_hook(opaque(self._before_forward))
 
     def _dtype_of(self, p: nn.Parameter) -> torch.dtype:
         original = self.original_dtypes[id(p)]

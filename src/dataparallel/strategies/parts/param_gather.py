@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...comm import Comm
+from .opaque import opaque
 
 
 class ParamGather:
@@ -100,9 +101,11 @@ class ParamGather:
             if not positions:
                 continue
             last = max(positions)
-            module.register_forward_pre_hook(lambda *args, last=last: self.wait_through(last))
+            module.register_forward_pre_hook(
+                opaque(lambda *args, last=last: self.wait_through(last))
+            )
             module.register_state_dict_pre_hook(finish)
             module.register_load_state_dict_pre_hook(finish)
-        model.register_forward_hook(finish)
+        model.register_forward_hook(opaque(finish))
         model.register_state_dict_pre_hook(finish)
         model.register_load_state_dict_pre_hook(finish)

@@ -1,0 +1,17 @@
+"""Hooks the compiler does not trace ([Note: compile] in strategies/fsdp.py).
+
+Every hook a strategy registers on a module (the start of a round, ZeRO-3's gathers and frees,
+ZeRO-1/2's wait for an overlapped parameter gather) calls collectives and changes the
+strategy's state. Traced by `torch.compile`, its state would become guards (a recompile each
+time it changes) and its collectives graph breaks in the middle of the user's code; opaque, the
+compiler stops at the hook, runs it eagerly and compiles what lies between hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def opaque(fn):
+    """`fn`, and every function it calls, run eagerly even inside a compiled region."""
+    return torch._dynamo.disable(fn, recursive=True)
