@@ -40,6 +40,7 @@ from .base import (
     verify_same_model,
 )
 from .parts.buckets import plan_buckets
+from .parts.footprint import Footprint, bucketed
 from .parts.mesh import Groups, init_mesh
 from .parts.precision import MixedPrecision, check_precision, install_casts
 from .parts.reducer import GradientReducer
@@ -114,6 +115,17 @@ class DDP:
             broadcast_buffers=self.broadcast_buffers,
         )
         return ZeROStrategy(model, solo, policy, name="ddp")
+
+    def footprint(self, shapes, *, model_dtype=torch.float32, **given) -> Footprint:
+        """Bytes one rank holds ([Note: footprint] in parts/footprint.py; `given`: `bucketed`'s
+        optimizer_bytes, rank); with a low `param_dtype`, ZeRO-1's on shard groups of one rank,
+        as `_with_masters` builds it."""
+        masters = check_precision(self.precision, "DDP").masters(model_dtype) is not None
+        return bucketed(
+            shapes, self.precision, stage=1 if masters else 0, shards=1, in_flight=1,
+            bucket_bytes=(int(self.bucket_mb * MB), int(self.first_bucket_mb * MB)),
+            pairwise=False, model_dtype=model_dtype, **given,
+        )  # fmt: skip
 
 
 def broadcast_model(model: nn.Module, comm: Comm) -> None:

@@ -46,6 +46,7 @@ from .ddp import MB, broadcast_buffers, broadcast_model
 from .parts.buckets import Bucket, plan_buckets
 from .parts.clip import clip_grad_norm_
 from .parts.flat_shard import FlatShard
+from .parts.footprint import Footprint, bucketed
 from .parts.mesh import Groups
 from .parts.plain_state import gather_plain_state, load_plain_state
 from .parts.precision import MixedPrecision, check_precision, install_casts, norm_params
@@ -159,6 +160,16 @@ class ZeROPolicy:
 
     def apply(self, model: nn.Module, groups: Groups) -> ZeROStrategy:
         return ZeROStrategy(model, groups, self)
+
+    def footprint(self, shapes, *, shard_size: int, pairwise: bool = True, **given) -> Footprint:
+        """Bytes one rank of a shard group of `shard_size` holds ([Note: footprint] in
+        parts/footprint.py; `given`: `bucketed`'s optimizer_bytes, model_dtype, rank)."""
+        return bucketed(
+            shapes, self.precision, stage=2 if self.keeper.lazy else 1, shards=shard_size,
+            bucket_bytes=(int(self.bucket_mb * MB), int(self.first_bucket_mb * MB)),
+            in_flight=MAX_IN_FLIGHT, pairwise=pairwise and self.grad_reduce != "all_reduce",
+            **given,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
