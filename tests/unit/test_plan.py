@@ -14,6 +14,8 @@ from dataparallel.cli import main
 from dataparallel.models import build_model
 from dataparallel.plan import get_profile
 from dataparallel.plan.model import builtin_shape
+from dataparallel.strategies.parts.footprint import ParamShapes
+from dataparallel.strategies.zero import MAX_IN_FLIGHT
 
 # Rajbhandari et al. 2020, Table 1: GB per device for 7.5B parameters, K = 12, by DP degree.
 TABLE_1 = {
@@ -240,3 +242,70 @@ def test_calibration_takes_the_median_of_per_step_maxima():
         assert slowest_medians([0.3, 0.1, 0.2], [4.0, 2.0, 9.0]) == [0.2, 4.0]
     finally:
         dp.destroy()
+
+
+# [Note: footprint]: the policies' own footprints, which the planner reports.
+SHAPES = ParamShapes((3, 5), units=((3,), (5,)))
+
+
+def test_a_bucketed_footprint_by_hand():
+    """One bucket of 3 + 5 elements padded to 9 over S = 3; rank 2's slice holds 2 of them."""
+    one = {"bucket_mb": 1.0, "first_bucket_mb": 1.0}
+    z1, z2 = dp.ZeRO1(**one), dp.ZeRO2(**one)
+    f = z1.footprint(SHAPES, shard_size=3, optimizer_bytes=8)
+    assert (f.params, f.grads, f.optimizer, f.masters) == (36, 36, 24, 0)  # the shard views it
+    assert z1.footprint(SHAPES, shard_size=3, optimizer_bytes=8, rank=2).optimizer == 16
+    assert f.in_flight == MAX_IN_FLIGHT * 2 * 3 * 4  # the pairwise receive buffers
+    f = z2.footprint(SHAPES, shard_size=3, optimizer_bytes=8)
+    assert (f.grads, f.in_flight) == (12, 36 + MAX_IN_FLIGHT * 2 * 3 * 4)
+    assert z2.footprint(SHAPES, shard_size=3, optimizer_bytes=8, pairwise=False).in_flight == 36
+    bf16 = dp.ZeRO1(precision=dp.MixedPrecision(param_dtype=torch.bfloat16), **one)
+    f = bf16.footprint(SHAPES, shard_size=3, optimizer_bytes=8, pairwise=False)
+    assert (f.params, f.grads, f.masters) == (18, 18 + 12, 12)  # bf16 bucket, fp32 slice
+
+
+def test_a_zero3_footprint_by_hand():
+    """Units of 3 (the root) and 5 elements, padded to 3 and 6 over S = 3."""
+    f = dp.ZeRO3().footprint(SHAPES, shard_size=3, optimizer_bytes=8)
+    assert (f.params, f.grads, f.optimizer, f.masters) == (12, 12, 24, 0)  # 1 + 2 elements
+    assert dp.ZeRO3().footprint(SHAPES, shard_size=3, optimizer_bytes=8, rank=2).optimizer == 16
+    assert f.gathered == (3 + 6) * 4 and f.gathers == (12, 24)
+    assert f.in_flight == f.gathered + 2 * 6 * 4 + 2 * 2 * 4  # two units' gradients, 1 receive
+    lazy = dp.ZeRO3(prefetch=False).footprint(SHAPES, shard_size=3, optimizer_bytes=8)
+    assert lazy.gathered == f.gathered  # one other unit either way
+    shapes = ParamShapes((3, 5, 5), units=((3,), (5,), (5,)))
+    assert dp.ZeRO3(prefetch=False).footprint(shapes, shard_size=3, optimizer_bytes=8).gathered \
+        == (3 + 6) * 4  # fmt: skip
+    kept = dp.ZeRO3(reshard_after_forward=False).footprint(shapes, shard_size=3, optimizer_bytes=8)
+    assert kept.gathered == (3 + 6 + 6) * 4
+
+
+def test_ddp_with_masters_is_zero1_on_shard_groups_of_one():
+    precision = dp.MixedPrecision(param_dtype=torch.bfloat16)
+    shapes = builtin_shape("gpt-small", None, torch.float32, None).param_shapes
+    ddp = dp.DDP(precision=precision).footprint(shapes, optimizer_bytes=8)
+    zero1 = dp.ZeRO1(precision=precision, grad_reduce="all_reduce")
+    assert ddp == zero1.footprint(shapes, shard_size=1, optimizer_bytes=8)
+    assert ddp.masters == 4 * 3_290_624 and ddp.grads == (2 + 4) * 3_290_624
+
+
+def test_the_planner_reports_the_policies_footprints():
+    """ZeRO-2's 4 MiB buckets are its policy's default; --bucket-mb reaches every bucketed
+    policy; DiLoCo's inner steps are ZeRO-3's."""
+    shape = builtin_shape("gpt-small", None, torch.float32, None)
+    rows = {r.candidate.label: r for r in dp.plan("gpt-small", ranks=4, hardware="cpu-2core",
+                                                  shard_sizes=[2]).rows}  # fmt: skip
+    given = {"optimizer_bytes": 8, "pairwise": True}
+    assert rows["zero2 S=2"].memory.rank == dp.ZeRO2().footprint(
+        shape.param_shapes, shard_size=2, **given
+    )
+    assert dp.ZeRO2().bucket_mb == 4
+    assert rows["diloco S=2"].memory.rank == dp.ZeRO3().footprint(
+        shape.param_shapes, shard_size=2, **given
+    )
+    wide = dp.plan("gpt-small", ranks=4, hardware="cpu-2core", shard_sizes=[2],
+                   strategies=["zero2"], bucket_mb=25).rows[0]  # fmt: skip
+    assert wide.memory.rank == dp.ZeRO2(bucket_mb=25).footprint(
+        shape.param_shapes, shard_size=2, **given
+    )
+    assert wide.memory.buckets > rows["zero2 S=2"].memory.buckets

@@ -39,7 +39,7 @@ def plan(
     diloco_steps: int = 100,
     activation_checkpointing: bool = False,
     layout: str = "dataparallel",
-    bucket_mb: float = 25.0,
+    bucket_mb: float | None = None,
 ) -> Plan:
     """Predict memory per rank, bytes sent and step time of every strategy, and pick one.
 

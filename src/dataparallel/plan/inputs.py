@@ -42,7 +42,8 @@ class PlanInputs:
     layout: "dataparallel" counts bytes as our strategies allocate them; "zero-paper" as
         Table 1 of Rajbhandari et al. 2020 does (model states only: 16-bit gradients and no
         fp32 gradient slice, no buckets).
-    bucket_mb: DDP/ZeRO-1 gradient bucket MiB (our default 25); ZeRO-2 uses 4.
+    bucket_mb: gradient bucket MiB of DDP, ZeRO-1 and ZeRO-2; None: each policy's own
+        default (25, 25 and 4).
     """
 
     ranks: int
@@ -57,7 +58,7 @@ class PlanInputs:
     diloco_steps: int = 100
     activation_checkpointing: bool = False
     layout: str = "dataparallel"
-    bucket_mb: float = 25.0
+    bucket_mb: float | None = None
 
     def __post_init__(self):
         _count("--ranks", self.ranks, "give a positive number of ranks (or --nodes and "
@@ -101,7 +102,7 @@ class PlanInputs:
             raise PlanError(
                 "--layout", f"unknown layout {self.layout!r}", f"choose {' or '.join(LAYOUTS)}"
             )
-        if not self.bucket_mb > 0:
+        if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise PlanError("--bucket-mb", f"{self.bucket_mb} MiB", "give a size > 0")
 
     @property

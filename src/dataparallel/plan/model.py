@@ -24,6 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..strategies.fsdp_plan import param_shapes
+from ..strategies.parts.footprint import ParamShapes
 from .errors import PlanError
 
 
@@ -36,7 +38,8 @@ class ModelShape:
     tensor_numels: each trainable parameter's number of elements, in registration order
         (buckets are planned over them in reverse, as the strategies do).
     matrices: (rows, cols) of each 2-D parameter (PowerSGD compresses these).
-    unit_params: parameters of each ZeRO-3 unit (one per block), the root's last.
+    units: ZeRO-3's units with the default wrap (`plan_units`), the root first: the numels of
+        the trainable parameters each owns.
     layers: transformer blocks (0 when unknown).
     width: the residual stream's width (0 when unknown).
     seq_len: tokens per sample.
@@ -54,7 +57,7 @@ class ModelShape:
     params: int
     tensor_numels: tuple[int, ...]
     matrices: tuple[tuple[int, int], ...]
-    unit_params: tuple[int, ...]
+    units: tuple[tuple[int, ...], ...]
     layers: int
     width: int
     seq_len: int
@@ -62,6 +65,11 @@ class ModelShape:
     flops_per_token: float
     activation_bytes: float
     largest_activation: float
+
+    @property
+    def param_shapes(self) -> ParamShapes:
+        """What the policies' footprints read ([Note: footprint])."""
+        return ParamShapes(self.tensor_numels, self.units)
 
 
 class _FlashAttention(TorchFunctionMode):
@@ -114,19 +122,6 @@ def linear_weights(model: nn.Module) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
 
 
-def units_of(model: nn.Module) -> tuple[int, ...]:
-    """ZeRO-3's default units (every child of an nn.ModuleList), the root's parameters last."""
-    units, owned = [], set()
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            for child in module:
-                params = [p for p in child.parameters() if p.requires_grad]
-                units.append(sum(p.numel() for p in params))
-                owned |= {id(p) for p in params}
-    root = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in owned)
-    return (*units, root)
-
-
 def shape_of_module(
     model: nn.Module,
     *,
@@ -144,7 +139,7 @@ def shape_of_module(
         params=sum(p.numel() for p in params),
         tensor_numels=tuple(p.numel() for p in params),
         matrices=tuple(tuple(p.shape) for p in params if p.dim() == 2),
-        unit_params=units_of(model),
+        units=param_shapes(model).units,
         layers=layers,
         width=width,
         seq_len=seq_len,
@@ -232,7 +227,7 @@ def bare_shape(
         params=params,
         tensor_numels=numels,
         matrices=(),
-        unit_params=numels if layers else (params,),
+        units=tuple((n,) for n in numels),  # the first layer stands for the root
         layers=layers,
         width=width,
         seq_len=seq_len,

@@ -1,19 +1,30 @@
 """Per strategy: the bytes one rank holds and the collectives it issues per step.
 
-[Note: planner memory] Terms follow how our strategies allocate (docs/zero.md, docs/zero3.md),
-Psi parameters, shard groups of S ranks (S = N on a 1-D mesh, S = 1 for DDP), p the compute
-dtype's bytes, g the gradient buckets' bytes, K the optimizer's bytes per parameter:
+[Note: planner memory] The planner keeps no model of its own of what a strategy allocates:
+each candidate's policy (`policy_of`: the strategy's own defaults, the precision policy the
+`--precision` name means, `--bucket-mb` when given) reports its footprint from the planners
+its strategy runs ([Note: footprint] in strategies/parts/footprint.py): DDP's and ZeRO-1/2's
+`plan_buckets` with the policy's bucket sizes (ZeRO-2's 4 MiB is its own default), padded to
+the shard group; ZeRO-3's units from `plan_units`, packed by `ShardLayout.pack`; the reducer's
+`MAX_IN_FLIGHT` and ZeRO-3's one reduction at a time for the buffers in flight; DDP with fp32
+masters counted as ZeRO-1 on shard groups of one rank (docs/ddp.md). In the terms of
+docs/zero.md and docs/zero3.md, Psi parameters, shard groups of S ranks, p the compute dtype's
+bytes, g the gradient buckets', K the optimizer's bytes per parameter, that comes to
 - DDP: p Psi parameters, g Psi gradients (the flat buckets), K Psi state; with fp32 masters
-  it is ZeRO-1 on S = 1 (docs/ddp.md), so also a 4 Psi fp32 gradient and 4 Psi masters.
+  ZeRO-1 on S = 1, so also a 4 Psi fp32 gradient and 4 Psi masters.
 - ZeRO-1: p Psi, g Psi full buckets (+ 4 Psi / S fp32 gradient slice with masters), K Psi / S,
   masters 4 Psi / S.
 - ZeRO-2: p Psi, (4 if masters else g) Psi / S gradient slice, K Psi / S, 4 Psi / S masters;
-  in flight: three buckets filling or reducing (`MAX_IN_FLIGHT` + 1 in zero.py).
+  in flight: `MAX_IN_FLIGHT` + 1 buckets filling or reducing.
 - ZeRO-3: shards only: (4 if masters else p) Psi / S parameters (the masters *are* the shard),
   same for gradients, K Psi / S; in flight: the root, the unit computing and the one
-  prefetched, gathered in p, and two units' full gradients.
-- On gloo our reduce-scatters are pairwise and hold a receive buffer of (S-1)/S of each of the
-  two buckets (units) in flight.
+  prefetched, gathered in p, and two units' full gradients (one filling, one reducing).
+- On gloo our reduce-scatters are pairwise and hold a receive buffer of (S-1)/S of each
+  bucket (unit) reducing.
+plus each bucket's (unit's) padding to a multiple of S; `tests/dist/test_footprint.py` holds it
+against `dp.memory_report` to the byte. What the job adds around the strategy (compression
+residuals, DiLoCo's outer state) and the collectives are modelled here, from the same
+footprint's buckets and units.
 The "zero-paper" layout is Table 1 of Rajbhandari et al. 2020: (2 + 2 + K) Psi for DDP,
 2 Psi + 2 Psi + K Psi / N for stage 1, 2 Psi + (2 + K) Psi / N for stage 2, (2 + 2 + K) Psi / N
 for stage 3, with K = 12 for mixed-precision Adam (fp32 masters, momentum and variance).
@@ -23,21 +34,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from ..strategies import DDP, POLICIES, MixedPrecision
+from ..strategies.parts.footprint import Footprint as RankFootprint
 from .collectives import Collective, compressed_bytes, span
 from .hardware import HardwareProfile
 from .inputs import PlanInputs
 from .model import ModelShape
 
-MIB = 1024 * 1024
-IN_FLIGHT = 2  # reductions in flight at once (zero.py's MAX_IN_FLIGHT)
+# --precision names with a low param_dtype (fp32 masters); the others train in fp32.
+PARAM_DTYPES = {"bf16-params": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
     """One way to train: a strategy on a mesh, maybe with a compressor.
 
-    strategy: ddp, zero1, zero2, zero3 or diloco (whose inner steps run zero3 within S,
-        or plain local steps when S = 1).
+    strategy: ddp, zero1, zero2, zero3 or diloco (whose inner steps run zero3 within shard
+        groups of S ranks, S = 1 included, as the trainer runs its strategy in each replica).
     shard_size: S.
     compress: the compressor on the cross-replica all-reduce, or "none".
     """
@@ -54,84 +69,73 @@ class Candidate:
 
 @dataclass(frozen=True, kw_only=True)
 class Footprint:
-    """Bytes one rank holds (held: between steps; in_flight: transient, at the step's peak).
+    """A candidate's bytes per rank: its strategy's own, and what the job adds around it.
 
-    params, grads, optimizer, masters: model states. buckets: communication buffers in flight
-        (gathered: the part of them that is ZeRO-3's gathered parameters, present while the
-        activations are; the rest are gradient buffers, in flight once backward has freed
-        most activations).
+    rank: the policy's footprint ([Note: planner memory]): params, grads, optimizer, masters;
+        `buckets` here is its buffers in flight (gathered: the part of them that is ZeRO-3's
+        gathered parameters, present while the activations are; the rest are gradient
+        buffers, in flight once backward has freed most activations).
     residuals: error-feedback residuals. outer: DiLoCo's fp32 snapshot and momentum.
+    collectives: what one step sends.
     """
 
-    params: float
-    grads: float
-    optimizer: float
-    masters: float
-    buckets: float = 0.0
-    gathered: float = 0.0
+    rank: RankFootprint
     residuals: float = 0.0
     outer: float = 0.0
     collectives: list[Collective] = field(default_factory=list)
 
+    params = property(lambda self: self.rank.params)
+    grads = property(lambda self: self.rank.grads)
+    optimizer = property(lambda self: self.rank.optimizer)
+    masters = property(lambda self: self.rank.masters)
+    buckets = property(lambda self: self.rank.in_flight)
+    gathered = property(lambda self: self.rank.gathered)
+
     @property
     def model_state(self) -> float:
-        return self.params + self.grads + self.optimizer + self.masters
+        return self.rank.model_state
 
 
-def bucket_sizes(model: ModelShape, cap_bytes: float, itemsize: int) -> list[float]:
-    """Bytes of each gradient bucket, planned as parts/buckets.py does (reverse order, the
-    first one closing at 1 MiB)."""
-    sizes, current = [], 0.0
-    for numel in reversed(model.tensor_numels):
-        current += numel * itemsize
-        if current >= (cap_bytes if sizes else MIB):
-            sizes.append(current)
-            current = 0.0
-    return sizes + ([current] if current else [])
+def policy_of(c: Candidate, x: PlanInputs):
+    """The policy candidate `c` trains with: its strategy's own defaults (DiLoCo's inner
+    steps: ZeRO-3), the precision `x.precision` names, and `x.bucket_mb` when given."""
+    name = "zero3" if c.strategy == "diloco" else c.strategy
+    param_dtype = PARAM_DTYPES.get(x.precision)
+    options = {"precision": MixedPrecision(param_dtype=param_dtype) if param_dtype else None}
+    if x.bucket_mb is not None and name != "zero3":
+        options["bucket_mb"] = x.bucket_mb
+    return POLICIES[name](**options)
 
 
 def footprint(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) -> Footprint:
     """[Note: planner memory] and the collectives of one step, for candidate `c`."""
-    psi, n, s = float(m.params), x.ranks, c.shard_size
-    p, g, k = x.param_bytes, x.grad_bytes, x.optimizer_bytes
-    masters = 4 * psi / s if x.masters else 0.0
-    gloo = hw.backend == "gloo"
+    n, s = x.ranks, c.shard_size
+    policy = policy_of(c, x)
+    if isinstance(policy, DDP):
+        held = policy.footprint(m.param_shapes, optimizer_bytes=x.optimizer_bytes)
+        s = 1
+    else:  # our comm's reduce-scatters are pairwise on gloo (`parallelize(pairwise=None)`)
+        held = policy.footprint(m.param_shapes, shard_size=s, pairwise=hw.backend == "gloo",
+                                optimizer_bytes=x.optimizer_bytes)  # fmt: skip
     world = span(n, 1, n, hw.ranks_per_node)
     shard = span(s, 1, n, hw.ranks_per_node)
-    replicas = span(n // s, s, n, hw.ranks_per_node)
-    name = c.strategy
-    if name == "ddp" and x.masters:  # ZeRO-1 on shard groups of one rank (docs/ddp.md)
-        name, s, shard, replicas = "zero1", 1, span(1, 1, n, hw.ranks_per_node), world
-        masters = 4 * psi
-    buckets = bucket_sizes(m, (4 if name == "zero2" else x.bucket_mb) * MIB, g)
-    biggest = max(buckets, default=0.0)
-    receive = IN_FLIGHT * (s - 1) / s * biggest if gloo else 0.0
-    grad_bytes, param_bytes = g * psi, p * psi
-    micro = x.accumulation
-    if name == "ddp":
-        f = Footprint(params=p * psi, grads=g * psi, optimizer=k * psi, masters=0.0)
-        f.collectives.append(Collective(what="gradients", kind="all_reduce",
-                                        buffer_bytes=grad_bytes, group=world,
-                                        calls=len(buckets)))  # fmt: skip
-    elif name in ("zero1", "zero2"):
-        slice_bytes = (4 if x.masters else g) * psi / s
-        if name == "zero1":
-            grads = g * psi + (slice_bytes if x.masters else 0.0)
-            in_flight = receive
-        else:
-            grads = slice_bytes
-            in_flight = sum(sorted(buckets)[-(IN_FLIGHT + 1) :]) + receive
-        f = Footprint(params=p * psi, grads=grads, optimizer=k * psi / s, masters=masters,
-                      buckets=in_flight)  # fmt: skip
-        f.collectives.extend(_sharded_reduce(grad_bytes, shard, replicas, len(buckets)))
+    replicas = world if s == 1 else span(n // s, s, n, hw.ranks_per_node)
+    grads, calls = sum(held.reductions), len(held.reductions)
+    f = Footprint(rank=held)
+    if c.strategy in ("zero3", "diloco"):
+        f.collectives.extend(_zero3(held, shard, replicas, x.accumulation))
+        if c.strategy == "diloco":
+            f = _diloco(f, c, float(m.params), s, x, replicas)
+    elif not held.gathers:  # replicated: DDP's all-reduce of every bucket
+        f.collectives.append(Collective(what="gradients", kind="all_reduce", buffer_bytes=grads,
+                                        group=world, calls=calls))  # fmt: skip
+    else:  # ZeRO-1/2, and DDP with masters (ZeRO-1 on S = 1: its replicas are the world)
+        f.collectives.extend(_sharded_reduce(grads, shard, replicas, calls))
         f.collectives.append(Collective(what="parameters", kind="all_gather",
-                                        buffer_bytes=param_bytes, group=shard,
-                                        calls=len(buckets), window="none"))  # fmt: skip
-    else:  # zero3, or diloco's inner steps
-        f = _zero3(m, psi, s, p, g, k, x.masters, shard, replicas, micro, gloo)
-        if name == "diloco":
-            f = _diloco(f, c, psi, s, x, replicas)
+                                        buffer_bytes=sum(held.gathers), group=shard,
+                                        calls=len(held.gathers), window="none"))  # fmt: skip
     f = _compress(f, c, m, x, world if c.strategy == "ddp" else replicas)
+    psi, k = float(m.params), x.optimizer_bytes
     return _paper(f, c.strategy, psi, n, k) if x.layout == "zero-paper" else f
 
 
@@ -148,28 +152,20 @@ def _sharded_reduce(grad_bytes, shard, replicas, calls) -> list[Collective]:
     return out
 
 
-def _zero3(m, psi, s, p, g, k, masters, shard, replicas, micro, gloo) -> Footprint:
-    units = sorted(m.unit_params)
-    root, largest = m.unit_params[-1], units[-1]
-    held = (4 if masters else p) * psi / s
-    gathered = (root + 2 * largest) * p if s > 1 else 0.0
-    in_flight = gathered + IN_FLIGHT * largest * g
-    in_flight += IN_FLIGHT * (s - 1) / s * largest * g if gloo else 0.0
-    f = Footprint(params=held, grads=held, optimizer=k * psi / s, masters=0.0,
-                  buckets=in_flight, gathered=gathered)  # fmt: skip
-    n_units = len(m.unit_params)
-    if s > 1:
-        # Backward re-gathers every unit but the root and the one that ran last in forward
-        # (both stay gathered, docs/zero3.md).
-        again = max(0.0, psi - root - (units[-2] if n_units > 1 else 0)) / psi
-        f.collectives.extend([
-            Collective(what="parameters (forward)", kind="all_gather", buffer_bytes=p * psi
-                       * micro, group=shard, calls=n_units * micro, window="forward"),
-            Collective(what="parameters (backward)", kind="all_gather", buffer_bytes=p * psi
-                       * again * micro, group=shard, calls=n_units * micro),
-        ])  # fmt: skip
-    f.collectives.extend(_sharded_reduce(g * psi, shard, replicas, n_units))
-    return f
+def _zero3(held: RankFootprint, shard, replicas, micro: int) -> list[Collective]:
+    """Each unit gathered in forward, and again in backward but the root and the unit that
+    ran last in forward (both stay gathered, docs/zero3.md); reduced once per step."""
+    out = []
+    if shard.size > 1:
+        forward = sum(held.gathers)
+        again = forward - held.gathers[0] - (held.gathers[-1] if len(held.gathers) > 1 else 0)
+        out += [
+            Collective(what="parameters (forward)", kind="all_gather", buffer_bytes=forward
+                       * micro, group=shard, calls=len(held.gathers) * micro, window="forward"),
+            Collective(what="parameters (backward)", kind="all_gather", buffer_bytes=again
+                       * micro, group=shard, calls=len(held.gathers) * micro),
+        ]  # fmt: skip
+    return out + _sharded_reduce(sum(held.reductions), shard, replicas, len(held.reductions))
 
 
 def _diloco(f: Footprint, c, psi, s, x: PlanInputs, replicas) -> Footprint:
@@ -180,8 +176,7 @@ def _diloco(f: Footprint, c, psi, s, x: PlanInputs, replicas) -> Footprint:
     payload = psi / s * ((1 + 4 / 1024) if c.compress in ("int8", "fp8") else 4)
     outer = Collective(what="outer deltas", kind="all_reduce", buffer_bytes=payload,
                        group=replicas, window="none", every=x.diloco_steps)  # fmt: skip
-    return Footprint(params=f.params, grads=f.grads, optimizer=f.optimizer, masters=f.masters,
-                     buckets=f.buckets, gathered=f.gathered, outer=8 * psi / s,
+    return Footprint(rank=f.rank, outer=8 * psi / s,
                      collectives=inner + ([outer] if replicas.size > 1 else []))  # fmt: skip
 
 
@@ -210,16 +205,7 @@ def _compress(f: Footprint, c: Candidate, m: ModelShape, x: PlanInputs, target) 
             col = Collective(what=f"{col.what} ({c.compress})", kind=kind, buffer_bytes=size,
                              group=col.group, calls=col.calls, window=col.window)  # fmt: skip
         out.append(col)
-    return Footprint(
-        params=f.params,
-        grads=f.grads,
-        optimizer=f.optimizer,
-        masters=f.masters,
-        buckets=f.buckets,
-        residuals=residual,
-        outer=f.outer,
-        collectives=out,
-    )
+    return Footprint(rank=f.rank, residuals=residual, outer=f.outer, collectives=out)
 
 
 def _paper(f: Footprint, name: str, psi: float, n: int, k: float) -> Footprint:
@@ -227,5 +213,5 @@ def _paper(f: Footprint, name: str, psi: float, n: int, k: float) -> Footprint:
     state (masters included) per parameter, partitioned over N; model states only."""
     shard = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n), "zero3": (n, n, n)}
     sp, sg, so = shard.get(name, (n, n, n))
-    return Footprint(params=2 * psi / sp, grads=2 * psi / sg, optimizer=k * psi / so,
-                     masters=0.0, collectives=f.collectives)  # fmt: skip
+    held = RankFootprint(params=2 * psi / sp, grads=2 * psi / sg, optimizer=k * psi / so)
+    return Footprint(rank=held, collectives=f.collectives)

@@ -39,6 +39,7 @@ from .base import (
     verify_same_model,
 )
 from .parts.buckets import MB, plan_buckets
+from .parts.footprint import Footprint, bucketed
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
 from .parts.opaque import opaque
@@ -93,6 +94,17 @@ class DDP:
                 "parallelize: DDP replicates every parameter, so a mesh with shard_size > 1 "
                 "means nothing to it; use zero1, zero2 or zero3 with the mesh"
             )
+
+    def footprint(self, shapes, *, model_dtype=torch.float32, **given) -> Footprint:
+        """Bytes one rank holds ([Note: footprint] in parts/footprint.py; `given`: `bucketed`'s
+        optimizer_bytes, rank); with a low `param_dtype`, ZeRO-1's on shard groups of one rank,
+        as policy resolution builds it (strategies/resolve.py)."""
+        masters = check_precision(self.precision, "DDP").masters(model_dtype) is not None
+        return bucketed(
+            shapes, self.precision, stage=1 if masters else 0, shards=1, in_flight=1,
+            bucket_bytes=(int(self.bucket_mb * MB), int(self.first_bucket_mb * MB)),
+            pairwise=False, model_dtype=model_dtype, **given,
+        )  # fmt: skip
 
 
 class DDPStrategy(Strategy):

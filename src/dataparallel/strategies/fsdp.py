@@ -68,6 +68,7 @@ from .fsdp_plan import plan_units, select_units
 from .fsdp_schedule import Schedule
 from .fsdp_unit import FlatUnit
 from .parts.clip import clip_grad_norm_
+from .parts.footprint import Footprint, unitwise
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
 from .parts.opaque import opaque
@@ -140,6 +141,16 @@ class ZeRO3:
 
     def apply(self, model: nn.Module, groups: Groups) -> ZeRO3Strategy:
         return ZeRO3Strategy(model, groups, self)
+
+    def footprint(self, shapes, *, shard_size: int, pairwise: bool = True, **given) -> Footprint:
+        """Bytes one rank of a shard group of `shard_size` holds ([Note: footprint] in
+        parts/footprint.py; `given`: `unitwise`'s optimizer_bytes, model_dtype, rank)."""
+        return unitwise(
+            shapes, self.precision, shards=shard_size,
+            pairwise=pairwise and self.reduce != "all_reduce",
+            gathered_units=(2 if self.prefetch else 1) if self.reshard_after_forward else None,
+            **given,
+        )  # fmt: skip
 
 
 class _PostBackward(torch.autograd.Function):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .parts.footprint import ParamShapes
+
 Wrap = Callable[[nn.Module], bool] | tuple[type, ...] | None
 
 
@@ -128,3 +130,13 @@ def common_ancestor(units: list[int], parents: list[int | None]) -> int:
         ancestors = set(chain(unit))
         common = [u for u in common if u in ancestors]
     return common[0]
+
+
+def param_shapes(model: nn.Module, wrap: Wrap = None) -> ParamShapes:
+    """What a footprint needs of `model` ([Note: footprint] in parts/footprint.py): its
+    trainable parameters' numels, and ZeRO-3's units as `plan_units` makes them for `wrap`."""
+    units = tuple(
+        tuple(p.numel() for p in unit.params if p.requires_grad) for unit in plan_units(model, wrap)
+    )
+    numels = tuple(p.numel() for p in model.parameters() if p.requires_grad)
+    return ParamShapes(numels, units)

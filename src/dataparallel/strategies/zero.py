@@ -44,6 +44,7 @@ from .base import (
 from .parts.buckets import MB, Bucket, plan_buckets
 from .parts.clip import clip_grad_norm_
 from .parts.flat_shard import FlatShard
+from .parts.footprint import Footprint, bucketed
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
 from .parts.opaque import opaque
@@ -158,6 +159,16 @@ class ZeROPolicy:
 
     def apply(self, model: nn.Module, groups: Groups) -> ZeROStrategy:
         return ZeROStrategy(model, groups, self)
+
+    def footprint(self, shapes, *, shard_size: int, pairwise: bool = True, **given) -> Footprint:
+        """Bytes one rank of a shard group of `shard_size` holds ([Note: footprint] in
+        parts/footprint.py; `given`: `bucketed`'s optimizer_bytes, model_dtype, rank)."""
+        return bucketed(
+            shapes, self.precision, stage=2 if self.keeper.lazy else 1, shards=shard_size,
+            bucket_bytes=(int(self.bucket_mb * MB), int(self.first_bucket_mb * MB)),
+            in_flight=MAX_IN_FLIGHT, pairwise=pairwise and self.grad_reduce != "all_reduce",
+            **given,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
