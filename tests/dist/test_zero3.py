@@ -391,7 +391,7 @@ def test_policy_errors_name_the_field():
         dp.ZeRO3(wrap=("Block",))
 
 
-def _moe_world(world, wrap_layer: bool, diverge_at: int = 0):
+def _moe_world(world, wrap_layer: bool, diverge_at: int = 0, both: bool = False):
     torch.manual_seed(0)
     model = WithMoE()
     reference = copy.deepcopy(model)
@@ -399,13 +399,13 @@ def _moe_world(world, wrap_layer: bool, diverge_at: int = 0):
     dp.parallelize(model, policy)
     optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2)
     reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    for step in range(3):
+    for step in range(4):
         # From step `diverge_at` on, rank r's rows all route to expert r (the sign of their
         # first feature); before it every row routes to expert 0.
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         x[:, 0] = -x[:, 0].abs() - 0.1
         if step >= diverge_at:
-            x[2:, 0] = -x[2:, 0]
+            x[3 if both else 2 :, 0] = -x[3 if both else 2 :, 0]  # both: rank 1 runs both
         mine = x[2 * world.rank : 2 * world.rank + 2]
         model(mine).square().mean().backward()
         optimizer.step()
@@ -417,21 +417,23 @@ def _moe_world(world, wrap_layer: bool, diverge_at: int = 0):
     return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 
 
-@pytest.mark.parametrize("diverge_at", [0, 2])
-def test_units_some_ranks_skip_stop_every_rank_with_one_error(diverge_at):
+@pytest.mark.parametrize("diverge_at,both", [(0, False), (3, False), (3, True)])
+def test_units_some_ranks_skip_stop_every_rank_with_one_error(diverge_at, both):
     """Each expert its own unit, ranks routing to different experts: every rank raises the
     same one-line error naming the units, at once, instead of hanging in mismatched gathers;
-    from the first step, and after steps that agreed (where the rank that follows the agreed
-    order checks one unit late)."""
+    from the first step (checked unit by unit), and once the order is steady (checked once per
+    forward), where one rank runs another expert, or one more ([Note: same units on every
+    rank])."""
     start = time.monotonic()
     with pytest.raises(RankError) as raised:
-        run_world(2, _moe_world, False, diverge_at, timeout=60)
+        run_world(2, _moe_world, False, diverge_at, both, timeout=60)
     assert time.monotonic() - start < 30
     assert sorted(raised.value.errors) == [0, 1]  # every rank
     for text in raised.value.errors.values():
         line = text.strip().splitlines()[-1]
         assert "ranks ran different units" in line
-        assert "rank 0: 'moe.experts.0', rank 1: 'moe.experts.1'" in line
+        ran = "rank 0: the end of forward" if both else "rank 0: 'moe.experts.0'"
+        assert f"{ran}, rank 1: 'moe.experts.1'" in line
         assert "wrap the module that holds the optional ones" in line
 
 

@@ -64,6 +64,7 @@ from .base import (
     normalize_param_groups,
     verify_same_model,
 )
+from .fsdp_order import CHECK_MODES
 from .fsdp_plan import plan_units, select_units
 from .fsdp_schedule import Schedule
 from .fsdp_unit import FlatUnit
@@ -108,10 +109,13 @@ class ZeRO3:
     comm_hook: `hook(state, bucket) -> future` reducing one unit's gradients ([Note: reduction
         interface] in comm/hooks.py); None picks the built-in one `reduce` names.
     hook_state: passed to `comm_hook`; None builds a `HookState` for the strategy's groups.
-    check_order: before each unit's forward, check that every rank of the shard group runs the
-        same unit (one all-gather of one integer per rank), so that a unit some ranks skip
-        stops every rank with one error instead of a hang ([Note: same units on every rank]
-        in fsdp_schedule.py). False saves that collective for models whose units always run.
+    check_order: how every rank is kept to one order of unit gathers, so that a unit some
+        ranks skip stops every rank with one error instead of a hang ([Note: same units on
+        every rank] in fsdp_order.py): "auto" checks each unit's forward (one all-gather of
+        one integer per rank) until two forwards in a row ran the same order, then follows
+        that order with one check per forward (an order that then changes is an error, even
+        if alike on every rank); "always" checks each unit's forward every step (an order
+        that changes alike on every rank works); "off" checks nothing.
     """
 
     name: ClassVar[str] = "zero3"
@@ -122,7 +126,7 @@ class ZeRO3:
     reduce: str = "auto"
     comm_hook: Callable | None = None
     hook_state: object | None = None
-    check_order: bool = True
+    check_order: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.wrap, type):  # wrap=Block means wrap=(Block,), not Block(module)
@@ -138,6 +142,10 @@ class ZeRO3:
         check_precision(self.precision, "ZeRO3")
         if self.reduce not in REDUCE_KINDS:
             raise ValueError(f"ZeRO3: reduce={self.reduce!r} must be one of {REDUCE_KINDS}")
+        if self.check_order not in CHECK_MODES:
+            raise ValueError(
+                f"ZeRO3: check_order={self.check_order!r} must be one of {CHECK_MODES}"
+            )
 
     def apply(self, model: nn.Module, groups: Groups) -> ZeRO3Strategy:
         return ZeRO3Strategy(model, groups, self)
@@ -204,7 +212,8 @@ class ZeRO3Strategy(Strategy):
             self.units,
             policy.prefetch,
             policy.reshard_after_forward,
-            groups.shard if policy.check_order else None,
+            groups.shard,
+            policy.check_order,
         )
         self.casts = install_casts(model, precision, self.compute, model_dtype)
         self.piece_of = {
@@ -241,9 +250,9 @@ class ZeRO3Strategy(Strategy):
 
     # -- forward ------------------------------------------------------------------------------
     def _pre_forward(self, unit: FlatUnit, module, args, kwargs):
-        self.schedule.before_forward(unit)
+        gather = self.schedule.before_forward(unit)
         training = torch.is_grad_enabled()
-        unit.pre_forward(training)
+        unit.pre_forward(training, gather)
         self.comm.tracer.mark("forward_start", unit=unit.index)
         if self.precision.cast_forward_inputs and self.precision.param_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), unit.compute_dtype)

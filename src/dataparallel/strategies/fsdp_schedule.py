@@ -14,33 +14,15 @@ what one unit cannot know:
   units autograd did not call back for (the root, whose inputs are token ids) are reduced in
   backward order, then the rest.
 
-[Note: same units on every rank] The collectives of a shard group pair by order, so every rank
-must gather the same units in the same order. A unit that only some ranks run (an expert of a
-mixture of experts wrapped on its own, a branch taken on some ranks) would pair one rank's
-gather with another unit's on another rank: a hang, an abort, or, for units of one size, wrong
-weights. So at each unit's forward, and at the end of the forward, the ranks of the shard group
-all-gather which unit they are at (one integer each); if they differ, every rank raises the
-same one-line error naming the units, before any mismatched gather is waited for:
-- a rank that runs the unit the previous (checked) forward ran at this position, already
-  prefetched, posts the check and verifies it at the next unit (lag one): its gathers follow
-  an order every rank agreed on, so nothing it posts can pair wrongly, and the check's latency
-  hides behind the unit's compute;
-- any other rank (the first step, a changed order, prefetch off) verifies the check before it
-  posts the unit's gather;
-- every rank verifies the previous position's check before anything else, so a rank that went
-  on while another stopped at a mismatch raises too, instead of waiting for a gather the other
-  never posts.
-`ZeRO3(check_order=False)` drops the check (measured in BENCHMARKS.md).
+- the order of the gathers, the same on every rank ([Note: same units on every rank] in
+  fsdp_order.py): checked unit by unit until it is steady, then followed by position.
 """
 
 from __future__ import annotations
 
-import torch
-
 from ..comm import Comm
+from .fsdp_order import UnitOrder
 from .fsdp_unit import FlatUnit, ShardedState
-
-END_OF_FORWARD = -1
 
 
 class Schedule:
@@ -49,91 +31,83 @@ class Schedule:
     units: the strategy's units, the root first.
     prefetch: gather the next unit ahead, in forward and in backward.
     reshard_after_forward: free units after their forward (but the root and the last).
-    check: the shard group to agree on the unit order over ([Note: same units on every
-        rank]); None skips the check.
+    check: the shard group the unit order is checked over ([Note: same units on every rank]).
+    check_mode: "auto", "always" or "off" (ZeRO3's `check_order`).
     """
 
     def __init__(self, units: list[FlatUnit], prefetch: bool, reshard_after_forward: bool,
-                 check: Comm | None):  # fmt: skip
+                 check: Comm | None, check_mode: str):  # fmt: skip
         self.units = units
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
-        self.check = check if check is not None and check.world_size > 1 else None
+        self.order = UnitOrder(check, check_mode, [u.name for u in units])
+        self.calls: list[int] = []  # the positions of the unit forwards in progress (nested)
         self.forward_order: list[int] = []  # this step's pre-forward order
         self.previous_forward: list[int] = []  # the previous step's, for forward prefetch
         self.post_forward_order: list[int] = []
         self.backward_order: list[int] = []
         self.pending: FlatUnit | None = None  # the unit whose reduction is in flight
-        self._pending = None  # the unit-order check in flight: (work, everyone, mine, position)
 
     # -- forward ------------------------------------------------------------------------------
-    def before_forward(self, unit: FlatUnit) -> None:
-        """Start `unit`'s gather and the next one's; the root's forward starts a new step."""
+    def before_forward(self, unit: FlatUnit) -> bool:
+        """Start the gathers of this call and the next; False when `unit` must not gather
+        (this rank left the agreed order: [Note: same units on every rank])."""
         if unit.index == 0:
-            self.forward_order, self.post_forward_order = [], []
+            self.forward_order, self.post_forward_order, self.calls = [], [], []
             for u in self.units:  # left gathered by a forward with no backward: maybe stale
                 u.free()
+            self.order.begin()
         position = len(self.forward_order)
-        if unit.index != 0:
-            self._verify()  # the previous position's check
-            self._post_check(unit.index)
-            agreed = position < len(self.previous_forward)
-            agreed = agreed and self.previous_forward[position] == unit.index
-            if not (agreed and unit.sharded_state is not ShardedState.SHARDED):
-                self._verify()  # before posting a gather no rank may have agreed to
+        self.calls.append(position)
         self.forward_order.append(unit.index)
-        unit.start_gather()  # then the next unit's, so both are under way while this one waits
+        target = unit.index
+        if unit.index != 0:
+            prefetched = unit.sharded_state is not ShardedState.SHARDED
+            target = self.order.at(position, unit.index, prefetched)
+        self._gather_at(position, target)
+        return target == unit.index
+
+    def _gather_at(self, position: int, target: int | None) -> None:
+        if target is not None:
+            self.units[target].start_gather()  # then the next's, both under way while it waits
         if self.prefetch and position + 1 < len(self.previous_forward):
             self.units[self.previous_forward[position + 1]].start_gather(prefetch=True)
 
     def after_forward(self, unit: FlatUnit, training: bool) -> bool:
         """Whether to free `unit` now that its forward is over."""
+        position = self.calls.pop()
         self.post_forward_order.append(unit.index)
         if unit.index == 0:
-            self._verify()
-            self._post_check(END_OF_FORWARD)
-            self._verify()
+            self._follow_to_end(training)
+            self.order.end(self.forward_order)
             self.previous_forward = list(self.forward_order)
             self.backward_order = list(reversed(self.post_forward_order))
             if not training:
                 for u in self.units:
                     u.free()
             return False
-        return not training or (self.reshard_after_forward and not self._ran_last(unit))
+        target = self.order.target(position, unit.index)
+        if target is None:
+            return False
+        reshard = not training or (self.reshard_after_forward and not self._ran_last(target))
+        if target != unit.index:  # the agreed unit's free, which every rank makes here
+            if reshard:
+                self.units[target].free()
+            return False
+        return reshard
 
-    def _ran_last(self, unit: FlatUnit) -> bool:
-        return bool(self.previous_forward) and self.previous_forward[-1] == unit.index
+    def _follow_to_end(self, training: bool) -> None:
+        """A rank that ran fewer units than the agreed order still posts their gathers (and
+        frees), so that every rank reaches the end-of-forward check."""
+        agreed = self.order.agreed if self.order.steady else []
+        for position in range(len(self.forward_order), len(agreed)):
+            self._gather_at(position, agreed[position])
+            last = self._ran_last(agreed[position])
+            if not training or (self.reshard_after_forward and not last):
+                self.units[agreed[position]].free()
 
-    def _post_check(self, index: int) -> None:
-        """Start the all-gather of which unit each rank is at ([Note: same units on every
-        rank])."""
-        if self.check is None:
-            return
-        mine = torch.tensor([index], dtype=torch.int64, device=self.check.device)
-        everyone = torch.empty(self.check.world_size, dtype=torch.int64, device=mine.device)
-        with self.check.tracer.labelled(what="unit order"):
-            work = self.check.all_gather(everyone, mine, async_op=True)
-        self._pending = (work, everyone, mine, len(self.forward_order))
-
-    def _verify(self) -> None:
-        """Wait for the check in flight, if any, and raise on every rank if ranks differ."""
-        if self._pending is None:
-            return
-        work, everyone, _, position = self._pending
-        self._pending = None
-        work.wait()
-        indices = everyone.tolist()
-        if len(set(indices)) > 1:
-            ran = ", ".join(f"rank {r}: {self._describe(i)}" for r, i in enumerate(indices))
-            raise RuntimeError(
-                f"ZeRO3: ranks ran different units at position {position} of this forward "
-                f"({ran}); every rank must gather the same units in the same order: wrap the "
-                "module that holds the optional ones (all experts of a mixture of experts, "
-                "both sides of a branch) as one unit, e.g. ZeRO3(wrap=(MoELayer,))"
-            )
-
-    def _describe(self, index: int) -> str:
-        return "the end of forward" if index == END_OF_FORWARD else f"'{self.units[index].name}'"
+    def _ran_last(self, index: int) -> bool:
+        return bool(self.previous_forward) and self.previous_forward[-1] == index
 
     # -- backward -----------------------------------------------------------------------------
     def before_backward(self, unit: FlatUnit) -> None:

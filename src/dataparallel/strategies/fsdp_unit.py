@@ -180,9 +180,12 @@ class FlatUnit:
         self.sharded_state = ShardedState.SHARDED
 
     # -- the verbs of a step ([Note: unit life cycle]) --------------------------------------
-    def pre_forward(self, training: bool) -> None:
-        """Gather (the strategy may have started it) and, in training, expect one more backward."""
-        self.gather()
+    def pre_forward(self, training: bool, gather: bool = True) -> None:
+        """Gather (the schedule may have started it) and, in training, expect one more
+        backward. Without `gather` (a rank off the agreed order, [Note: same units on every
+        rank]) the parameters stay at rest: this forward is then reported as an error."""
+        if gather:
+            self.gather()
         if training:
             self.training_state = TrainingState.FORWARD
             self.pending_backwards += 1
