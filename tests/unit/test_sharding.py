@@ -157,15 +157,19 @@ def test_every_elementwise_torch_optimizer_steps_exactly(stage):
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_model_zero_grad_also_clears_zero1_gradients(set_to_none):
+def test_zero1_gradients_live_on_the_optimizer(set_to_none):
+    """[Note: consumed sums]: after backward the model's .grad are None under ZeRO-1 (as under
+    ZeRO-2); the reduced gradient is the optimizer's, and its zero_grad clears it."""
     plain, ours = _model(), dp.parallelize(_model(), dp.ZeRO1(bucket_mb=0.0002))
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     opt = dp.build_optimizer(ours, torch.optim.SGD, lr=0.1, momentum=0.9)
     for step in range(3):
         for model, optimizer in ((plain, plain_opt), (ours, opt)):
             (model(_data(step)[0]) ** 2).mean().backward()
+            if model is ours:
+                assert all(p.grad is None for p in model.parameters())
             optimizer.step()
-            model.zero_grad(set_to_none=set_to_none)
+            optimizer.zero_grad(set_to_none=set_to_none)
     for a, b in zip(plain.parameters(), ours.parameters(), strict=True):
         assert (a - b).abs().max().item() < 1e-6
 

@@ -13,8 +13,7 @@ The contract (docs/zero.md has it in full, with the memory theory and measuremen
   to a reduced bucket is the only difference between the stages: ZeRO-1 keeps full-size
   buckets, ZeRO-2 frees each once its shard is kept ([Note: lazy buckets]). At the end of
   backward the reduced shard gradients are the pieces' `.grad` ([Note: flat shard]); the
-  model's own `.grad` are not the reduced gradient (ZeRO-2: None; ZeRO-1: this rank's
-  consumed local sums, so that `model.zero_grad()` reaches the shards too).
+  model's own `.grad` are None ([Note: consumed sums]): clear with `optimizer.zero_grad()`.
 - `no_sync` accumulates full local gradients; synchronised backwards between steps add up, as
   in one process, until `optimizer.zero_grad()`. Each synchronised backward follows a forward.
 - Parameters no rank used are skipped by the step ([Note: skipped parameters]).
@@ -59,9 +58,8 @@ MAX_IN_FLIGHT = 2
 
 class KeepBuckets:
     """ZeRO-1: full-size gradient buckets stay allocated; the reduced slice of each becomes the
-    shard's gradient in place (no copy) when the dtypes agree. After each synchronised round the
-    model's `.grad` are views of the buckets (this rank's local sums, consumed), so that
-    `model.zero_grad()` reaches the shard's gradient too."""
+    shard's gradient in place (no copy) when the dtypes agree. The model's own `.grad` are None
+    after a synchronised round, as under ZeRO-2: [Note: consumed sums]."""
 
     lazy = False
 
@@ -69,20 +67,23 @@ class KeepBuckets:
         shard.take_reduced(bucket.reduced(), borrow=True)
 
     def after_round(self, shard: FlatShard, bucket: Bucket) -> None:
-        if bucket.grad_views:
-            for param, view in zip(bucket.params, bucket.views, strict=True):
-                if param.grad is None:  # the reducer dropped it (unused); the rest are views
-                    param.grad = view
+        """[Note: consumed sums] What the buckets hold outside this rank's slice are its local
+        sums, already reduced into other ranks' slices, and the slice itself is the shard's
+        gradient. Left as the model's `.grad`, code that reads them would see neither the
+        gradient nor its shard, and code that scales them would scale the shard: PyTorch's AMP
+        recipe (`scaler.unscale_(opt)`, then `clip_grad_norm_(model.parameters(), ...)`)
+        measured the still-scaled local sums and multiplied each rank's shard by its own
+        factor, 6e-2 off one process where torch's DDP is 2.8e-4 (tests/dist/test_amp.py).
+        So they go: the reduced gradient is the optimizer's (its pieces' `.grad`), cleared by
+        `optimizer.zero_grad()`, and `dp.clip_grad_norm_` clips it."""
+        for param in bucket.params:
+            param.grad = None
 
     def before_round(self, shard: FlatShard, bucket: Bucket) -> None:
         """First forward after a synchronised round: the next backward writes into the bucket,
-        so the shard's gradient moves out of it (or goes, if `model.zero_grad()` dropped the
-        views `after_round` set), and the consumed local sums are forgotten."""
-        if bucket.grad_views and all(p.grad is None for p in bucket.params):
-            shard.clear_grads()
+        so the shard's gradient moves out of it if the pieces still hold it (accumulating
+        across synchronised backwards)."""
         shard.stop_borrowing()
-        for param in bucket.params:
-            param.grad = None
 
 
 class FreeBuckets:
