@@ -232,7 +232,7 @@ class ZeRO3Strategy(Strategy):
             self.handles.append(unit.module.register_forward_hook(post))
             for position, p in enumerate(unit.params):
                 if p.requires_grad:
-                    hook = opaque(partial(self._on_grad, unit, position))
+                    hook = partial(self._on_grad, unit, position)
                     self.handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def _wrap(self, model: nn.Module, model_dtype: torch.dtype):
@@ -263,7 +263,7 @@ class ZeRO3Strategy(Strategy):
         if not positions:
             return args, kwargs
         wrapped = _PostBackward.apply(
-            opaque(partial(self._post_backward, unit)), *(flat[i] for i in positions)
+            partial(self._post_backward, unit), *(flat[i] for i in positions)
         )
         for i, t in zip(positions, wrapped, strict=True):
             flat[i] = t
@@ -275,7 +275,7 @@ class ZeRO3Strategy(Strategy):
         if training:
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             if tensors:
-                hook = opaque(partial(self._pre_backward, unit))
+                hook = partial(self._pre_backward, unit)
                 register_multi_grad_hook(tensors, hook, mode="any")
         unit.post_forward(reshard=self.schedule.after_forward(unit, training))
 

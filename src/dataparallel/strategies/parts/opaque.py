@@ -4,7 +4,9 @@ Every hook a strategy registers on a module (the start of a round, ZeRO-3's gath
 ZeRO-1/2's wait for an overlapped parameter gather) calls collectives and changes the
 strategy's state. Traced by `torch.compile`, its state would become guards (a recompile each
 time it changes) and its collectives graph breaks in the middle of the user's code; opaque, the
-compiler stops at the hook, runs it eagerly and compiles what lies between hooks.
+compiler stops at the hook, runs it eagerly and compiles what lies between hooks. Hooks that
+run in backward (gradient hooks, ZeRO-3's pre- and post-backward) are not wrapped: autograd
+runs them eagerly, outside any compiled frame.
 """
 
 from __future__ import annotations
