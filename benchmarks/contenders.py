@@ -132,6 +132,8 @@ OURS: dict[str, tuple[str, dict, dict]] = {
     "zero2-gloo": ("zero2", {}, {"pairwise": False}),
     "zero3": ("zero3", {}, {}),
     "zero3-gloo": ("zero3", {}, {"pairwise": False}),
+    # without the unit-order check ([Note: same units on every rank] in fsdp_order.py): its cost
+    "zero3-nocheck": ("zero3", {"check_order": "off"}, {}),
 }
 
 
@@ -318,6 +320,7 @@ CONTENDERS: dict[str, Callable] = {
     "deepspeed-zero2": deepspeed_zero(2),
     "zero3": ours("zero3"),
     "zero3-gloo": ours("zero3-gloo"),
+    "zero3-nocheck": ours("zero3-nocheck"),
     "fsdp2": fsdp2,
     "deepspeed-zero3": deepspeed_zero(3),
     # torch.compile per block after wrapping, against the eager contender of the same name

@@ -16,7 +16,9 @@ names the units, in two modes:
   position, whatever it runs; a rank that runs another unit (or more, or fewer) notes where,
   computes on parameters at rest (NaN) from there, still posts the agreed gathers to the end,
   and at the end of the forward one all-gather per step tells every rank: all raise, before
-  any backward or step. An order that changes the same way on every rank is then an error
+  any backward or step. That all-gather is started at the end of the forward and waited for
+  before the first backward collective (or the next forward), so the loss computation hides
+  its latency instead of a barrier exposing the ranks' skew. An order that changes the same way on every rank is then an error
   too; `check_order="always"` accepts it (and pays one small collective per unit).
 Measured in BENCHMARKS.md.
 """
@@ -47,6 +49,7 @@ class UnitOrder:
         self.steady = False
         self.deviation: tuple[int, int] | None = None  # (position, unit) this rank left it at
         self._pending = None  # a check in flight: (work, everyone, position)
+        self._steady_end = None  # a steady forward's end check in flight: (work, everyone)
 
     def begin(self) -> None:
         self.deviation = None
@@ -74,13 +77,15 @@ class UnitOrder:
         return expected
 
     def end(self, order: list[int]) -> None:
-        """At the end of the forward: the check that every rank ran `order` alike."""
+        """At the end of the forward: the check that every rank ran `order` alike (steady:
+        started here, verified by `settle` before the next collective of the shard group)."""
         if self.comm is None:
             return
         if self.steady:
             if self.deviation is None and len(order) < len(self.agreed):
                 self.deviation = (len(order), END_OF_FORWARD)  # it ran fewer units
-            self._end_steady()
+            position, index = self.deviation or (-1, -1)
+            self._steady_end = self._gather([position, index])
             return
         self._verify()
         self._post(END_OF_FORWARD, len(order))
@@ -111,9 +116,13 @@ class UnitOrder:
         if len(set(ran)) > 1:
             self._raise(position, ran)
 
-    def _end_steady(self) -> None:
-        position, index = self.deviation or (-1, -1)
-        work, everyone = self._gather([position, index])
+    def settle(self) -> None:
+        """Verify the steady end-of-forward check, if one is in flight: before backward (a rank
+        off the order would post other units' collectives there) or the next forward."""
+        if self._steady_end is None:
+            return
+        work, everyone = self._steady_end
+        self._steady_end = None
         work.wait()
         pairs = everyone.view(-1, 2).tolist()
         first = min((p for p, _ in pairs if p >= 0), default=None)

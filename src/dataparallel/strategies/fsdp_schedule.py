@@ -53,6 +53,7 @@ class Schedule:
         """Start the gathers of this call and the next; False when `unit` must not gather
         (this rank left the agreed order: [Note: same units on every rank])."""
         if unit.index == 0:
+            self.order.settle()  # a forward with no backward since the last
             self.forward_order, self.post_forward_order, self.calls = [], [], []
             for u in self.units:  # left gathered by a forward with no backward: maybe stale
                 u.free()
@@ -111,6 +112,7 @@ class Schedule:
 
     # -- backward -----------------------------------------------------------------------------
     def before_backward(self, unit: FlatUnit) -> None:
+        self.order.settle()
         unit.start_gather()
         if self.prefetch and unit.index in self.backward_order:
             position = self.backward_order.index(unit.index)
@@ -128,6 +130,7 @@ class Schedule:
 
     def reduce_rest(self, hook, state) -> None:
         """At the end of backward: every unit not reduced yet, then wait for all."""
+        self.order.settle()
         order = self.backward_order + [
             u.index for u in reversed(self.units) if u.index not in self.backward_order
         ]
