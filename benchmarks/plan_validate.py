@@ -37,7 +37,7 @@ from contenders import bench_model, ours  # noqa: E402
 
 import dataparallel as dp  # noqa: E402
 from dataparallel.plan.calibrate import calibrate  # noqa: E402
-from dataparallel.train.launch import free_port  # noqa: E402
+from dataparallel import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "src/dataparallel/plan/cpu-2core.json"

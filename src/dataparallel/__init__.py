@@ -29,13 +29,19 @@ from .api import (
 )
 from .averaging import DiLoCo, LocalSGD
 from .comm import Tracer
+from .compose import OUTER_COMPRESS, PRECISIONS, STRATEGIES, Composed, Recipe, compose
 from .data import DistributedSampler
 from .plan import plan
-from .runtime import World, destroy, init
+from .runtime import World, destroy, free_port, init
 from .strategies import DDP, Mesh, MixedPrecision, ZeRO1, ZeRO2, ZeRO3, init_mesh
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
+    "Composed",
+    "OUTER_COMPRESS",
+    "PRECISIONS",
+    "Recipe",
+    "STRATEGIES",
     "DDP",
     "DiLoCo",
     "LocalSGD",
@@ -52,10 +58,12 @@ __all__ = [
     "bytes_sent",
     "clip_grad_norm_",
     "comm",
+    "compose",
     "compression",
     "convert_sync_batchnorm",
     "destroy",
     "finish_param_gather",
+    "free_port",
     "full_state_dict",
     "geometry",
     "init",

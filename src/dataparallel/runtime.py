@@ -8,6 +8,7 @@ private in-memory store, so every code path is the same with one rank or many.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -159,3 +160,10 @@ def _start_watchdog(rank: int, world_size: int, timeout_s: float) -> None:
     store = dist.distributed_c10d._get_default_store()
     prefix = f"dataparallel/watchdog/{attempt}"
     _watchdog = Watchdog(store, rank, world_size, timeout_s, prefix=prefix).start()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now (the OS picks it; bound and released at once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn import functional as F
 
-from ..train.launch import free_port
+from ..runtime import free_port
 from .hardware import KINDS, HardwareProfile, profile_from_dict
 from .model import builtin_shape
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .errors import PlanError
 
 # name -> (compute/param bytes, gradient bytes on the wire and in buckets, fp32 masters,
-# autocast). What train/precision.py's names mean for the strategies' allocations.
+# autocast). What dataparallel/compose.py's PRECISIONS mean for the strategies' allocations.
 PRECISIONS = {
     "fp32": (4, 4, False, False),
     "bf16": (4, 4, False, True),  # bf16 autocast: fp32 weights, gradients, state
@@ -27,7 +27,7 @@ class PlanInputs:
     """Everything but the model and the hardware.
 
     ranks: N, ranks in the job.
-    precision: "fp32", "bf16" (autocast), "bf16-params" or "fp16" (train/precision.py).
+    precision: "fp32", "bf16" (autocast), "bf16-params" or "fp16" (dataparallel/compose.py, PRECISIONS).
     optimizer_bytes: bytes of optimizer state per parameter (adam/adamw 8, sgd 4).
     micro_batch: samples per rank per forward.
     accumulation: micro-batches per optimizer step.

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
+import dataparallel as dp
+
 from ..checkpoint import latest_checkpoint
 from ..data.corpus import corpus_files, corpus_size, num_windows
 from ..models import MODEL_CONFIGS, build_model
-from ..strategies import POLICIES
 from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
-from .precision import PRECISIONS
 from .sync import averaging, check_sync
 from .tracing import parse_steps
 
@@ -68,8 +68,8 @@ def resolve_batch(config: RunConfig) -> RunConfig:
 def check_values(config: RunConfig) -> None:
     """Check every value on its own and against the others (no I/O)."""
     _choose(field_label("model", "name"), config.model.name, sorted(MODEL_CONFIGS))
-    _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(POLICIES))
-    _choose(field_label("train", "precision"), config.train.precision, sorted(PRECISIONS))
+    _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(dp.STRATEGIES))
+    _choose(field_label("train", "precision"), config.train.precision, sorted(dp.PRECISIONS))
     _choose(field_label("optim", "lr_scaling"), config.optim.lr_scaling, ["none", "linear"])
     _choose(
         field_label("train", "checkpoint_save"), config.train.checkpoint_save, ["async", "sync"]

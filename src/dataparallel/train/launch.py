@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
+
+import dataparallel as dp
 
 from .config import RunConfig
 from .worker import ENV_LAUNCHER, ENV_RUN, encode_run
@@ -37,18 +38,11 @@ def fair_threads(nproc: int, cores: int | None = None) -> int:
     return max(1, (cores or available_cores()) // nproc)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free now (the OS picks it; bound and released at once)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def torchrun_argv(config: RunConfig, port: int | None = None) -> list[str]:
     """The arguments for torch.distributed.run that start this machine's workers."""
     launch = config.launch
     if launch.nnodes == 1:
-        host, port = "127.0.0.1", port or free_port()
+        host, port = "127.0.0.1", port or dp.free_port()
     else:
         host, _, port_text = launch.rdzv_endpoint.rpartition(":")
         port = int(port_text)

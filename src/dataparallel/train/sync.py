@@ -1,22 +1,10 @@
-"""What the [sync] section means: the compression hook, the averager, and their checks.
+"""What the [sync] section means to the CLI: its checks, with the flags' names in the errors.
 
-[Note: composition] The order in which the pieces apply, decided here and nowhere else:
-1. precision (the strategy's MixedPrecision) fixes the dtype of the buckets;
-2. the strategy shards within a shard group (`--shard-group`, or every rank);
-3. compression (`--compress`) acts on the reduction's stage that crosses replicas
-   ([Note: where compression acts] in compression/hook.py);
-4. accumulation (`no_sync`) runs before any of it: compressed or not, a bucket is reduced
-   once per optimizer step;
-5. an averager (`--local-sgd`, `--diloco`) replaces the cross-replica gradient reduction
-   altogether: the strategy runs inside each replica, and the averager synchronises the
-   replicas' parameters every H steps after the optimizer step. Compressing gradients would
-   then only compress the fast in-replica links, so the two are not combined; DiLoCo's outer
-   gradients can be compressed instead (`--outer-compress`).
+The composition itself (in which order precision, the mesh, compression and an averager apply)
+is the library's: [Note: composition] in dataparallel/compose.py, which the trainer calls.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 
@@ -25,7 +13,7 @@ import dataparallel as dp
 from ..compression import SPEC_HELP, PowerSGD, build_hook, parse_spec
 from .config import ConfigError, RunConfig, field_label
 
-OUTER_COMPRESS = ("", "bf16", "int8", "fp8")
+OUTER_COMPRESS = dp.OUTER_COMPRESS
 
 
 def check_sync(config: RunConfig, model_shapes: list[torch.Size] | None = None) -> None:
@@ -97,36 +85,5 @@ def check_sync(config: RunConfig, model_shapes: list[torch.Size] | None = None) 
             )
 
 
-def comm_hook(config: RunConfig):
-    """The strategy's communication hook for --compress (None: the strategy's own)."""
-    return build_hook(config.sync.compress) if config.sync.compress else None
-
-
 def averaging(config: RunConfig) -> bool:
     return bool(config.sync.local_sgd or config.sync.diloco)
-
-
-def build_averager(config: RunConfig, model, optimizer, group, tracer=None):
-    """The averager the [sync] section names, over `group` (the replicate group), or None;
-    `tracer` records its collectives."""
-    sync = config.sync
-    if sync.local_sgd:
-        return dp.LocalSGD(model, optimizer, sync.local_sgd, group=group, tracer=tracer)
-    if sync.diloco:
-        outer = partial(
-            torch.optim.SGD,
-            lr=sync.outer_lr,
-            momentum=sync.outer_momentum,
-            nesterov=sync.outer_momentum > 0,
-        )
-        compress = sync.outer_compress or None
-        return dp.DiLoCo(
-            model,
-            optimizer,
-            sync.diloco,
-            group=group,
-            outer_optimizer=outer,
-            compress=compress,
-            tracer=tracer,
-        )
-    return None

@@ -34,10 +34,8 @@ from ..data.corpus import Corpus, TokenWindows, evenly_spaced, load_corpus
 from ..data.stream import SampleStream
 from ..models import build_model
 from .config import RunConfig
-from .precision import autocast_dtype, grad_scaler, strategy_policy
 from .records import EvalRecord, StepRecord
 from .schedule import WarmupCosine, scaled_lr
-from .sync import averaging, build_averager, comm_hook
 
 
 @dataclass(kw_only=True)
@@ -56,8 +54,9 @@ class TrainState:
     val_windows: TokenWindows
     corpus: Corpus
     scaler: torch.amp.GradScaler | None = None
-    averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (train/sync.py), or None
+    averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (dp.compose), or None
     tracer: dp.Tracer = field(default_factory=dp.Tracer)  # on for --trace steps (tracing.py)
+    composed: dp.Composed | None = None  # what dp.compose built (autocast, the recipe)
     step: int = 0
     skipped_steps: int = 0  # steps skipped on every rank (overflow or a non-finite loss/gradient)
     consecutive_skips: int = 0  # non-finite steps in a row ([Note: non-finite steps])
@@ -119,19 +118,18 @@ def setup(
         torch.manual_seed(config.train.seed)  # the same initial weights on every rank and run
         model = build_model(config.model.name)
     model = model.to(world.device)
-    launch, precision = config.launch, config.train.precision
-    policy = strategy_policy(launch.strategy, precision, comm_hook(config))
-    replicas = None  # the group an averager synchronises over ([Note: composition], sync.py)
-    tracer = dp.Tracer()
-    if averaging(config):  # the strategy runs inside each replica of shard_group ranks
-        mesh = dp.init_mesh(launch.shard_group or 1, world.group)
-        dp.parallelize(model, policy, group=mesh.shard_group, tracer=tracer)
-        replicas = mesh.replicate_group
-    elif 0 < launch.shard_group < world.world_size:  # a 2-D mesh (HSDP)
-        mesh = dp.init_mesh(launch.shard_group, world.group)
-        dp.parallelize(model, policy, mesh=mesh, tracer=tracer)
-    else:
-        dp.parallelize(model, policy, group=world.group, tracer=tracer)
+    launch, sync = config.launch, config.sync
+    recipe = dp.Recipe(
+        strategy=launch.strategy,
+        shard_size=launch.shard_group,
+        precision=config.train.precision,
+        compress=sync.compress,
+        local_sgd=sync.local_sgd,
+        diloco=sync.diloco,
+        outer_lr=sync.outer_lr,
+        outer_momentum=sync.outer_momentum,
+        outer_compress=sync.outer_compress,
+    )
     optim = config.optim
     peak_lr = scaled_lr(
         optim.lr,
@@ -139,10 +137,13 @@ def setup(
         scaling=optim.lr_scaling,
         base_batch=optim.lr_base_batch,
     )
-    optimizer = dp.build_optimizer(
+    # [Note: composition] in dataparallel/compose.py: what a script calling dp.compose gets
+    composed = dp.compose(
         model,
+        recipe,
         torch.optim.AdamW,
         params=param_groups(model, optim.weight_decay),
+        group=world.group,
         lr=peak_lr,
         betas=(optim.beta1, optim.beta2),
     )
@@ -152,22 +153,22 @@ def setup(
         min_ratio=optim.min_lr_ratio,
     )
     samples = SampleStream(len(train_windows), seed=config.train.seed)
-    averager = build_averager(config, model, optimizer, replicas, tracer) if replicas else None
     return TrainState(
         config=config,
         world=world,
         model=model,
         model_name=model_name,
-        optimizer=optimizer,
+        optimizer=composed.optimizer,
         schedule=schedule,
         peak_lr=peak_lr,
         samples=samples,
         train_windows=train_windows,
         val_windows=val_windows,
         corpus=corpus,
-        scaler=grad_scaler(precision, world.device),
-        averager=averager,
-        tracer=tracer,
+        scaler=composed.scaler,
+        averager=composed.averager,
+        tracer=composed.tracer,
+        composed=composed,
     )
 
 
@@ -192,8 +193,7 @@ _NO_SPAN = contextlib.nullcontext()
 
 
 def _autocast(state: TrainState):
-    dtype = autocast_dtype(state.config.train.precision)
-    return torch.autocast(state.world.device.type, dtype=dtype, enabled=dtype is not None)
+    return state.composed.autocast() if state.composed is not None else _NO_SPAN
 
 
 def _token_loss_sum(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor):

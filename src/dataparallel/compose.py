@@ -1,0 +1,204 @@
+"""Composition: strategy x mesh x precision x compression x averager, in one documented order.
+
+[Note: composition] `compose(model, recipe, optimizer_cls, ...)` is the one place that decides
+how the pieces combine; `dataparallel train` calls it with the recipe its flags spell, so a
+script gets exactly what the CLI gets. The order, and why:
+1. precision (`Recipe.precision`) fixes the strategy's `MixedPrecision` (the dtype of the
+   parameters, buckets and wire), autocast, and whether a loss scaler runs: it must be known
+   before anything is laid out, since the flat buffers are allocated in it;
+2. the mesh: the strategy shards within a shard group (`shard_size` ranks, or every rank) and
+   the replicas all-reduce across groups (HSDP); with an averager the strategy runs inside each
+   replica only and the averager owns the cross-replica step;
+3. compression (`compress`) is the strategy's communication hook: it acts on the reduction's
+   stage that crosses replicas ([Note: where compression acts] in compression/hook.py), after
+   the in-group reduction has averaged what is exact and cheap;
+4. accumulation (`dp.no_sync`) runs before any of it: compressed or not, a bucket is reduced
+   once per optimizer step;
+5. the optimizer is built on what each rank holds (`dp.build_optimizer`), after the strategy,
+   since sharded strategies build it on their shards;
+6. an averager (`local_sgd`, `diloco`) replaces the cross-replica gradient reduction
+   altogether and synchronises the replicas' parameters every H steps after the optimizer
+   step; compressing gradients would then only compress the fast in-replica links, so the two
+   are not combined, and DiLoCo's outer gradients are compressed instead (`outer_compress`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .api import build_optimizer, parallelize
+from .averaging import DiLoCo, LocalSGD
+from .comm import Tracer
+from .compression import build_hook
+from .strategies import POLICIES, Mesh, MixedPrecision, init_mesh, resolve_policy
+
+# --precision name -> (the strategy's MixedPrecision or None, autocast dtype or None, scaling)
+PRECISIONS: dict[str, tuple] = {
+    "fp32": (None, None, False),
+    "bf16": (None, torch.bfloat16, False),
+    "bf16-params": (MixedPrecision(param_dtype=torch.bfloat16), None, False),
+    "fp16": (MixedPrecision(param_dtype=torch.float16), None, True),
+}
+OUTER_COMPRESS = ("", "bf16", "int8", "fp8")
+STRATEGIES = tuple(POLICIES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """What to compose ([Note: composition]). Every field has the CLI flag of the same name.
+
+    strategy: "ddp", "zero1", "zero2", "zero3", or a policy object (`dp.ZeRO3(wrap=...)`),
+        whose precision and communication hook this recipe's fields replace.
+    shard_size: ranks per shard group: a 2-D replicate x shard mesh (HSDP) when it is between
+        1 and the world size; 0 shards over every rank. With an averager: the ranks of one
+        replica (0 or 1: every rank is its own replica).
+    precision: "fp32"; "bf16" (autocast, fp32 weights); "bf16-params" (bf16 parameters and
+        communication, fp32 masters and optimizer state); "fp16" (the same in float16, with
+        dynamic loss scaling by `torch.amp.GradScaler`).
+    compress: a compressor spec for the cross-replica gradient reduction ("powersgd:rank=4",
+        "topk:ratio=0.01", "int8", "fp8", "bf16"); "" for none.
+    local_sgd: average the replicas' parameters every H optimizer steps (0: off).
+    diloco: DiLoCo every H optimizer steps (0: off), with an outer Nesterov SGD of
+        `outer_lr` and `outer_momentum` (0: plain SGD).
+    outer_compress: DiLoCo's outer gradients on the wire: "", "bf16", "int8" or "fp8".
+    """
+
+    strategy: object = "ddp"
+    shard_size: int = 0
+    precision: str = "fp32"
+    compress: str = ""
+    local_sgd: int = 0
+    diloco: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_compress: str = ""
+
+    def __post_init__(self):
+        if isinstance(self.strategy, str) and self.strategy not in POLICIES:
+            _bad("strategy", f"{self.strategy!r} is unknown", f"choose one of {STRATEGIES}")
+        if self.precision not in PRECISIONS:
+            _bad(
+                "precision", f"{self.precision!r} is unknown", f"choose one of {tuple(PRECISIONS)}"
+            )
+        for name in ("shard_size", "local_sgd", "diloco"):
+            if getattr(self, name) < 0:
+                _bad(name, f"{getattr(self, name)} is negative", "give 0 (off) or more")
+        if self.local_sgd and self.diloco:
+            _bad("diloco", "local SGD and DiLoCo are both asked for", "choose one")
+        if self.compress and self.averaging:
+            _bad("compress", "gradients are reduced only inside a replica under an averager",
+                 "drop compress; compress DiLoCo's outer gradients with outer_compress")  # fmt: skip
+        if self.outer_compress not in OUTER_COMPRESS:
+            _bad("outer_compress", f"{self.outer_compress!r} is unknown", f"choose one of {OUTER_COMPRESS}")  # fmt: skip
+        if self.outer_compress and not self.diloco:
+            _bad("outer_compress", "only DiLoCo has outer gradients", "set diloco, or drop it")
+
+    @property
+    def averaging(self) -> bool:
+        return bool(self.local_sgd or self.diloco)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return PRECISIONS[self.precision][1]
+
+    def policy(self):
+        """The strategy's policy with this recipe's precision and communication hook."""
+        hook = build_hook(self.compress) if self.compress else None
+        policy = resolve_policy(self.strategy)
+        return replace(policy, precision=PRECISIONS[self.precision][0], comm_hook=hook)
+
+
+def _bad(field_name: str, problem: str, fix: str) -> None:
+    raise ValueError(f"Recipe.{field_name}: {problem}; {fix}")
+
+
+@dataclass
+class Composed:
+    """What `compose` built.
+
+    model: the parallelized model (the one passed in, wrapped in place).
+    optimizer: built on what this rank holds.
+    averager: the `LocalSGD` or `DiLoCo` to `.step()` after each optimizer step, or None.
+    mesh: the replicate x shard layout, or None on a 1-D world.
+    scaler: the `torch.amp.GradScaler` for "fp16" (scale the loss, `scaler.step(optimizer)`),
+        or None.
+    recipe: what was composed.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    averager: LocalSGD | None
+    mesh: Mesh | None
+    scaler: torch.amp.GradScaler | None
+    recipe: Recipe
+    tracer: Tracer = field(default_factory=Tracer)
+
+    def autocast(self):
+        """The forward's autocast context for the recipe's precision (a no-op without one)."""
+        dtype = self.recipe.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device, dtype=dtype)
+
+
+def compose(
+    model: nn.Module,
+    recipe: Recipe,
+    optimizer_cls=torch.optim.AdamW,
+    *,
+    params=None,
+    group: dist.ProcessGroup | None = None,
+    tracer: Tracer | None = None,
+    **optimizer_kwargs,
+) -> Composed:
+    """Parallelize `model` and build its optimizer and averager as `recipe` says, in the order
+    of [Note: composition]. `params` are the optimizer's param groups (default: every trainable
+    parameter); `group` the ranks (default: every rank); `tracer` records the collectives.
+    Collective: every rank calls it with the same model and recipe."""
+    tracer = tracer or Tracer()
+    policy = recipe.policy()  # 1. precision, 3. compression: the strategy's own fields
+    world_size = dist.get_world_size(group)
+    mesh, replicas = None, None
+    if recipe.averaging:  # 2. the strategy runs inside each replica; 6. the averager across
+        mesh = init_mesh(recipe.shard_size or 1, group)
+        parallelize(model, policy, group=mesh.shard_group, tracer=tracer)
+        replicas = mesh.replicate_group
+    elif 0 < recipe.shard_size < world_size:  # 2. a 2-D mesh (HSDP)
+        mesh = init_mesh(recipe.shard_size, group)
+        parallelize(model, policy, mesh=mesh, tracer=tracer)
+    else:
+        parallelize(model, policy, group=group, tracer=tracer)
+    optimizer = build_optimizer(model, optimizer_cls, params=params, **optimizer_kwargs)  # 5.
+    averager = _averager(recipe, model, optimizer, replicas, tracer) if replicas else None
+    scaler = None
+    if PRECISIONS[recipe.precision][2]:
+        scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
+    return Composed(model, optimizer, averager, mesh, scaler, recipe, tracer)
+
+
+def _averager(recipe: Recipe, model, optimizer, group, tracer):
+    if recipe.local_sgd:
+        return LocalSGD(model, optimizer, recipe.local_sgd, group=group, tracer=tracer)
+    outer = partial(
+        torch.optim.SGD,
+        lr=recipe.outer_lr,
+        momentum=recipe.outer_momentum,
+        nesterov=recipe.outer_momentum > 0,
+    )
+    compress = recipe.outer_compress or None
+    return DiLoCo(
+        model,
+        optimizer,
+        recipe.diloco,
+        group=group,
+        outer_optimizer=outer,
+        compress=compress,
+        tracer=tracer,
+    )
