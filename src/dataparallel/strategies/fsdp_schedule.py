@@ -12,8 +12,7 @@ what one unit cannot know:
 - one reduction in flight: a unit's reduction starts when its backward is over and the previous
   unit's is finished first (it had this unit's backward to run in); at the end of backward the
   units autograd did not call back for (the root, whose inputs are token ids) are reduced in
-  backward order, then the rest.
-
+  backward order, then the rest;
 - the order of the gathers, the same on every rank ([Note: same units on every rank] in
   fsdp_order.py): checked unit by unit until it is steady, then followed by position.
 """
