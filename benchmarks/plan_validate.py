@@ -37,7 +37,6 @@ from contenders import bench_model, ours  # noqa: E402
 
 import dataparallel as dp  # noqa: E402
 from dataparallel.plan.calibrate import calibrate  # noqa: E402
-from dataparallel import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "src/dataparallel/plan/cpu-2core.json"
@@ -132,7 +131,7 @@ def rank_main(rank: int, port: int, name: str, steps: int, path: str) -> None:
 
 
 def run_model(name: str, steps: int) -> dict:
-    port = free_port()
+    port = dp.free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.json")
         mp.spawn(rank_main, args=(port, name, steps, path), nprocs=2, join=True)
