@@ -1,7 +1,7 @@
 """`dp.compose`: a script gets what `dataparallel train` gets ([Note: composition]).
 
 The trainer builds its model, optimizer and averager with `dp.compose` alone; here each recipe
-trains on 4 ranks beside the same pieces assembled by hand (mesh, policy with its precision and
+trains 4 steps on 4 ranks beside the same pieces assembled by hand (mesh, policy with its precision and
 hook, optimizer, averager), and both end bit-identical.
 """
 
@@ -26,13 +26,20 @@ def _by_hand(name: str, model):
         mesh = dp.init_mesh(2)
         dp.parallelize(model, dp.ZeRO2(comm_hook=dp.compression.build_hook("int8")), mesh=mesh)
         return dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2), None
-    if name == "ddp-diloco":
+    if name == "ddp-diloco-int8":
         mesh = dp.init_mesh(2)
         dp.parallelize(model, "ddp", group=mesh.shard_group)
         optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2)
         outer = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
-        averager = dp.DiLoCo(model, optimizer, 2, group=mesh.replicate_group, outer_optimizer=outer)
+        averager = dp.DiLoCo(
+            model, optimizer, 2, group=mesh.replicate_group, outer_optimizer=outer, compress="int8"
+        )
         return optimizer, averager
+    if name == "zero1-local-sgd":
+        mesh = dp.init_mesh(2)
+        dp.parallelize(model, "zero1", group=mesh.shard_group)
+        optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2)
+        return optimizer, dp.LocalSGD(model, optimizer, 2, group=mesh.replicate_group)
     precision = dp.MixedPrecision(param_dtype=torch.bfloat16)
     dp.parallelize(model, dp.ZeRO3(precision=precision))
     return dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2), None
@@ -40,7 +47,8 @@ def _by_hand(name: str, model):
 
 RECIPES = {
     "zero2-hsdp-int8": dp.Recipe(strategy="zero2", shard_size=2, compress="int8"),
-    "ddp-diloco": dp.Recipe(strategy="ddp", shard_size=2, diloco=2),
+    "ddp-diloco-int8": dp.Recipe(strategy="ddp", shard_size=2, diloco=2, outer_compress="int8"),
+    "zero1-local-sgd": dp.Recipe(strategy="zero1", shard_size=2, local_sgd=2),
     "zero3-bf16": dp.Recipe(strategy="zero3", precision="bf16-params"),
 }
 
@@ -61,6 +69,7 @@ def _world(world):
     for name, recipe in RECIPES.items():
         torch.manual_seed(0)
         mine = GPT(CONFIG)
+        start = {k: v.clone() for k, v in mine.state_dict().items()}
         torch.manual_seed(0)
         theirs = GPT(CONFIG)
         composed = dp.compose(mine, recipe, torch.optim.AdamW, lr=1e-2)
@@ -68,6 +77,8 @@ def _world(world):
         optimizer, averager = _by_hand(name, theirs)
         _train(theirs, optimizer, averager, world.rank)
         a, b = dp.full_state_dict(mine), dp.full_state_dict(theirs)
+        moved = max((a[k].float() - start[k].float()).abs().max().item() for k in a)
+        assert moved > 1e-2, (name, moved)  # it trained
         out[name] = (
             max((a[k] - b[k]).abs().max().item() for k in a),
             type(composed.averager).__name__,
@@ -81,5 +92,6 @@ def test_compose_equals_the_pieces_by_hand():
     results = run_world(4, _world)
     for rank_result in results:
         assert rank_result["zero2-hsdp-int8"] == (0.0, "NoneType", True, "zero2")
-        assert rank_result["ddp-diloco"] == (0.0, "DiLoCo", True, "ddp")
+        assert rank_result["ddp-diloco-int8"] == (0.0, "DiLoCo", True, "ddp")
+        assert rank_result["zero1-local-sgd"] == (0.0, "LocalSGD", True, "zero1")
         assert rank_result["zero3-bf16"] == (0.0, "NoneType", False, "zero3")
