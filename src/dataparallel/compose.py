@@ -94,6 +94,10 @@ class Recipe:
         if self.compress and self.averaging:
             _bad("compress", "gradients are reduced only inside a replica under an averager",
                  "drop compress; compress DiLoCo's outer gradients with outer_compress")  # fmt: skip
+        if not self.outer_lr > 0:
+            _bad("outer_lr", f"{self.outer_lr} is not positive", "use e.g. 0.7")
+        if not 0 <= self.outer_momentum < 1:
+            _bad("outer_momentum", f"{self.outer_momentum} is outside [0, 1)", "use e.g. 0.9")
         if self.outer_compress not in OUTER_COMPRESS:
             _bad("outer_compress", f"{self.outer_compress!r} is unknown", f"choose one of {OUTER_COMPRESS}")  # fmt: skip
         if self.outer_compress and not self.diloco:

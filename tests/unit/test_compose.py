@@ -14,6 +14,8 @@ import dataparallel as dp
         ({"compress": "int8", "diloco": 4}, "Recipe.compress: gradients are reduced only"),
         ({"outer_compress": "int8"}, "Recipe.outer_compress: only DiLoCo has outer"),
         ({"shard_size": -1}, "Recipe.shard_size: -1 is negative"),
+        ({"diloco": 4, "outer_lr": 0}, "Recipe.outer_lr: 0 is not positive"),
+        ({"diloco": 4, "outer_momentum": 1.0}, r"Recipe.outer_momentum: 1.0 is outside \[0, 1\)"),
     ],
 )
 def test_recipe_errors_name_the_field(fields, message):
