@@ -11,7 +11,7 @@ ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q '$(TORCH_SPEC)'
-	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/pip install -q -e '.[dev,hf]'
 	touch $@
 
 train: $(VENV)/.installed
