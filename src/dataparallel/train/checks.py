@@ -11,15 +11,13 @@ import math
 import os
 from pathlib import Path
 
-import torch
-
 import dataparallel as dp
 
 from ..checkpoint import latest_checkpoint
 from ..data.corpus import corpus_files, corpus_size, num_windows
-from ..models import MODEL_CONFIGS, build_model
 from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
+from .model_source import check_model, meta_model
 from .sync import averaging, check_sync
 from .tracing import parse_steps
 
@@ -67,7 +65,6 @@ def resolve_batch(config: RunConfig) -> RunConfig:
 
 def check_values(config: RunConfig) -> None:
     """Check every value on its own and against the others (no I/O)."""
-    _choose(field_label("model", "name"), config.model.name, sorted(MODEL_CONFIGS))
     _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(dp.STRATEGIES))
     _choose(field_label("train", "precision"), config.train.precision, sorted(dp.PRECISIONS))
     _choose(field_label("optim", "lr_scaling"), config.optim.lr_scaling, ["none", "linear"])
@@ -129,13 +126,6 @@ def check_values(config: RunConfig) -> None:
             f"use at most {train.steps}, or 0 to run all steps",
         )
     _check_trace(config)
-    model_block = getattr(MODEL_CONFIGS[config.model.name], "block_size", None)
-    if model_block and config.data.block_size > model_block:
-        raise ConfigError(
-            field_label("data", "block_size"),
-            f"{config.data.block_size} exceeds {config.model.name}'s context of {model_block}",
-            f"use at most {model_block}",
-        )
     if launch.nnodes > 1:
         host, _, port = launch.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
@@ -161,7 +151,7 @@ def check_values(config: RunConfig) -> None:
             f"{launch.node_rank} is not below nnodes={launch.nnodes}",
             f"use 0..{launch.nnodes - 1}",
         )
-    check_sync(config, model_shapes(config.model.name))
+    check_sync(config, check_model(config))  # reads an hf:DIR's config, nothing else
 
 
 def _check_trace(config: RunConfig) -> None:
@@ -180,12 +170,6 @@ def _check_trace(config: RunConfig) -> None:
             f"{train.trace!r} goes past the run's last step ({end})",
             f"trace steps between 1 and {end}",
         )
-
-
-def model_shapes(name: str) -> list:
-    """The parameter shapes of a reference model, built on the meta device (no memory)."""
-    with torch.device("meta"):
-        return [p.shape for p in build_model(name).parameters()]
 
 
 def check_data(config: RunConfig) -> None:
@@ -295,10 +279,8 @@ def check_checkpoint(config: RunConfig, name: str = "") -> None:
             f"{path / '.metadata'} cannot be read safely ({error})",
             "resume from a checkpoint that dataparallel wrote",
         ) from None
-    with torch.device("meta"):
-        model = build_model(config.model.name)
     try:
-        check_same_model(model, plain["shapes"])
+        check_same_model(meta_model(config), plain["shapes"])
     except ValueError as error:
         raise ConfigError(field_label("model", "name"), str(error), "keep the model") from None
 

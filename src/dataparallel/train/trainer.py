@@ -32,8 +32,8 @@ from ..comm import Span
 from ..comm.progress import watched
 from ..data.corpus import Corpus, TokenWindows, evenly_spaced, load_corpus
 from ..data.stream import SampleStream
-from ..models import build_model
 from .config import RunConfig
+from .model_source import BuiltModel, build_for_run
 from .records import EvalRecord, StepRecord
 from .schedule import WarmupCosine, scaled_lr
 
@@ -57,6 +57,7 @@ class TrainState:
     averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (dp.compose), or None
     tracer: dp.Tracer = field(default_factory=dp.Tracer)  # on for --trace steps (tracing.py)
     composed: dp.Composed | None = None  # what dp.compose built (autocast, the recipe)
+    source: object | None = None  # the Hugging Face directory of an hf:DIR model (models/hf.py)
     step: int = 0
     skipped_steps: int = 0  # steps skipped on every rank (overflow or a non-finite loss/gradient)
     consecutive_skips: int = 0  # non-finite steps in a row ([Note: non-finite steps])
@@ -108,19 +109,20 @@ def setup(
         the 256 byte values; default: the reference model config.model.name, built here.
         Build yours after `torch.manual_seed(config.train.seed)` for reproducible runs.
     """
+    launch = config.launch
     if corpus is None:
         corpus = load_corpus(list(config.data.paths))
     train_tokens, val_tokens = corpus.split(config.data.val_fraction)
     block = config.data.block_size
     train_windows, val_windows = TokenWindows(train_tokens, block), TokenWindows(val_tokens, block)
-    model_name = config.model.name if model is None else type(model).__name__
-    if model is None:
-        torch.manual_seed(config.train.seed)  # the same initial weights on every rank and run
-        model = build_model(config.model.name)
-    model = model.to(world.device)
-    launch, sync = config.launch, config.sync
+    if model is None:  # [Note: a run's model] in model_source.py
+        built = build_for_run(config, world)
+    else:
+        built = BuiltModel(model.to(world.device), launch.strategy, None, type(model).__name__)
+    model, model_name = built.model, built.name
+    sync = config.sync
     recipe = dp.Recipe(
-        strategy=launch.strategy,
+        strategy=built.strategy,
         shard_size=launch.shard_group,
         precision=config.train.precision,
         compress=sync.compress,
@@ -169,6 +171,7 @@ def setup(
         averager=composed.averager,
         tracer=composed.tracer,
         composed=composed,
+        source=built.source,
     )
 
 
@@ -199,6 +202,7 @@ def _autocast(state: TrainState):
 def _token_loss_sum(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor):
     with _autocast(state):
         logits = state.model(inputs)
+    logits = getattr(logits, "logits", logits)  # a Hugging Face model's output holds them
     # The loss in fp32 even under bf16 autocast: a sum over thousands of tokens.
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
