@@ -78,7 +78,7 @@ CASES = {
     "unreadable data path": (
         [],
         lambda tmp: ["--data", str(tmp / "missing")],
-        ["--data (data.paths)", "missing does not exist", "give readable text files or folders"],
+        ["--data (data.paths)", "missing does not exist", "give readable files or folders"],
     ),
     "data folder without text": (
         [],

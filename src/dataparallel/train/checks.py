@@ -16,12 +16,16 @@ import torch
 import dataparallel as dp
 
 from ..checkpoint import latest_checkpoint
-from ..data.corpus import corpus_files, corpus_size, num_windows
+from ..data.corpus import corpus_size, num_windows
+from ..data.formats import DataError
+from ..data.loading import check_sources, reads_bytes
+from ..data.tokens import TOKEN_DTYPES
 from ..models import MODEL_CONFIGS, build_model
 from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
 from .sync import averaging, check_sync
 from .tracing import parse_steps
+from .trainer import run_tokenizer
 
 # Files that mark a directory as holding a run (see docs/train.md, "The run directory").
 RUN_MARKERS = ("config.toml", "metrics.jsonl", "checkpoint", "model.safetensors")
@@ -71,6 +75,7 @@ def check_values(config: RunConfig) -> None:
     _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(dp.STRATEGIES))
     _choose(field_label("train", "precision"), config.train.precision, sorted(dp.PRECISIONS))
     _choose(field_label("optim", "lr_scaling"), config.optim.lr_scaling, ["none", "linear"])
+    _choose(field_label("data", "token_dtype"), config.data.token_dtype, TOKEN_DTYPES)
     _choose(
         field_label("train", "checkpoint_save"), config.train.checkpoint_save, ["async", "sync"]
     )
@@ -189,13 +194,23 @@ def model_shapes(name: str) -> list:
 
 
 def check_data(config: RunConfig) -> None:
-    """The data exists, is readable, and gives every rank at least one window."""
+    """The data exists and is readable, its formats open and hold the fields they need (the
+    first records; token files whole: data/loading.py check_sources), and text read as bytes
+    gives every rank at least one window (other data is counted once tokenized, by the
+    loader)."""
     label = field_label("data", "paths")
+    tokenizer = run_tokenizer(config)
     try:
-        files = corpus_files(list(config.data.paths))
+        files = check_sources(
+            list(config.data.paths), tokenizer, token_dtype=config.data.token_dtype
+        )
+    except DataError as error:
+        raise ConfigError(label, error.problem, error.fix) from None
     except (OSError, ValueError) as error:
-        raise ConfigError(label, str(error), "give readable text files or folders") from None
-    total = corpus_size(files)
+        raise ConfigError(label, str(error), "give readable files or folders") from None
+    if not reads_bytes(files, tokenizer):
+        return
+    total = corpus_size([path for path, _ in files])
     block = config.data.block_size
     val_tokens = int(total * config.data.val_fraction)
     train_windows = num_windows(total - val_tokens, block)

@@ -52,7 +52,7 @@ def describe_run(state: TrainState, threads: int) -> list[str]:
     )
     return [
         f"model   {config.model.name}, {params / 1e6:.2f}M parameters, {train.precision}",
-        f"data    {source}: {format_count(len(corpus.tokens))}B in {plural(corpus.num_files, 'file')}, "
+        f"data    {source}: {format_count(corpus.num_tokens)}B in {plural(corpus.num_files, 'file')}, "
         f"sha256 {corpus.sha256[:12]}; {len(state.train_windows)} train / "
         f"{len(state.val_windows)} val windows of {block} tokens",
         f"world   {world.world_size} ranks ({config.launch.strategy}, {world.backend}, "

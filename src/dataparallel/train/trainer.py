@@ -12,6 +12,8 @@ and after the averaging the gradient is exactly d(global sum / global tokens). A
 micro-batch's mean loss instead would weight tokens unequally as soon as micro-batches hold
 different numbers of targets. The global token count is one small all-reduce per step (with
 fixed-length windows it is also batch x block x accum x world size, which the header prints).
+Only targets the loss counts are counted: for prompt/completion and chat data the masked ones
+(IGNORE, [Note: loss masking] in data/packing.py) are neither in the sum nor in the count.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ import dataparallel as dp
 
 from ..comm import Span
 from ..comm.progress import watched
-from ..data.corpus import Corpus, TokenWindows, evenly_spaced, load_corpus
+from ..data.corpus import Corpus, TokenWindows, evenly_spaced
+from ..data.loading import DataInfo, load_datasets
+from ..data.packing import IGNORE, PackedWindows
 from ..data.stream import SampleStream
+from ..data.tokenizer import ByteTokenizer
 from ..models import build_model
 from .config import RunConfig
 from .records import EvalRecord, StepRecord
@@ -50,9 +55,9 @@ class TrainState:
     schedule: WarmupCosine
     peak_lr: float
     samples: SampleStream  # the data position, in global samples ([Note: global sample position])
-    train_windows: TokenWindows
-    val_windows: TokenWindows
-    corpus: Corpus
+    train_windows: TokenWindows | PackedWindows
+    val_windows: TokenWindows | PackedWindows
+    corpus: Corpus | DataInfo  # what the records name: sha256, source, num_files, num_tokens
     scaler: torch.amp.GradScaler | None = None
     averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (dp.compose), or None
     tracer: dp.Tracer = field(default_factory=dp.Tracer)  # on for --trace steps (tracing.py)
@@ -108,11 +113,20 @@ def setup(
         the 256 byte values; default: the reference model config.model.name, built here.
         Build yours after `torch.manual_seed(config.train.seed)` for reproducible runs.
     """
-    if corpus is None:
-        corpus = load_corpus(list(config.data.paths))
-    train_tokens, val_tokens = corpus.split(config.data.val_fraction)
-    block = config.data.block_size
-    train_windows, val_windows = TokenWindows(train_tokens, block), TokenWindows(val_tokens, block)
+    block, data = config.data.block_size, config.data
+    if corpus is None:  # data/loading.py: every format, tokenized once and cached
+        train_windows, val_windows, corpus = load_datasets(
+            list(data.paths),
+            run_tokenizer(config),
+            block,
+            data.val_fraction,
+            world=world,
+            token_dtype=data.token_dtype,
+        )
+    else:
+        train_tokens, val_tokens = corpus.split(data.val_fraction)
+        train_windows = TokenWindows(train_tokens, block)
+        val_windows = TokenWindows(val_tokens, block)
     model_name = config.model.name if model is None else type(model).__name__
     if model is None:
         torch.manual_seed(config.train.seed)  # the same initial weights on every rank and run
@@ -172,6 +186,11 @@ def setup(
     )
 
 
+def run_tokenizer(config: RunConfig) -> ByteTokenizer:
+    """The tokenizer of the run's data: the built-in models' bytes."""
+    return ByteTokenizer()
+
+
 def next_indices(state: TrainState, count: int) -> list[int]:
     """This rank's next `count` samples; the stream then counts exactly the samples trained on
     (every rank's), so its state_dict is the resume point with no prefetch to correct for."""
@@ -200,7 +219,9 @@ def _token_loss_sum(state: TrainState, inputs: torch.Tensor, targets: torch.Tens
     with _autocast(state):
         logits = state.model(inputs)
     # The loss in fp32 even under bf16 autocast: a sum over thousands of tokens.
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
 
 
 def train_step(state: TrainState) -> StepRecord:
@@ -214,9 +235,10 @@ def train_step(state: TrainState) -> StepRecord:
         micro = [
             state.train_windows.batch(indices[k * batch : (k + 1) * batch]) for k in range(accum)
         ]
-        local_tokens = sum(int(targets.numel()) for _, targets in micro)
+        local_tokens = sum(int((targets != IGNORE).sum()) for _, targets in micro)
         (global_tokens,) = _all_reduce_sum([local_tokens], world, trace)
-        scale = world.world_size / global_tokens  # [Note: loss normalisation]
+        # [Note: loss normalisation]; a step of prompts only counts no token and learns nothing
+        scale = world.world_size / max(global_tokens, 1)
         lr = state.peak_lr * state.schedule(state.step)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
@@ -248,7 +270,7 @@ def train_step(state: TrainState) -> StepRecord:
         trace.add(Span("step", "step", started_ns, time.perf_counter_ns(), {"step": state.step}))
     return StepRecord(
         step=state.step,
-        loss=total_loss / global_tokens,
+        loss=total_loss / max(global_tokens, 1),
         lr=lr,
         grad_norm=grad_norm,
         tokens=int(global_tokens),
@@ -324,7 +346,7 @@ def evaluate(state: TrainState) -> EvalRecord:
             summed = _token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
             if part:
                 loss_sum += float(summed)
-                tokens += int(targets.numel())
+                tokens += int((targets != IGNORE).sum())
     finally:
         state.model.train()
     total_loss, total_tokens = _all_reduce_sum([loss_sum, tokens], world)

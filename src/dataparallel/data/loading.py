@@ -1,0 +1,244 @@
+"""The one way the trainer gets its data: `load_datasets(paths, tokenizer, ...)`.
+
+    train, val, info = load_datasets(["chats.jsonl"], HFTokenizer.load(dir), block=256,
+                                     val_fraction=0.05, world=world)
+
+Text read by the byte tokenizer is read as it always was (load_corpus: its bytes are its
+tokens, nothing cached). Everything else is tokenized once and cached ([Note: token cache] in
+cache.py), packed ([Note: packing] in packing.py) and cut into windows.
+
+[Note: parallel tokenization] The files are shared among the ranks, largest first, each to the
+rank with the least bytes so far; rank r hashes its files, tokenizes those with no cache entry
+and writes the entries. The ranks then meet in one all_gather_object that carries each file's
+hash and any error, so that a bad file stops every rank together with the same one-line
+message (DataError) instead of leaving the others waiting. Then every rank memory-maps every
+entry; a rank that cannot find one (nodes with no shared file system) tokenizes that file
+itself. Without a process group (world None or of size 1) the one process does it all. The
+meeting is an ordinary collective, under the process group's timeout (10 minutes): tokenize
+a larger dataset once beforehand with one process (`load_datasets` with world=None).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import cache
+from .corpus import TokenWindows, corpus_files, load_corpus, user_files
+from .formats import JSONL, PARQUET, TEXT, TOKENS, DataError, documents, file_format
+from .packing import PackedWindows, TokenStream, pack_documents
+from .tokens import check_ids, open_token_file
+
+CHECKED_RECORDS = 100  # records of each JSONL/Parquet file that the preflight check reads
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataInfo:
+    """What a run trained on, for its records (run.json, the header, the checkpoints).
+
+    source: where it came from ("stdlib:<root>" or the paths given).
+    num_files: files read.
+    sha256: for text read as bytes, the hash of the files' names and contents (as load_corpus
+        computes it); otherwise the hash of each file's name, size and content hash, in order.
+    num_tokens: tokens of the packed stream, both splits.
+    target_tokens: of those, the ones the loss counts ([Note: loss masking]).
+    formats: the formats read, sorted ("jsonl", "parquet", "text", "tokens").
+    """
+
+    source: str
+    num_files: int
+    sha256: str
+    num_tokens: int
+    target_tokens: int
+    formats: tuple[str, ...]
+
+
+def data_files(paths: list[str] | None) -> list[tuple[Path, str]]:
+    """(file, format) of every file `paths` names, in order ([Note: corpus split])."""
+    files = user_files(paths, known=_KNOWN) if paths else corpus_files(None)
+    return [(f, file_format(f)) for f in files]
+
+
+_KNOWN = (".jsonl", ".parquet", ".bin", ".npy")  # taken from folders although they look binary
+
+
+def reads_bytes(files: list[tuple[Path, str]], tokenizer) -> bool:
+    """Whether the data is text read as byte tokens (load_corpus' path, nothing to cache)."""
+    return tokenizer.fingerprint == "bytes-v1" and all(fmt == TEXT for _, fmt in files)
+
+
+def load_datasets(
+    paths: list[str] | None,
+    tokenizer,
+    block: int,
+    val_fraction: float,
+    *,
+    world=None,
+    token_dtype: str = "auto",
+) -> tuple[TokenWindows | PackedWindows, TokenWindows | PackedWindows, DataInfo]:
+    """(train windows, validation windows, info) of the data `paths` names (empty: the built-in
+    corpus), tokenized by `tokenizer`. Raises DataError (one line) for bad data, and when a
+    split holds too few windows (training: one per rank; validation: one)."""
+    files = data_files(paths)
+    if reads_bytes(files, tokenizer):
+        corpus = load_corpus(paths)
+        train_tokens, val_tokens = corpus.split(val_fraction)
+        train, val = TokenWindows(train_tokens, block), TokenWindows(val_tokens, block)
+        formats, total = (TEXT,), len(corpus.tokens)
+        info = DataInfo(
+            source=corpus.source,
+            num_files=corpus.num_files,
+            sha256=corpus.sha256,
+            num_tokens=total,
+            target_tokens=total,
+            formats=formats,
+        )
+    else:
+        hashes, parts = tokenize_files(files, tokenizer, world, token_dtype)
+        stream = TokenStream(parts)
+        total = len(stream)
+        cut = total - int(total * val_fraction)  # [Note: corpus split]
+        train = PackedWindows(stream, 0, cut, block)
+        val = PackedWindows(stream, cut, total, block)
+        digest = hashlib.sha256()
+        for (path, _), sha in zip(files, hashes, strict=True):
+            digest.update(f"{path.name}\0{path.stat().st_size}\0{sha}\n".encode())
+        info = DataInfo(
+            source=", ".join(paths or []),
+            num_files=len(files),
+            sha256=digest.hexdigest(),
+            num_tokens=total,
+            target_tokens=stream.num_targets(0, total),
+            formats=tuple(sorted({fmt for _, fmt in files})),
+        )
+    ranks = world.world_size if world is not None else 1
+    if len(train) < ranks or len(val) < 1:
+        raise DataError(
+            f"{info.num_tokens} tokens give {len(train)} training and {len(val)} validation "
+            f"windows of {block} tokens, for {ranks} ranks",
+            "give more data, a smaller --block-size, fewer workers or another --val-fraction",
+        )
+    return train, val, info
+
+
+def tokenize_files(files, tokenizer, world, token_dtype: str):
+    """(content hashes, parts) of `files`, tokenized in parallel and cached
+    ([Note: parallel tokenization])."""
+    rank, ranks = (world.rank, world.world_size) if world is not None else (0, 1)
+    mine = [i for i, owner in enumerate(_owners(files, ranks)) if owner == rank]
+    found: dict[int, str] = {}
+    error = None
+    try:
+        for i in mine:
+            path, fmt = files[i]
+            found[i] = cache.content_sha256(path)
+            if fmt == TOKENS:
+                check_ids(
+                    open_token_file(path, token_dtype, tokenizer.vocab_size),
+                    tokenizer.vocab_size,
+                    path,
+                )
+            elif (
+                _cached(fmt, tokenizer)
+                and cache.read_entry(_entry(path, tokenizer, found[i])) is None
+            ):
+                cache.write_entry(
+                    _entry(path, tokenizer, found[i]), *tokenize_file(path, fmt, tokenizer)
+                )
+    except DataError as failure:
+        error = (failure.problem, failure.fix)
+    except (OSError, ValueError) as failure:
+        error = (str(failure), "check the file")
+    if ranks > 1:
+        import torch.distributed as dist
+
+        everyone: list = [None] * ranks
+        dist.all_gather_object(everyone, (found, error), group=world.group)
+    else:
+        everyone = [(found, error)]
+    for theirs, failure in everyone:
+        if failure is not None:
+            raise DataError(*failure)
+        found.update(theirs)
+    hashes = [found[i] for i in range(len(files))]
+    parts = [
+        _part(path, fmt, tokenizer, sha, token_dtype)
+        for (path, fmt), sha in zip(files, hashes, strict=True)
+    ]
+    return hashes, parts
+
+
+def _owners(files, ranks: int) -> list[int]:
+    """The rank that tokenizes each file: largest first, to the least loaded rank."""
+    owners = [0] * len(files)
+    load = [0] * ranks
+    sizes = [path.stat().st_size for path, _ in files]
+    for i in sorted(range(len(files)), key=lambda i: (-sizes[i], i)):
+        owners[i] = min(range(ranks), key=lambda r: (load[r], r))
+        load[owners[i]] += sizes[i]
+    return owners
+
+
+def _cached(fmt: str, tokenizer) -> bool:
+    """Token files are read as they are; so is text for the byte tokenizer (its bytes)."""
+    return fmt != TOKENS and not (fmt == TEXT and tokenizer.fingerprint == "bytes-v1")
+
+
+def _entry(path: Path, tokenizer, sha: str) -> Path:
+    return cache.entry_path(path, tokenizer.fingerprint, sha)
+
+
+def _part(path: Path, fmt: str, tokenizer, sha: str, token_dtype: str):
+    """A file's (ids, mask or None), from its cache entry (written here if missing)."""
+    if fmt == TOKENS:
+        return open_token_file(path, token_dtype, tokenizer.vocab_size), None
+    if fmt == TEXT and not _cached(fmt, tokenizer):
+        return np.fromfile(path, dtype=np.uint8), None
+    entry = _entry(path, tokenizer, sha)
+    part = cache.read_entry(entry)
+    if part is None:  # another node's rank tokenized it, on a disk this node does not share
+        cache.write_entry(entry, *tokenize_file(path, fmt, tokenizer))
+        part = cache.read_entry(entry)
+    return part
+
+
+def tokenize_file(path: Path, fmt: str, tokenizer) -> tuple[np.ndarray, np.ndarray | None]:
+    """Tokenize one text, JSONL or Parquet file: (ids, mask or None) ([Note: packing])."""
+    if fmt == TEXT:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        return pack_documents([[(text, True)]], tokenizer)
+    return pack_documents(documents(path, fmt, _chat(tokenizer, path)), tokenizer)
+
+
+def _chat(tokenizer, path: Path):
+    def render(messages: list[dict]):
+        if not tokenizer.has_chat_template:
+            raise DataError(
+                f"{path} holds chat messages but the tokenizer has no chat template",
+                "use a model whose tokenizer has one, or give prompt/completion records",
+            )
+        try:
+            return tokenizer.render_chat(messages)
+        except ValueError as error:
+            raise DataError(f"{path}: {error}", "use a standard chat template") from None
+
+    return render
+
+
+def check_sources(paths: list[str] | None, tokenizer, *, token_dtype: str = "auto") -> list:
+    """The cheap checks before a run (checks.py): the files exist, each format opens, the first
+    CHECKED_RECORDS records have the fields (and chat a template), token files hold only ids
+    of the vocabulary. Returns data_files(paths); raises DataError or OSError."""
+    files = data_files(paths)
+    for path, fmt in files:
+        if fmt == TOKENS:
+            check_ids(
+                open_token_file(path, token_dtype, tokenizer.vocab_size), tokenizer.vocab_size, path
+            )
+        elif fmt in (JSONL, PARQUET):
+            for _ in documents(path, fmt, _chat(tokenizer, path), limit=CHECKED_RECORDS):
+                pass
+    return files
