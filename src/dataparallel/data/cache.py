@@ -68,6 +68,7 @@ def write_entry(entry: Path, ids: np.ndarray, mask: np.ndarray | None) -> None:
             np.save(stream, array, allow_pickle=False)
             stream.flush()
             os.fsync(stream.fileno())
+        os.chmod(temporary, 0o644)  # mkstemp's 0600 would hide the entry from other users
         os.replace(temporary, entry)  # [Note: token cache]: atomic
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

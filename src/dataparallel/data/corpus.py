@@ -121,6 +121,11 @@ class Corpus:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
+    @property
+    def target_tokens(self) -> int:
+        """Tokens the loss counts: all of them, for text."""
+        return len(self.tokens)
+
     def split(self, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(train, validation) token streams; see [Note: corpus split]."""
         return split_tokens(self.tokens, val_fraction)

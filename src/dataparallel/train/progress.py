@@ -52,7 +52,7 @@ def describe_run(state: TrainState, threads: int) -> list[str]:
     )
     return [
         f"model   {config.model.name}, {params / 1e6:.2f}M parameters, {train.precision}",
-        f"data    {source}: {format_count(corpus.num_tokens)}B in {plural(corpus.num_files, 'file')}, "
+        f"data    {source}: {_tokens_text(corpus)} in {plural(corpus.num_files, 'file')}, "
         f"sha256 {corpus.sha256[:12]}; {len(state.train_windows)} train / "
         f"{len(state.val_windows)} val windows of {block} tokens",
         f"world   {world.world_size} ranks ({config.launch.strategy}, {world.backend}, "
@@ -62,6 +62,15 @@ def describe_run(state: TrainState, threads: int) -> list[str]:
         f"lr      peak {state.peak_lr:.3g} ({scaling}), {optim.warmup_steps} warm-up steps, "
         f"cosine to {state.peak_lr * optim.min_lr_ratio:.3g} at step {train.steps}",
     ]
+
+
+def _tokens_text(corpus) -> str:
+    """ "12.3kB" for text read as bytes; "4.5k tokens, 1.2k counted by the loss" otherwise."""
+    total, counted = corpus.num_tokens, corpus.target_tokens
+    if getattr(corpus, "formats", ("text",)) == ("text",) and counted == total:
+        return f"{format_count(total)}B"
+    loss = f", {format_count(counted)} counted by the loss" if counted < total else ""
+    return f"{format_count(total)} tokens{loss}"
 
 
 def _sync_text(config) -> str:
