@@ -23,6 +23,10 @@ class Counting:
         self.calls += 1
         return self.inner.encode(text)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        self.calls += len(texts)
+        return self.inner.encode_batch(texts)
+
 
 def _load_twice(world, paths: list[str], tok_dir: str):
     from dataparallel.data.formats import DataError

@@ -52,6 +52,10 @@ class Counting:
         self.calls += 1
         return self.inner.encode(text)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        self.calls += len(texts)
+        return self.inner.encode_batch(texts)
+
 
 def _jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))

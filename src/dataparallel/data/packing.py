@@ -34,22 +34,40 @@ def id_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def pack_documents(documents, tokenizer) -> tuple[np.ndarray, np.ndarray | None]:
+def pack_documents(documents, tokenizer, group: int = 1024) -> tuple[np.ndarray, np.ndarray | None]:
     """Tokenize `documents` (lists of (text, is_target) segments) into one stream of ids and
-    its mask ([Note: packing]); the mask is None when every token is a target."""
-    ids: list[int] = []
-    mask: list[bool] = []
+    its mask ([Note: packing]); the mask is None when every token is a target. Documents go to
+    the tokenizer `group` at a time (`encode_batch`: a fast tokenizer runs a batch on threads)
+    and the ids are kept as arrays, so memory stays near the 2-4 bytes an id costs."""
+    dtype = id_dtype(tokenizer.vocab_size)
+    ids: list[np.ndarray] = []
+    mask: list[np.ndarray] = []
+    batch: list = []
+    for document in documents:
+        batch.append(document)
+        if len(batch) == group:
+            _pack_group(batch, tokenizer, dtype, ids, mask)
+            batch = []
+    _pack_group(batch, tokenizer, dtype, ids, mask)
+    all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)
+    all_mask = np.concatenate(mask) if mask else np.zeros(0, dtype=bool)
+    return all_ids, (None if all_mask.all() else all_mask)
+
+
+def _pack_group(documents, tokenizer, dtype, ids: list, mask: list) -> None:
+    texts = [text for segments in documents for text, _ in segments]
+    encoded = iter(tokenizer.encode_batch(texts) if texts else [])
     eos = tokenizer.eos_id
     for segments in documents:
-        for text, is_target in segments:
-            encoded = tokenizer.encode(text)
-            ids += encoded
-            mask += [is_target] * len(encoded)
+        last = True
+        for _, is_target in segments:
+            part = next(encoded)
+            ids.append(np.asarray(part, dtype=dtype))
+            mask.append(np.full(len(part), is_target))
+            last = is_target if part else last
         if eos is not None and segments:
-            mask.append(mask[-1] if mask else True)
-            ids.append(eos)
-    array = np.asarray(ids, dtype=id_dtype(tokenizer.vocab_size))
-    return array, (None if all(mask) else np.asarray(mask, dtype=bool))
+            ids.append(np.asarray([eos], dtype=dtype))
+            mask.append(np.asarray([last]))
 
 
 class TokenStream:

@@ -3,7 +3,7 @@
     tokenizer = ByteTokenizer()                  # the built-in models: one token per byte
     tokenizer = HFTokenizer.load("path/to/dir")  # a Hugging Face tokenizer directory
 
-Both give `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, `eos_id` (the
+Both give `encode(text) -> list[int]` (and `encode_batch(texts)`), `decode(ids) -> str`, `vocab_size`, `eos_id` (the
 token put between packed documents, or None) and `fingerprint`: a hash of everything that
 decides the ids a text gets, so a cache of token ids written with one tokenizer is never read
 with another. `render_chat(messages)` turns a conversation into (text, is_completion) segments
@@ -26,6 +26,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -69,6 +72,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode() of each text, the batch at once (on threads, for a fast tokenizer)."""
+        return self.hf(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
     def decode(self, ids) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
