@@ -43,7 +43,14 @@ def _load_twice(world, paths: list[str], tok_dir: str):
         error = None
     except DataError as caught:
         error = str(caught)
-    return first.calls, second.calls, inputs.sum().item(), targets.sum().item(), info.sha256, error
+    # One file in chunks ([Note: chunks]): both ranks tokenize a share of it.
+    from dataparallel.data import units
+
+    units.CHUNK_BYTES = 600
+    chunked = Counting(tokenizer)
+    load_datasets(paths[:1], chunked, 8, 0.1, world=world)
+    seen = (inputs.sum().item(), targets.sum().item(), info.sha256)
+    return first.calls, second.calls, *seen, error, chunked.calls
 
 
 def test_each_file_is_tokenized_once_by_one_rank(tmp_path):
@@ -58,8 +65,9 @@ def test_each_file_is_tokenized_once_by_one_rank(tmp_path):
     bad.write_text('{"text": "fine"}\n{"txt": "not fine"}\n')
     paths.append(str(bad))
     results = run_world(2, _load_twice, paths, str(tok_dir))
-    (calls0, again0, *seen0, error0), (calls1, again1, *seen1, error1) = results
+    (calls0, again0, *seen0, error0, chunk0), (calls1, again1, *seen1, error1, chunk1) = results
     assert (calls0, calls1) == (80, 80)  # a file each: 40 prompts and 40 completions
     assert (again0, again1) == (0, 0)  # the second run reads the cache
     assert seen0 == seen1  # the same windows and the same hash on both ranks
     assert error0 == error1 and 'c.jsonl line 2 has no "text"' in error0
+    assert chunk0 > 0 and chunk1 > 0 and chunk0 + chunk1 == 80  # a.jsonl, shared out in chunks

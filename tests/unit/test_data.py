@@ -272,3 +272,39 @@ def test_windows_are_int64_and_a_dataset_too_small_is_named(tmp_path, tokenizer)
     big = _jsonl(tmp_path / "b.jsonl", [{"text": "some words here"}] * 20)
     inputs, targets = load_datasets([str(big)], tokenizer, 4, 0.5)[0].batch(torch.tensor([1]))
     assert inputs.dtype == targets.dtype == torch.long and inputs.shape == (1, 4)
+
+
+def test_a_large_file_is_tokenized_in_chunks_cut_at_line_ends(tmp_path, tokenizer, monkeypatch):
+    from dataparallel.data import units
+
+    records = [
+        {"prompt": f"Q{i}: {'word ' * (i % 7)}", "completion": f" answer {i}"} for i in range(60)
+    ]
+    path = _jsonl(tmp_path / "big.jsonl", records)
+    whole = load_datasets([str(path)], tokenizer, 4, 0.1)
+    monkeypatch.setattr(units, "CHUNK_BYTES", 500)
+    cuts = units.line_cuts(path, path.stat().st_size, 500)
+    data = path.read_bytes()
+    assert len(cuts) > 5 and all(data[c - 1 : c] == b"\n" for c in cuts[1:])
+    counting = Counting(tokenizer)
+    chunked = load_datasets([str(path)], counting, 4, 0.1)
+    assert counting.calls == 120  # every record once
+    # One entry a chunk; the whole file's entry, not used any more, was pruned.
+    assert len(list((tmp_path / CACHE_DIR).iterdir())) == len(cuts) - 1
+    assert _stream(chunked[0]) == _stream(whole[0])  # records are tokenized one by one anyway
+    assert chunked[2].target_tokens == whole[2].target_tokens
+    # A bad record in a later chunk is named by its line in the file.
+    lines = path.read_text().splitlines()
+    lines[49] = '{"prompt": "no completion"}'
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match='big.jsonl line 50 has no "completion"'):
+        load_datasets([str(path)], tokenizer, 4, 0.1)
+    # Text: pieces tokenized apart, the end-of-text id only after the last.
+    text = "".join(f"line {i}: {'abc ' * (i % 5)}\n" for i in range(100))
+    (tmp_path / "t.txt").write_text(text)
+    train, val, info = load_datasets([str(tmp_path / "t.txt")], tokenizer, 1, 0.01)
+    (inputs, targets), (val_inputs, val_targets) = _stream(train), _stream(val)
+    stream = inputs + targets[-1:] + val_inputs + val_targets[-1:]  # windows of 1 token
+    assert len(stream) == info.num_tokens
+    assert tokenizer.decode(stream) == text + "<|endoftext|>"
+    assert stream.count(tokenizer.eos_id) == 1

@@ -5,7 +5,7 @@
 data), as `<file name>.<tokenizer fingerprint>.<content sha256>.npy`. The key is what decides
 the ids: the tokenizer (its fingerprint, data/tokenizer.py) and the file's bytes, so editing
 the file or changing the tokenizer gives a new entry and never a stale one; older entries of
-the same file and tokenizer are removed when a new one is written. When the data's folder is
+the same file and tokenizer are removed once a run has all of its entries (prune). When the data's folder is
 not writable, the cache is $XDG_CACHE_HOME/dataparallel/tokens (default ~/.cache/...).
 
 An entry is one `.npy` array: 1-D ids for text (every token a target), or 2 rows, ids and the
@@ -59,7 +59,7 @@ def read_entry(entry: Path) -> tuple[np.ndarray, np.ndarray | None] | None:
 
 
 def write_entry(entry: Path, ids: np.ndarray, mask: np.ndarray | None) -> None:
-    """Write a cache entry atomically, and remove the file's older entries of this tokenizer."""
+    """Write a cache entry atomically ([Note: token cache])."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     array = ids if mask is None else np.stack([ids, mask.astype(ids.dtype)])
     handle, temporary = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-", suffix=".npy")
@@ -73,10 +73,16 @@ def write_entry(entry: Path, ids: np.ndarray, mask: np.ndarray | None) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    name, fingerprint, _, _ = entry.name.rsplit(".", 3)
-    for old in entry.parent.glob(f"{_escape(name)}.{_escape(fingerprint)}.*.npy"):
-        if old != entry and old.name.count(".") == entry.name.count("."):
-            old.unlink(missing_ok=True)
+
+
+def prune(in_use: set[Path]) -> None:
+    """Remove the entries of the files and tokenizers of `in_use` that are not in it (the
+    entries of an older version of a file)."""
+    for entry in in_use:
+        name, fingerprint, _, _ = entry.name.rsplit(".", 3)
+        for old in entry.parent.glob(f"{_escape(name)}.{_escape(fingerprint)}.*.npy"):
+            if old not in in_use and old.name.count(".") == entry.name.count("."):
+                old.unlink(missing_ok=True)
 
 
 def _escape(text: str) -> str:

@@ -94,14 +94,26 @@ def _string(record: dict, name: str, where: str) -> str:
     return value
 
 
-def jsonl_records(path: Path, limit: int | None = None) -> Iterator[tuple[dict, str]]:
-    """(record, "FILE line N") for each non-empty line of a JSONL file (the first `limit`)."""
-    seen = 0
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+def jsonl_records(
+    path: Path, limit: int | None = None, span: tuple[int, int, int] | None = None
+) -> Iterator[tuple[dict, str]]:
+    """(record, "FILE line N") for each non-empty line of a JSONL file (the first `limit`);
+    span: (first byte, end byte, number of the first line) to read a chunk ([Note: chunks])."""
+    start, end, first = span or (0, None, 1)
+    seen, position = 0, start
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        for number, raw in enumerate(handle, start=first):
+            if end is not None and position >= end:
+                return
+            position += len(raw)
+            where = f"{path} line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{where} is not UTF-8", "write the file in UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path} line {number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
@@ -139,10 +151,16 @@ def parquet_records(path: Path, limit: int | None = None) -> Iterator[tuple[dict
                 return
 
 
-def documents(path: Path, fmt: str, chat, limit: int | None = None) -> Iterator[Segments]:
-    """The documents of a JSONL or Parquet file, checked record by record."""
-    records = jsonl_records(path, limit) if fmt == JSONL else parquet_records(path, limit)
+def documents(
+    path: Path, fmt: str, chat, limit: int | None = None, span: tuple[int, int, int] | None = None
+) -> Iterator[Segments]:
+    """The documents of a JSONL or Parquet file (or of a JSONL chunk: `span` as in
+    jsonl_records), checked record by record."""
     kind = None
+    if span is not None and span[0] > 0:  # a chunk is of the kind of the file's first record
+        for record, where in jsonl_records(path, limit=1):
+            kind = record_kind(record, where)
+    records = jsonl_records(path, limit, span) if fmt == JSONL else parquet_records(path, limit)
     for record, where in records:
         if kind is None:
             kind = record_kind(record, where)

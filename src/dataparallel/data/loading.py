@@ -7,13 +7,14 @@ Text read by the byte tokenizer is read as it always was (load_corpus: its bytes
 tokens, nothing cached). Everything else is tokenized once and cached ([Note: token cache] in
 cache.py), packed ([Note: packing] in packing.py) and cut into windows.
 
-[Note: parallel tokenization] The files are shared among the ranks, largest first, each to the
-rank with the least bytes so far; rank r hashes its files, tokenizes those with no cache entry
-and writes the entries. The ranks then meet in one all_gather_object that carries each file's
+[Note: parallel tokenization] The files, and the chunks of large text/JSONL files ([Note:
+chunks] in units.py), are shared among the ranks, largest first, each to the rank with the
+least bytes so far; rank r hashes its pieces, tokenizes those with no cache entry and writes
+the entries. The ranks then meet in one all_gather_object that carries each file's
 hash and any error, so that a bad file stops every rank together with the same one-line
 message (DataError) instead of leaving the others waiting. Then every rank memory-maps every
-entry; a rank that cannot find one (nodes with no shared file system) tokenizes that file
-itself. Without a process group (world None or of size 1) the one process does it all. The
+entry; a rank that cannot find one (nodes with no shared file system) tokenizes that piece
+itself, and rank 0 removes the entries of older versions of the files. Without a process group (world None or of size 1) the one process does it all. The
 meeting is an ordinary collective, under the process group's timeout (10 minutes): tokenize
 a larger dataset once beforehand with one process (`load_datasets` with world=None).
 """
@@ -31,6 +32,7 @@ from .corpus import TokenWindows, corpus_files, load_corpus, user_files
 from .formats import JSONL, PARQUET, TEXT, TOKENS, DataError, documents, file_format
 from .packing import PackedWindows, TokenStream, pack_documents
 from .tokens import check_ids, open_token_file
+from .units import Unit, owners, plan_units
 
 CHECKED_RECORDS = 100  # records of each JSONL/Parquet file that the preflight check reads
 
@@ -97,15 +99,15 @@ def load_datasets(
             formats=formats,
         )
     else:
-        hashes, parts = tokenize_files(files, tokenizer, world, token_dtype)
+        units, hashes, parts = tokenize_units(files, tokenizer, world, token_dtype)
         stream = TokenStream(parts)
         total = len(stream)
         cut = total - int(total * val_fraction)  # [Note: corpus split]
         train = PackedWindows(stream, 0, cut, block)
         val = PackedWindows(stream, cut, total, block)
         digest = hashlib.sha256()
-        for (path, _), sha in zip(files, hashes, strict=True):
-            digest.update(f"{path.name}\0{path.stat().st_size}\0{sha}\n".encode())
+        for unit, sha in zip(units, hashes, strict=True):
+            digest.update(f"{unit.path.name}\0{unit.start}\0{unit.end}\0{sha}\n".encode())
         info = DataInfo(
             source=", ".join(paths or []),
             num_files=len(files),
@@ -124,30 +126,17 @@ def load_datasets(
     return train, val, info
 
 
-def tokenize_files(files, tokenizer, world, token_dtype: str):
-    """(content hashes, parts) of `files`, tokenized in parallel and cached
-    ([Note: parallel tokenization])."""
+def tokenize_units(files, tokenizer, world, token_dtype: str):
+    """(units, their hashes, their (ids, mask) parts) of `files`, tokenized in parallel and
+    cached ([Note: parallel tokenization], [Note: chunks] in units.py)."""
     rank, ranks = (world.rank, world.world_size) if world is not None else (0, 1)
-    mine = [i for i, owner in enumerate(_owners(files, ranks)) if owner == rank]
+    units = plan_units(files, lambda fmt: _cached(fmt, tokenizer))
     found: dict[int, str] = {}
     error = None
     try:
-        for i in mine:
-            path, fmt = files[i]
-            found[i] = cache.content_sha256(path)
-            if fmt == TOKENS:
-                check_ids(
-                    open_token_file(path, token_dtype, tokenizer.vocab_size),
-                    tokenizer.vocab_size,
-                    path,
-                )
-            elif (
-                _cached(fmt, tokenizer)
-                and cache.read_entry(_entry(path, tokenizer, found[i])) is None
-            ):
-                cache.write_entry(
-                    _entry(path, tokenizer, found[i]), *tokenize_file(path, fmt, tokenizer)
-                )
+        for i, owner in enumerate(owners(units, ranks)):
+            if owner == rank:
+                found[i] = _prepare(units[i], tokenizer, token_dtype)
     except DataError as failure:
         error = (failure.problem, failure.fix)
     except (OSError, ValueError) as failure:
@@ -163,23 +152,24 @@ def tokenize_files(files, tokenizer, world, token_dtype: str):
         if failure is not None:
             raise DataError(*failure)
         found.update(theirs)
-    hashes = [found[i] for i in range(len(files))]
-    parts = [
-        _part(path, fmt, tokenizer, sha, token_dtype)
-        for (path, fmt), sha in zip(files, hashes, strict=True)
-    ]
-    return hashes, parts
+    hashes = [found[i] for i in range(len(units))]
+    parts = [_part(u, tokenizer, sha, token_dtype) for u, sha in zip(units, hashes, strict=True)]
+    if rank == 0:
+        cache.prune({_entry(u, tokenizer, sha) for u, sha in zip(units, hashes, strict=True)})
+    return units, hashes, parts
 
 
-def _owners(files, ranks: int) -> list[int]:
-    """The rank that tokenizes each file: largest first, to the least loaded rank."""
-    owners = [0] * len(files)
-    load = [0] * ranks
-    sizes = [path.stat().st_size for path, _ in files]
-    for i in sorted(range(len(files)), key=lambda i: (-sizes[i], i)):
-        owners[i] = min(range(ranks), key=lambda r: (load[r], r))
-        load[owners[i]] += sizes[i]
-    return owners
+def _prepare(unit: Unit, tokenizer, token_dtype: str) -> str:
+    """Hash a unit, check it (token files) or tokenize it into the cache; return the hash."""
+    sha = unit.sha256()
+    if unit.fmt == TOKENS:
+        ids = open_token_file(unit.path, token_dtype, tokenizer.vocab_size)
+        check_ids(ids, tokenizer.vocab_size, unit.path)
+    elif _cached(unit.fmt, tokenizer):
+        entry = _entry(unit, tokenizer, sha)
+        if cache.read_entry(entry) is None:
+            cache.write_entry(entry, *tokenize_unit(unit, tokenizer))
+    return sha
 
 
 def _cached(fmt: str, tokenizer) -> bool:
@@ -187,30 +177,33 @@ def _cached(fmt: str, tokenizer) -> bool:
     return fmt != TOKENS and not (fmt == TEXT and tokenizer.fingerprint == "bytes-v1")
 
 
-def _entry(path: Path, tokenizer, sha: str) -> Path:
-    return cache.entry_path(path, tokenizer.fingerprint, sha)
+def _entry(unit: Unit, tokenizer, sha: str) -> Path:
+    return cache.entry_path(unit.path, tokenizer.fingerprint, sha)
 
 
-def _part(path: Path, fmt: str, tokenizer, sha: str, token_dtype: str):
-    """A file's (ids, mask or None), from its cache entry (written here if missing)."""
-    if fmt == TOKENS:
-        return open_token_file(path, token_dtype, tokenizer.vocab_size), None
-    if fmt == TEXT and not _cached(fmt, tokenizer):
-        return np.fromfile(path, dtype=np.uint8), None
-    entry = _entry(path, tokenizer, sha)
+def _part(unit: Unit, tokenizer, sha: str, token_dtype: str):
+    """A unit's (ids, mask or None), from its cache entry (written here if missing)."""
+    if unit.fmt == TOKENS:
+        return open_token_file(unit.path, token_dtype, tokenizer.vocab_size), None
+    if not _cached(unit.fmt, tokenizer):
+        return np.fromfile(unit.path, dtype=np.uint8), None
+    entry = _entry(unit, tokenizer, sha)
     part = cache.read_entry(entry)
     if part is None:  # another node's rank tokenized it, on a disk this node does not share
-        cache.write_entry(entry, *tokenize_file(path, fmt, tokenizer))
+        cache.write_entry(entry, *tokenize_unit(unit, tokenizer))
         part = cache.read_entry(entry)
     return part
 
 
-def tokenize_file(path: Path, fmt: str, tokenizer) -> tuple[np.ndarray, np.ndarray | None]:
-    """Tokenize one text, JSONL or Parquet file: (ids, mask or None) ([Note: packing])."""
-    if fmt == TEXT:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-        return pack_documents([[(text, True)]], tokenizer)
-    return pack_documents(documents(path, fmt, _chat(tokenizer, path)), tokenizer)
+def tokenize_unit(unit: Unit, tokenizer) -> tuple[np.ndarray, np.ndarray | None]:
+    """Tokenize a text, JSONL or Parquet file or chunk: (ids, mask or None) ([Note: packing])."""
+    if unit.fmt == TEXT:
+        text = unit.read().decode("utf-8", errors="replace")
+        return pack_documents([[(text, True)]], tokenizer, eos=unit.last)
+    span = None if unit.whole else (unit.start, unit.end, unit.first_line())
+    return pack_documents(
+        documents(unit.path, unit.fmt, _chat(tokenizer, unit.path), span=span), tokenizer
+    )
 
 
 def _chat(tokenizer, path: Path):

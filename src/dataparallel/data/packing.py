@@ -34,11 +34,14 @@ def id_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def pack_documents(documents, tokenizer, group: int = 1024) -> tuple[np.ndarray, np.ndarray | None]:
+def pack_documents(
+    documents, tokenizer, group: int = 1024, *, eos: bool = True
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Tokenize `documents` (lists of (text, is_target) segments) into one stream of ids and
     its mask ([Note: packing]); the mask is None when every token is a target. Documents go to
     the tokenizer `group` at a time (`encode_batch`: a fast tokenizer runs a batch on threads)
-    and the ids are kept as arrays, so memory stays near the 2-4 bytes an id costs."""
+    and the ids are kept as arrays, so memory stays near the 2-4 bytes an id costs. eos=False
+    leaves out the end-of-text ids (a text file's pieces but the last, [Note: chunks])."""
     dtype = id_dtype(tokenizer.vocab_size)
     ids: list[np.ndarray] = []
     mask: list[np.ndarray] = []
@@ -46,18 +49,18 @@ def pack_documents(documents, tokenizer, group: int = 1024) -> tuple[np.ndarray,
     for document in documents:
         batch.append(document)
         if len(batch) == group:
-            _pack_group(batch, tokenizer, dtype, ids, mask)
+            _pack_group(batch, tokenizer, dtype, ids, mask, eos)
             batch = []
-    _pack_group(batch, tokenizer, dtype, ids, mask)
+    _pack_group(batch, tokenizer, dtype, ids, mask, eos)
     all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)
     all_mask = np.concatenate(mask) if mask else np.zeros(0, dtype=bool)
     return all_ids, (None if all_mask.all() else all_mask)
 
 
-def _pack_group(documents, tokenizer, dtype, ids: list, mask: list) -> None:
+def _pack_group(documents, tokenizer, dtype, ids: list, mask: list, with_eos: bool) -> None:
     texts = [text for segments in documents for text, _ in segments]
     encoded = iter(tokenizer.encode_batch(texts) if texts else [])
-    eos = tokenizer.eos_id
+    eos = tokenizer.eos_id if with_eos else None
     for segments in documents:
         last = True
         for _, is_target in segments:
