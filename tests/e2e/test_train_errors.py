@@ -104,6 +104,19 @@ CASES = {
             'give every record of the file a "completion"',
         ],
     ),
+    "jsonl line far into the file without the field": (
+        [],
+        lambda tmp: [
+            "--data",
+            str(
+                _write(
+                    tmp / "late.jsonl",
+                    '{"prompt": "a", "completion": "b"}\n' * 150 + '{"prompt": "c"}\n',
+                )
+            ),
+        ],
+        ["--data (data.paths)", 'late.jsonl line 151 has no "completion" field'],
+    ),
     "chat data without a chat template": (
         [],
         lambda tmp: [

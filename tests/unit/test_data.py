@@ -308,3 +308,14 @@ def test_a_large_file_is_tokenized_in_chunks_cut_at_line_ends(tmp_path, tokenize
     assert len(stream) == info.num_tokens
     assert tokenizer.decode(stream) == text + "<|endoftext|>"
     assert stream.count(tokenizer.eos_id) == 1
+
+
+def test_the_check_before_a_run_reads_every_record_not_yet_cached(tmp_path, tokenizer):
+    lines = [json.dumps({"text": f"doc {i}"}) for i in range(300)]
+    path = tmp_path / "late.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    files = check_sources([str(path)], tokenizer)
+    assert files == [(path, "jsonl")] and not (tmp_path / CACHE_DIR).exists()  # nothing written
+    path.write_text("\n".join(lines[:250] + ['{"txt": "oops"}'] + lines[250:]) + "\n")
+    with pytest.raises(DataError, match='late.jsonl line 251 has no "text" field'):
+        check_sources([str(path)], tokenizer)

@@ -34,7 +34,7 @@ from .packing import PackedWindows, TokenStream, pack_documents
 from .tokens import check_ids, open_token_file
 from .units import Unit, owners, plan_units
 
-CHECKED_RECORDS = 100  # records of each JSONL/Parquet file that the preflight check reads
+CHECKED_RECORDS = 100  # records of each JSONL/Parquet file the preflight check renders
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,16 +222,35 @@ def _chat(tokenizer, path: Path):
 
 
 def check_sources(paths: list[str] | None, tokenizer, *, token_dtype: str = "auto") -> list:
-    """The cheap checks before a run (checks.py): the files exist, each format opens, the first
-    CHECKED_RECORDS records have the fields (and chat a template), token files hold only ids
-    of the vocabulary. Returns data_files(paths); raises DataError or OSError."""
+    """The checks before a run (checks.py), reading only: the files exist, each format opens,
+    token files hold only ids of the vocabulary, and every JSONL/Parquet record has its fields
+    (chat: a template, which renders the first CHECKED_RECORDS records of each file) unless the
+    file (or chunk) has a cache entry already, whose records were checked when it was written.
+    Returns data_files(paths); raises DataError or OSError."""
     files = data_files(paths)
-    for path, fmt in files:
+    for unit in plan_units(files, lambda fmt: _cached(fmt, tokenizer)):
+        path, fmt = unit.path, unit.fmt
         if fmt == TOKENS:
             check_ids(
                 open_token_file(path, token_dtype, tokenizer.vocab_size), tokenizer.vocab_size, path
             )
         elif fmt in (JSONL, PARQUET):
-            for _ in documents(path, fmt, _chat(tokenizer, path), limit=CHECKED_RECORDS):
+            if unit.start == 0:  # the first records, rendered
+                for _ in documents(path, fmt, _chat(tokenizer, path), limit=CHECKED_RECORDS):
+                    pass
+            if cache.entry_path(path, tokenizer.fingerprint, unit.sha256()).is_file():
+                continue
+            span = None if unit.whole else (unit.start, unit.end, unit.first_line())
+            for _ in documents(path, fmt, _fields_only(tokenizer, path), span=span):
                 pass
     return files
+
+
+def _fields_only(tokenizer, path: Path):
+    """A chat renderer for checking: a template must exist; nothing is rendered."""
+    render = _chat(tokenizer, path)
+
+    def check(messages: list[dict]):
+        return [] if tokenizer.has_chat_template else render(messages)
+
+    return check
