@@ -130,8 +130,12 @@ def jsonl_records(
 
 def parquet_records(path: Path, limit: int | None = None) -> Iterator[tuple[dict, str]]:
     """(record, "FILE row N") for each row of a Parquet file (the first `limit`)."""
-    import pyarrow.parquet as pq
-
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(
+            f"{path} is Parquet, which needs pyarrow", 'pip install "dataparallel[hf]"'
+        ) from None
     try:
         table = pq.ParquetFile(path)
     except Exception as error:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
