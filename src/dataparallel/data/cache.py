@@ -5,8 +5,10 @@
 data), as `<file name>.<tokenizer fingerprint>.<content sha256>.npy`. The key is what decides
 the ids: the tokenizer (its fingerprint, data/tokenizer.py) and the file's bytes, so editing
 the file or changing the tokenizer gives a new entry and never a stale one; older entries of
-the same file and tokenizer are removed once a run has all of its entries (prune). When the data's folder is
-not writable, the cache is $XDG_CACHE_HOME/dataparallel/tokens (default ~/.cache/...).
+the same file and tokenizer are removed once a run has all of its entries (prune). A piece of a
+large file ([Note: chunks] in units.py) has an entry of its own, keyed by its own hash. When the
+data's folder is not writable, or is the built-in corpus (the Python installation), the cache
+is $XDG_CACHE_HOME/dataparallel/tokens (default ~/.cache/dataparallel/tokens).
 
 An entry is one `.npy` array: 1-D ids for text (every token a target), or 2 rows, ids and the
 loss mask (1 where the token is a target), for prompt/completion and chat data. uint16 when the
@@ -24,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .corpus import stdlib_root
+
 CACHE_DIR = ".dpcache"
 
 
@@ -39,7 +43,8 @@ def content_sha256(path: Path) -> str:
 def cache_folder(path: Path) -> Path:
     """Where `path`'s cache entries live ([Note: token cache])."""
     beside = path.parent / CACHE_DIR
-    if os.access(beside if beside.is_dir() else path.parent, os.W_OK | os.X_OK):
+    builtin = path.is_relative_to(stdlib_root())  # never write into the Python installation
+    if not builtin and os.access(beside if beside.is_dir() else path.parent, os.W_OK | os.X_OK):
         return beside
     home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(home) / "dataparallel" / "tokens"

@@ -10,13 +10,14 @@ cache.py), packed ([Note: packing] in packing.py) and cut into windows.
 [Note: parallel tokenization] The files, and the chunks of large text/JSONL files ([Note:
 chunks] in units.py), are shared among the ranks, largest first, each to the rank with the
 least bytes so far; rank r hashes its pieces, tokenizes those with no cache entry and writes
-the entries. The ranks then meet in one all_gather_object that carries each file's
-hash and any error, so that a bad file stops every rank together with the same one-line
-message (DataError) instead of leaving the others waiting. Then every rank memory-maps every
-entry; a rank that cannot find one (nodes with no shared file system) tokenizes that piece
-itself, and rank 0 removes the entries of older versions of the files. Without a process group (world None or of size 1) the one process does it all. The
-meeting is an ordinary collective, under the process group's timeout (10 minutes): tokenize
-a larger dataset once beforehand with one process (`load_datasets` with world=None).
+the entries. The ranks then meet in one all_gather_object that carries each piece's hash and
+any error, so that a bad file stops every rank together with the same one-line message
+(DataError) instead of leaving the others waiting. Then every rank memory-maps every entry; a
+rank that cannot find one (nodes with no shared file system) tokenizes that piece itself, and
+rank 0 removes the entries of older versions of the files. Without a process group (world None
+or of size 1) the one process does it all. The meeting is an ordinary collective, under the
+process group's timeout (10 minutes): tokenize a larger data set once beforehand with one
+process (`load_datasets` with world=None).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from . import cache
-from .corpus import TokenWindows, corpus_files, load_corpus, user_files
+from .corpus import TokenWindows, corpus_files, load_corpus, stdlib_root, user_files
 from .formats import JSONL, PARQUET, TEXT, TOKENS, DataError, documents, file_format
 from .packing import PackedWindows, TokenStream, pack_documents
 from .tokens import check_ids, open_token_file
@@ -44,7 +45,8 @@ class DataInfo:
     source: where it came from ("stdlib:<root>" or the paths given).
     num_files: files read.
     sha256: for text read as bytes, the hash of the files' names and contents (as load_corpus
-        computes it); otherwise the hash of each file's name, size and content hash, in order.
+        computes it); otherwise the hash of each file's (or chunk's) name, bounds and content
+        hash, in order.
     num_tokens: tokens of the packed stream, both splits.
     target_tokens: of those, the ones the loss counts ([Note: loss masking]).
     formats: the formats read, sorted ("jsonl", "parquet", "text", "tokens").
@@ -109,7 +111,7 @@ def load_datasets(
         for unit, sha in zip(units, hashes, strict=True):
             digest.update(f"{unit.path.name}\0{unit.start}\0{unit.end}\0{sha}\n".encode())
         info = DataInfo(
-            source=", ".join(paths or []),
+            source=", ".join(paths) if paths else f"stdlib:{stdlib_root()}",
             num_files=len(files),
             sha256=digest.hexdigest(),
             num_tokens=total,
