@@ -58,6 +58,12 @@ def parallelize(
     if mesh is not None and group is not None:
         raise ValueError("parallelize: pass a group or a mesh (built over a group), not both")
     policy = resolve_policy(strategy)
+    on_meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if on_meta is not None and getattr(policy, "materialize", None) is None:
+        raise ValueError(
+            f"parallelize: parameter {on_meta!r} is on the meta device; give it values first, "
+            "or shard it as it is filled with dataparallel.ZeRO3(materialize=...)"
+        )
     instance = apply_policy(policy, model, Groups.build(group, mesh, tracer, pairwise))
     object.__setattr__(model, _ATTR, instance)
     return model

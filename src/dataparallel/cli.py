@@ -124,8 +124,10 @@ def _torchrun_world() -> dict | None:
 
 def default_out(config: RunConfig) -> str:
     """runs/<date>-<time>-<model>, with a suffix if that exists already."""
+    from .train.model_source import short_name
+
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path("runs") / f"{stamp}-{config.model.name}"
+    base = Path("runs") / f"{stamp}-{short_name(config)}"
     candidate, n = base, 1
     while candidate.exists():
         n += 1

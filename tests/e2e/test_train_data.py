@@ -1,4 +1,5 @@
-"""`dataparallel train --data x.jsonl`: prompt/completion data, 2 workers, the byte model.
+"""`dataparallel train --data x.jsonl`, 2 workers: prompt/completion data on the byte model,
+chat data on a tiny Llama (`--model hf:DIR`, rendered with its tokenizer's chat template).
 
 The loss counts only completion tokens ([Note: loss masking] in data/packing.py): every step's
 token count is replayed here from the same windows and the same sample order, and equals the
@@ -67,3 +68,39 @@ def test_prompt_completion_jsonl_trains_on_completion_tokens_only(tmp_path):
     info_json = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info_json["corpus"]["sha256"] == info.sha256
     assert info_json["corpus"]["tokens"] == info.num_tokens
+
+
+def test_chat_jsonl_trains_an_hf_model_on_the_assistant_replies(tmp_path):
+    from hf_fixtures import make_tiny_llama
+
+    from dataparallel.data.tokenizer import HFTokenizer
+
+    model_dir = make_tiny_llama(tmp_path / "llama")
+    data = tmp_path / "chat.jsonl"
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": f"{a} plus {b}?"},
+                {"role": "assistant", "content": str(a + b)},
+            ]
+        }
+        for a in range(12)
+        for b in range(12)
+    ]
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    args = [f"hf:{model_dir}" if arg == "gpt-tiny" else arg for arg in ARGS]
+    result = train(args, tmp_path / "run", data=data)
+    assert result.returncode == 0, result.stderr
+    losses = curve(tmp_path / "run")
+    assert losses["val_loss"][12] < losses["val_loss"][0] - 0.5
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    counted = [r["tokens"] for r in steps if r["kind"] == "train"]
+    tokenizer = HFTokenizer.load(model_dir)
+    windows, _, info = load_datasets([str(data)], tokenizer, 32, 0.1)  # from the run's cache
+    replies = [tokenizer.encode(f"{c['messages'][1]['content']}<|endoftext|>\n") for c in chats]
+    assert info.target_tokens == sum(len(r) + 1 for r in replies)  # + the eos after each chat
+    samples, expected = SampleStream(len(windows), seed=1), []
+    for _ in range(12):
+        _, targets = windows.batch(samples.take(8, 0, 1))
+        expected.append(int((targets != IGNORE).sum()))
+    assert counted == expected and all(0 < n < 8 * 32 // 2 for n in counted)

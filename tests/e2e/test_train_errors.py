@@ -275,7 +275,7 @@ def test_the_real_command_exits_2_with_one_line(tmp_path):
     assert result.stdout == ""
     assert result.stderr.splitlines() == [
         "dataparallel train: error: --model (model.name): unknown value 'gpt-huge'; choose one "
-        "of gpt-medium, gpt-small, gpt-tiny, mlp"
+        "of gpt-medium, gpt-small, gpt-tiny, mlp, or hf:DIR"
     ]
     assert list(tmp_path.iterdir()) == []
 

@@ -171,7 +171,10 @@ def write_safetensors(
 ) -> None:
     """Write a safetensors file of `entries` (name, shape, dtype), asking `read(name)` for one
     tensor at a time, so no more than one is in memory. Written aside, then renamed."""
-    header: dict = {"__metadata__": {k: json.dumps(v) for k, v in metadata.items()}}
+    # "format": "pt" as every PyTorch writer sets it (transformers refuses a file without it).
+    header: dict = {
+        "__metadata__": {"format": "pt", **{k: json.dumps(v) for k, v in metadata.items()}}
+    }
     offset = 0
     for name, shape, dtype in entries:
         size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -199,4 +202,4 @@ def read_weights_metadata(path: Path) -> dict:
     """The metadata stored in an exported safetensors file (decoded from JSON)."""
     with safe_open(str(path), framework="pt") as handle:
         raw = handle.metadata() or {}
-    return {k: json.loads(v) for k, v in raw.items()}
+    return {k: json.loads(v) for k, v in raw.items() if k != "format"}

@@ -92,7 +92,11 @@ def normalize_param_groups(model: nn.Module, params) -> list[dict]:
 
 def broadcast_model(model: nn.Module, comm: Comm) -> None:
     """Give every rank rank 0's parameters and buffers (one collective per dtype)."""
-    tensors = [p.data for p in model.parameters()] + list(model.buffers())
+    broadcast_values([p.data for p in model.parameters()] + list(model.buffers()), comm)
+
+
+def broadcast_values(tensors: list[torch.Tensor], comm: Comm) -> None:
+    """Give every rank rank 0's values of `tensors`, in place (one collective per dtype)."""
     if comm.world_size > 1 and tensors:
         comm.broadcast_tensors(tensors, src=0)
 

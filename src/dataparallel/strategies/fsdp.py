@@ -61,6 +61,7 @@ from ..comm.hooks import default_hook
 from .base import (
     Strategy,
     broadcast_model,
+    broadcast_values,
     normalize_param_groups,
     verify_same_model,
 )
@@ -116,6 +117,11 @@ class ZeRO3:
         that order with one check per forward (an order that then changes is an error, even
         if alike on every rank); "always" checks each unit's forward every step (an order
         that changes alike on every rank works); "off" checks nothing.
+    materialize: for a model whose parameters are on the meta device (built without memory),
+        `materialize(params)` gives the listed parameters their values in place (the same
+        Parameter objects, e.g. by `torch.utils.swap_tensors`). It is called unit by unit, just
+        before each unit is sharded, and the unit's values are then broadcast from rank 0, so
+        no rank ever holds more than one unit's whole parameters; None: they are real already.
     """
 
     name: ClassVar[str] = "zero3"
@@ -127,6 +133,7 @@ class ZeRO3:
     comm_hook: Callable | None = None
     hook_state: object | None = None
     check_order: str = "auto"
+    materialize: Callable | None = None
 
     def __post_init__(self):
         if isinstance(self.wrap, type):  # wrap=Block means wrap=(Block,), not Block(module)
@@ -185,15 +192,18 @@ class ZeRO3Strategy(Strategy):
         self.policy = policy
         self.precision = precision = check_precision(policy.precision, "ZeRO3")
         verify_same_model(model, groups.world)
-        broadcast_model(model, groups.world)
+        lazy = policy.materialize is not None
+        if lazy:  # the parameters are broadcast unit by unit below
+            broadcast_values(list(model.buffers()), groups.world)
+        else:
+            broadcast_model(model, groups.world)
         first = next(model.parameters(), None)
         model_dtype = first.dtype if first is not None else torch.float32
         self.compute = precision.compute_dtype(model_dtype)
+        device = first.device if first is not None and not lazy else self.comm.device
         reduce = policy.reduce
         if reduce == "auto":
-            reduce = groups.shard.sharded_reduce(
-                first.device if first is not None else self.comm.device
-            )
+            reduce = groups.shard.sharded_reduce(device)
         self.reduce = reduce
         self.hook = policy.comm_hook or default_hook(reduce, precision.wire_dtype(self.compute))
         self.hook_state = policy.hook_state or HookState(groups.shard, groups.replicate)
@@ -203,6 +213,9 @@ class ZeRO3Strategy(Strategy):
             norm = is_norm(plan.module) and precision.masters(model_dtype) is not None
             compute = model_dtype if norm else self.compute  # norms stay fp32
             bucket = precision.bucket_dtype(compute)
+            if lazy:  # [Note: parameters on the meta device] in models/hf.py
+                policy.materialize(plan.params)
+                broadcast_values([p.data for p in plan.params], groups.world)
             self.units.append(FlatUnit(i, plan, groups.shard, compute, bucket, groups.divisor))
         self.round = BackwardRound(sum(len(u.params) for u in self.units), groups.world)
         self.first_index = [0]
@@ -223,13 +236,17 @@ class ZeRO3Strategy(Strategy):
         }
         self.original_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.handles = []
+        of_module: dict[int, list[FlatUnit]] = {}  # a module's units ([Note: frozen parameters])
         for unit in self.units:
+            of_module.setdefault(id(unit.module), []).append(unit)
+        for units in of_module.values():
             pre, post = (
-                opaque(partial(self._pre_forward, unit)),
-                opaque(partial(self._post_forward, unit)),
+                opaque(partial(self._pre_forward_all, units)),
+                opaque(partial(self._post_forward_all, units)),
             )
-            self.handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
-            self.handles.append(unit.module.register_forward_hook(post))
+            self.handles.append(units[0].module.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(units[0].module.register_forward_hook(post))
+        for unit in self.units:
             for position, p in enumerate(unit.params):
                 if p.requires_grad:
                     hook = partial(self._on_grad, unit, position)
@@ -249,6 +266,15 @@ class ZeRO3Strategy(Strategy):
         self.round.mark_used(self.first_index[unit.index] + position)
 
     # -- forward ------------------------------------------------------------------------------
+    def _pre_forward_all(self, units: list[FlatUnit], module, args, kwargs):
+        for unit in units:  # nested: the first opens first and closes last
+            args, kwargs = self._pre_forward(unit, module, args, kwargs)
+        return args, kwargs
+
+    def _post_forward_all(self, units: list[FlatUnit], module, args, output):
+        for unit in reversed(units):
+            self._post_forward(unit, module, args, output)
+
     def _pre_forward(self, unit: FlatUnit, module, args, kwargs):
         gather = self.schedule.before_forward(unit)
         training = torch.is_grad_enabled()

@@ -113,7 +113,30 @@ def plan_units(model: nn.Module, wrap: Wrap) -> list[UnitPlan]:
             parent = parents[parent]
         return None if parent is None else new_index[parent]
 
-    return [UnitPlan(names[i], modules[i], tuple(owned[i]), kept_parent(i)) for i in keep]
+    plans = [UnitPlan(names[i], modules[i], tuple(owned[i]), kept_parent(i)) for i in keep]
+    return split_frozen(plans)
+
+
+def split_frozen(plans: list[UnitPlan]) -> list[UnitPlan]:
+    """[Note: frozen parameters] A unit (other than the root) whose parameters are partly
+    frozen becomes two units of the same module: the frozen parameters, then the trainable
+    ones. Each is gathered and freed with the module as before, but only the trainable one has
+    a gradient bucket, a reduction and a gradient shard, so frozen weights (a LoRA base) cost no
+    gradient memory or traffic. The root stays whole (the schedule treats unit 0 as the root)."""
+    out: list[UnitPlan] = []
+    index: dict[int, int] = {}
+    for i, plan in enumerate(plans):
+        frozen = tuple(p for p in plan.params if not p.requires_grad)
+        trainable = tuple(p for p in plan.params if p.requires_grad)
+        parent = None if plan.parent is None else index[plan.parent]
+        if i > 0 and frozen and trainable:
+            out.append(UnitPlan(f"{plan.name}[frozen]", plan.module, frozen, parent))
+            plan = UnitPlan(plan.name, plan.module, trainable, parent)
+        else:
+            plan = UnitPlan(plan.name, plan.module, plan.params, parent)
+        index[i] = len(out)
+        out.append(plan)
+    return out
 
 
 def common_ancestor(units: list[int], parents: list[int | None]) -> int:

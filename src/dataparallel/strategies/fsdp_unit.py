@@ -131,6 +131,11 @@ class FlatUnit:
     def empty(self) -> bool:
         return self.layout.numel == 0
 
+    @property
+    def frozen(self) -> bool:
+        """No parameter of the unit takes a gradient: nothing to reduce or hold."""
+        return not any(p.requires_grad for p in self.params)
+
     def _rest(self) -> None:
         for p in self.params:
             p.data = self.nan.expand(p.shape)  # [Note: parameters at rest]
@@ -223,7 +228,7 @@ class FlatUnit:
     def start_reduce(self, hook, state: HookState) -> None:
         """Start reducing the unit's gradients to this rank's shard ([Note: reduction
         interface]); the parameters' .grad are dropped (the shard will hold the result)."""
-        if self.empty:
+        if self.empty or self.frozen:
             self.training_state = TrainingState.REDUCED
             return
         self.training_state = TrainingState.REDUCING

@@ -49,6 +49,7 @@ from ..checkpoint import (
     verify,
     write_safetensors,
 )
+from .export_hf import HF_EXPORT, export_hf
 from .trainer import Callback, StepRecord, TrainState
 
 CHECKPOINTS = "checkpoint"
@@ -59,9 +60,13 @@ def weights_metadata(state: TrainState) -> dict:
     """What `dataparallel sample` (or anyone) needs to rebuild the model from the weights."""
     model_config = getattr(state.model, "config", None)
     is_config = dataclasses.is_dataclass(model_config) and not isinstance(model_config, type)
+    if hasattr(model_config, "to_json_string"):  # a Hugging Face config (RUN/hf has it whole)
+        plain = {"model_type": model_config.model_type, "path": str(state.source.path)}
+    else:
+        plain = dataclasses.asdict(model_config) if is_config else {}
     return {
         "model": state.model_name,
-        "model_config": dataclasses.asdict(model_config) if is_config else {},
+        "model_config": plain,
         "corpus_sha256": state.corpus.sha256,
         "step": state.step,
     }
@@ -181,6 +186,13 @@ class Checkpointer:
 def export_weights(checkpoint: Path, path: Path) -> None:
     """The checkpoint's model as one safetensors file that plain PyTorch loads (rank 0 only):
     read from the checkpoint one tensor at a time, so no rank ever holds the whole model."""
+    entries, read, metadata = checkpoint_weights(checkpoint)
+    write_safetensors(path, entries, read, metadata)
+
+
+def checkpoint_weights(checkpoint: Path):
+    """(entries, read, metadata) of a checkpoint's model: (name, shape, dtype) of each
+    state-dict entry, `read(name)` giving one tensor at a time, and the run's metadata."""
     plain = read_train_state(checkpoint)  # this rank just committed it: no CRC pass needed
     stored = dict(plain["weights"])
     dtypes = stored_tensors(checkpoint)
@@ -192,7 +204,7 @@ def export_weights(checkpoint: Path, path: Path) -> None:
         load_chunks({stored[name]: Chunk(tensor)}, checkpoint, None)
         return tensor
 
-    write_safetensors(path, entries, read, plain["metadata"])
+    return entries, read, plain["metadata"]
 
 
 def resolve_checkpoint(run_dir: Path, name: str = "") -> Path:
@@ -275,6 +287,9 @@ class CheckpointSaver(Callback):
         if state.world.is_main:
             folder = latest_checkpoint(self.run_dir / CHECKPOINTS)
             export_weights(folder, self.run_dir / FINAL_WEIGHTS)
+            if state.source is not None:  # an hf:DIR model: a save_pretrained directory too
+                entries, read, _ = checkpoint_weights(folder)
+                export_hf(entries, read, self.run_dir / HF_EXPORT, state.source, state.model)
         if state.world.world_size > 1:
             dist.barrier(group=state.world.group)  # the weights exist when every rank returns
 

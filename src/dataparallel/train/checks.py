@@ -11,8 +11,6 @@ import math
 import os
 from pathlib import Path
 
-import torch
-
 import dataparallel as dp
 
 from ..checkpoint import latest_checkpoint
@@ -20,12 +18,11 @@ from ..data.corpus import corpus_size, num_windows
 from ..data.formats import DataError
 from ..data.loading import check_sources, reads_bytes
 from ..data.tokens import TOKEN_DTYPES
-from ..models import MODEL_CONFIGS, build_model
 from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
+from .model_source import check_model, meta_model, run_tokenizer
 from .sync import averaging, check_sync
 from .tracing import parse_steps
-from .trainer import run_tokenizer
 
 # Files that mark a directory as holding a run (see docs/train.md, "The run directory").
 RUN_MARKERS = ("config.toml", "metrics.jsonl", "checkpoint", "model.safetensors")
@@ -71,7 +68,6 @@ def resolve_batch(config: RunConfig) -> RunConfig:
 
 def check_values(config: RunConfig) -> None:
     """Check every value on its own and against the others (no I/O)."""
-    _choose(field_label("model", "name"), config.model.name, sorted(MODEL_CONFIGS))
     _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(dp.STRATEGIES))
     _choose(field_label("train", "precision"), config.train.precision, sorted(dp.PRECISIONS))
     _choose(field_label("optim", "lr_scaling"), config.optim.lr_scaling, ["none", "linear"])
@@ -134,13 +130,6 @@ def check_values(config: RunConfig) -> None:
             f"use at most {train.steps}, or 0 to run all steps",
         )
     _check_trace(config)
-    model_block = getattr(MODEL_CONFIGS[config.model.name], "block_size", None)
-    if model_block and config.data.block_size > model_block:
-        raise ConfigError(
-            field_label("data", "block_size"),
-            f"{config.data.block_size} exceeds {config.model.name}'s context of {model_block}",
-            f"use at most {model_block}",
-        )
     if launch.nnodes > 1:
         host, _, port = launch.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
@@ -166,7 +155,7 @@ def check_values(config: RunConfig) -> None:
             f"{launch.node_rank} is not below nnodes={launch.nnodes}",
             f"use 0..{launch.nnodes - 1}",
         )
-    check_sync(config, model_shapes(config.model.name))
+    check_sync(config, check_model(config))  # reads an hf:DIR's config, nothing else
 
 
 def _check_trace(config: RunConfig) -> None:
@@ -187,17 +176,11 @@ def _check_trace(config: RunConfig) -> None:
         )
 
 
-def model_shapes(name: str) -> list:
-    """The parameter shapes of a reference model, built on the meta device (no memory)."""
-    with torch.device("meta"):
-        return [p.shape for p in build_model(name).parameters()]
-
-
 def check_data(config: RunConfig) -> None:
-    """The data exists and is readable, its formats open and hold the fields they need (the
-    first records; token files whole: data/loading.py check_sources), and text read as bytes
-    gives every rank at least one window (other data is counted once tokenized, by the
-    loader)."""
+    """The data exists and is readable, its formats open and every record not yet cached has
+    its fields, token files hold only ids of the run's tokenizer (data/loading.py
+    check_sources), and text read as bytes gives every rank at least one window (other data is
+    counted once tokenized, by the loader)."""
     label = field_label("data", "paths")
     tokenizer = run_tokenizer(config)
     try:
@@ -310,10 +293,8 @@ def check_checkpoint(config: RunConfig, name: str = "") -> None:
             f"{path / '.metadata'} cannot be read safely ({error})",
             "resume from a checkpoint that dataparallel wrote",
         ) from None
-    with torch.device("meta"):
-        model = build_model(config.model.name)
     try:
-        check_same_model(model, plain["shapes"])
+        check_same_model(meta_model(config), plain["shapes"])
     except ValueError as error:
         raise ConfigError(field_label("model", "name"), str(error), "keep the model") from None
 

@@ -42,10 +42,16 @@ class ModelConfig:
     """Which model to train.
 
     name: a reference model: gpt-tiny (~1M parameters), gpt-small (~3.3M), gpt-medium (~32M)
-        or mlp. Other models go through the Python API (see docs/train.md).
+        or mlp; or hf:DIR, a Hugging Face causal LM saved by save_pretrained in DIR (its
+        weights and tokenizer; needs `pip install "dataparallel[hf]"`, docs/workloads.md).
+    init: for hf:DIR, "pretrained" (the weights in DIR) or "random" (DIR's config alone).
+    lora: for hf:DIR, LoRA adapters through peft, e.g. "r=8,alpha=16,targets=q_proj,v_proj"
+        (the base stays frozen; the export holds merged weights); "" for none.
     """
 
     name: str = "gpt-tiny"
+    init: str = "pretrained"
+    lora: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

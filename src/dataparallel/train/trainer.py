@@ -36,9 +36,8 @@ from ..data.corpus import Corpus, TokenWindows, evenly_spaced
 from ..data.loading import DataInfo, load_datasets
 from ..data.packing import IGNORE, PackedWindows
 from ..data.stream import SampleStream
-from ..data.tokenizer import ByteTokenizer
-from ..models import build_model
 from .config import RunConfig
+from .model_source import BuiltModel, build_for_run, run_tokenizer
 from .records import EvalRecord, StepRecord
 from .schedule import WarmupCosine, scaled_lr
 
@@ -62,6 +61,7 @@ class TrainState:
     averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (dp.compose), or None
     tracer: dp.Tracer = field(default_factory=dp.Tracer)  # on for --trace steps (tracing.py)
     composed: dp.Composed | None = None  # what dp.compose built (autocast, the recipe)
+    source: object | None = None  # the Hugging Face directory of an hf:DIR model (models/hf.py)
     step: int = 0
     skipped_steps: int = 0  # steps skipped on every rank (overflow or a non-finite loss/gradient)
     consecutive_skips: int = 0  # non-finite steps in a row ([Note: non-finite steps])
@@ -113,7 +113,7 @@ def setup(
         the 256 byte values; default: the reference model config.model.name, built here.
         Build yours after `torch.manual_seed(config.train.seed)` for reproducible runs.
     """
-    block, data = config.data.block_size, config.data
+    launch, data, block = config.launch, config.data, config.data.block_size
     if corpus is None:  # data/loading.py: every format, tokenized once and cached
         train_windows, val_windows, corpus = load_datasets(
             list(data.paths),
@@ -127,14 +127,14 @@ def setup(
         train_tokens, val_tokens = corpus.split(data.val_fraction)
         train_windows = TokenWindows(train_tokens, block)
         val_windows = TokenWindows(val_tokens, block)
-    model_name = config.model.name if model is None else type(model).__name__
-    if model is None:
-        torch.manual_seed(config.train.seed)  # the same initial weights on every rank and run
-        model = build_model(config.model.name)
-    model = model.to(world.device)
-    launch, sync = config.launch, config.sync
+    if model is None:  # [Note: a run's model] in model_source.py
+        built = build_for_run(config, world)
+    else:
+        built = BuiltModel(model.to(world.device), launch.strategy, None, type(model).__name__)
+    model, model_name = built.model, built.name
+    sync = config.sync
     recipe = dp.Recipe(
-        strategy=launch.strategy,
+        strategy=built.strategy,
         shard_size=launch.shard_group,
         precision=config.train.precision,
         compress=sync.compress,
@@ -183,12 +183,8 @@ def setup(
         averager=composed.averager,
         tracer=composed.tracer,
         composed=composed,
+        source=built.source,
     )
-
-
-def run_tokenizer(config: RunConfig) -> ByteTokenizer:
-    """The tokenizer of the run's data: the built-in models' bytes."""
-    return ByteTokenizer()
 
 
 def next_indices(state: TrainState, count: int) -> list[int]:
@@ -218,6 +214,7 @@ def _autocast(state: TrainState):
 def _token_loss_sum(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor):
     with _autocast(state):
         logits = state.model(inputs)
+    logits = getattr(logits, "logits", logits)  # a Hugging Face model's output holds them
     # The loss in fp32 even under bf16 autocast: a sum over thousands of tokens.
     return F.cross_entropy(
         logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
