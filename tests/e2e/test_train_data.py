@@ -68,6 +68,11 @@ def test_prompt_completion_jsonl_trains_on_completion_tokens_only(tmp_path):
     info_json = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info_json["corpus"]["sha256"] == info.sha256
     assert info_json["corpus"]["tokens"] == info.num_tokens
+    assert info_json["corpus"]["target_tokens"] == info.target_tokens == completion_bytes
+    assert (info_json["corpus"]["formats"], info_json["corpus"]["tokenizer"]) == (
+        ["jsonl"],
+        "bytes-v1",
+    )
 
 
 def test_chat_jsonl_trains_an_hf_model_on_the_assistant_replies(tmp_path):

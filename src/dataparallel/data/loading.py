@@ -50,6 +50,7 @@ class DataInfo:
     num_tokens: tokens of the packed stream, both splits.
     target_tokens: of those, the ones the loss counts ([Note: loss masking]).
     formats: the formats read, sorted ("jsonl", "parquet", "text", "tokens").
+    tokenizer: the fingerprint of the tokenizer that made the tokens (data/tokenizer.py).
     """
 
     source: str
@@ -58,6 +59,7 @@ class DataInfo:
     num_tokens: int
     target_tokens: int
     formats: tuple[str, ...]
+    tokenizer: str
 
 
 def data_files(paths: list[str] | None) -> list[tuple[Path, str]]:
@@ -99,6 +101,7 @@ def load_datasets(
             num_tokens=total,
             target_tokens=total,
             formats=formats,
+            tokenizer=tokenizer.fingerprint,
         )
     else:
         units, hashes, parts = tokenize_units(files, tokenizer, world, token_dtype)
@@ -117,6 +120,7 @@ def load_datasets(
             num_tokens=total,
             target_tokens=stream.num_targets(0, total),
             formats=tuple(sorted({fmt for _, fmt in files})),
+            tokenizer=tokenizer.fingerprint,
         )
     ranks = world.world_size if world is not None else 1
     if len(train) < ranks or len(val) < 1:

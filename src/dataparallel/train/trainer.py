@@ -234,7 +234,7 @@ def train_step(state: TrainState) -> StepRecord:
         ]
         local_tokens = sum(int((targets != IGNORE).sum()) for _, targets in micro)
         (global_tokens,) = _all_reduce_sum([local_tokens], world, trace)
-        # [Note: loss normalisation]; a step of prompts only counts no token and learns nothing
+        # [Note: loss normalisation]; a step of prompts only counts 0 tokens: a zero gradient
         scale = world.world_size / max(global_tokens, 1)
         lr = state.peak_lr * state.schedule(state.step)
         for group in state.optimizer.param_groups:

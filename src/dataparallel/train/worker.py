@@ -112,6 +112,9 @@ def run_info(state: TrainState, threads: int, previous: dict | None) -> dict:
             "sha256": corpus.sha256,
             "files": corpus.num_files,
             "tokens": corpus.num_tokens,
+            "target_tokens": corpus.target_tokens,  # the ones the loss counts
+            "formats": list(getattr(corpus, "formats", ("text",))),
+            "tokenizer": getattr(corpus, "tokenizer", "bytes-v1"),  # its fingerprint
             "train_windows": len(state.train_windows),
             "val_windows": len(state.val_windows),
             "block_size": block,
