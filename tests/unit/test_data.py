@@ -319,3 +319,14 @@ def test_the_check_before_a_run_reads_every_record_not_yet_cached(tmp_path, toke
     path.write_text("\n".join(lines[:250] + ['{"txt": "oops"}'] + lines[250:]) + "\n")
     with pytest.raises(DataError, match='late.jsonl line 251 has no "text" field'):
         check_sources([str(path)], tokenizer)
+
+
+def test_a_chat_template_that_fails_is_one_line(tmp_path, tokenizer):
+    strict = HFTokenizer(tokenizer.hf.__class__.from_pretrained(tokenizer.hf.name_or_path), "x")
+    strict.hf.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    path = _jsonl(tmp_path / "c.jsonl", [{"messages": CHATS[0]}])
+    with pytest.raises(DataError, match=r"c.jsonl: the chat template failed .*no system role"):
+        check_sources([str(path)], strict)

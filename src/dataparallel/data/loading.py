@@ -223,6 +223,12 @@ def _chat(tokenizer, path: Path):
             return tokenizer.render_chat(messages)
         except ValueError as error:
             raise DataError(f"{path}: {error}", "use a standard chat template") from None
+        except Exception as error:  # noqa: BLE001 - the template's own error (jinja2)
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise DataError(
+                f"{path}: the chat template failed on a conversation ({first})",
+                "check the messages' roles and order against the model's template",
+            ) from None
 
     return render
 
