@@ -25,6 +25,13 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
+def _npy(path: Path, ids: list[int]) -> Path:
+    import numpy as np
+
+    np.save(path, np.array(ids, dtype=np.uint16))
+    return path
+
+
 def _folder(path: Path) -> Path:
     path.mkdir(parents=True)
     return path
@@ -78,12 +85,64 @@ CASES = {
     "unreadable data path": (
         [],
         lambda tmp: ["--data", str(tmp / "missing")],
-        ["--data (data.paths)", "missing does not exist", "give readable text files or folders"],
+        ["--data (data.paths)", "missing does not exist", "give readable files or folders"],
     ),
     "data folder without text": (
         [],
         lambda tmp: ["--data", str(_folder(tmp / "empty"))],
         ["--data (data.paths)", "holds no readable text file"],
+    ),
+    "jsonl line without the field": (
+        [],
+        lambda tmp: [
+            "--data",
+            str(_write(tmp / "d.jsonl", '{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')),
+        ],
+        [
+            "--data (data.paths)",
+            'd.jsonl line 2 has no "completion" field',
+            'give every record of the file a "completion"',
+        ],
+    ),
+    "jsonl line far into the file without the field": (
+        [],
+        lambda tmp: [
+            "--data",
+            str(
+                _write(
+                    tmp / "late.jsonl",
+                    '{"prompt": "a", "completion": "b"}\n' * 150 + '{"prompt": "c"}\n',
+                )
+            ),
+        ],
+        ["--data (data.paths)", 'late.jsonl line 151 has no "completion" field'],
+    ),
+    "chat data without a chat template": (
+        [],
+        lambda tmp: [
+            "--data",
+            str(_write(tmp / "c.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n')),
+        ],
+        ["--data (data.paths)", "c.jsonl holds chat messages but the tokenizer has no chat"],
+    ),
+    "unreadable parquet": (
+        [],
+        lambda tmp: ["--data", str(_write(tmp / "p.parquet", "not parquet"))],
+        ["--data (data.paths)", "p.parquet is not a readable Parquet file"],
+    ),
+    "token file outside the vocabulary": (
+        [],
+        lambda tmp: ["--data", str(_npy(tmp / "t.npy", [1, 2, 300, 4]))],
+        [
+            "--data (data.paths)",
+            "t.npy holds id 300 at position 2, outside the tokenizer's vocabulary of 256",
+            "tokenize the data with the model's tokenizer",
+        ],
+    ),
+    "unknown token dtype": (
+        ["--token-dtype", "int8"],
+        None,
+        ["--token-dtype (data.token_dtype)", "unknown value 'int8'", "auto, uint16, uint32"],
     ),
     "output directory holds another run": (
         [],

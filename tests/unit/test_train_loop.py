@@ -158,3 +158,50 @@ def test_bf16_parameters_train_close_to_fp32():
     assert bf16 == pytest.approx(fp32, abs=0.05)
     assert bf16 != fp32
     assert weights["head.weight"].dtype == torch.bfloat16  # the model computes in bf16
+
+
+def _masked_config(tmp_path, **train) -> RunConfig:
+    """Prompt/completion data: each window holds a different number of completion tokens."""
+    import json
+
+    path = tmp_path / "pairs.jsonl"
+    if not path.exists():
+        records = [
+            {"prompt": f"{i} times {'x' * (i % 9)} =", "completion": f" {'y' * (i % 5)}{i}\n"}
+            for i in range(120)
+        ]
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return _config(**train).replace(data={"paths": (str(path),)})
+
+
+def test_masked_targets_are_neither_summed_nor_counted(world, tmp_path):
+    from dataparallel.data.packing import IGNORE
+
+    state = setup(_masked_config(tmp_path, batch=3, accum=2), world)
+    start = dict(state.samples.state_dict())
+    model = type(state.model)(state.model.config)
+    model.load_state_dict(state.model.state_dict())
+    record = train_step(state)
+    state.samples.load_state_dict(start)
+    inputs, targets = state.train_windows.batch(next_indices(state, 6))
+    counted = int((targets != IGNORE).sum())
+    assert 0 < counted < 6 * 16 and record.tokens == counted
+    with torch.no_grad():
+        logits = model(inputs).flatten(0, 1)
+        expected = F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE)
+    assert record.loss == pytest.approx(float(expected), rel=1e-6)
+    evaluation = evaluate(state)
+    _, val_targets = state.val_windows.batch(evenly_spaced(5, len(state.val_windows)))
+    assert evaluation.tokens == int((val_targets != IGNORE).sum()) < val_targets.numel()
+
+
+def test_masked_accumulation_gives_the_losses_of_the_whole_batch(tmp_path):
+    runs = []
+    for batch, accum in [(6, 1), (2, 3)]:
+        world = dp.init()
+        try:
+            state = setup(_masked_config(tmp_path, batch=batch, accum=accum), world)
+            runs.append([train_step(state).loss for _ in range(3)])
+        finally:
+            dp.destroy()
+    assert runs[1] == pytest.approx(runs[0], rel=1e-6)  # [Note: loss normalisation]

@@ -54,11 +54,12 @@ def _looks_binary(path: Path) -> bool:
         return b"\0" in handle.read(_BINARY_PROBE)
 
 
-def user_files(paths: list[str]) -> list[Path]:
+def user_files(paths: list[str], known: tuple[str, ...] = ()) -> list[Path]:
     """The text files named by `paths` (files, or folders searched recursively), in order.
 
     Inside a folder, hidden files and folders are skipped, and so are files that look binary
-    (a NUL byte in their first 8 KiB); files named directly are always taken. Raises
+    (a NUL byte in their first 8 KiB) unless their name ends with one of the `known`
+    suffixes (data formats, data/formats.py); files named directly are always taken. Raises
     FileNotFoundError / PermissionError / ValueError with the path at fault.
     """
     found: list[Path] = []
@@ -78,7 +79,7 @@ def user_files(paths: list[str]) -> list[Path]:
                         continue
                     if not os.access(candidate, os.R_OK):
                         raise PermissionError(f"{candidate} is not readable")
-                    if not _looks_binary(candidate):
+                    if f.lower().endswith(known) or not _looks_binary(candidate):
                         inside.append(candidate)
             if not inside:
                 raise ValueError(f"{name} holds no readable text file")
@@ -115,6 +116,15 @@ class Corpus:
     num_files: int
     sha256: str
     source: str
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def target_tokens(self) -> int:
+        """Tokens the loss counts: all of them, for text."""
+        return len(self.tokens)
 
     def split(self, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(train, validation) token streams; see [Note: corpus split]."""

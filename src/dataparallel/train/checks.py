@@ -14,10 +14,13 @@ from pathlib import Path
 import dataparallel as dp
 
 from ..checkpoint import latest_checkpoint
-from ..data.corpus import corpus_files, corpus_size, num_windows
+from ..data.corpus import corpus_size, num_windows
+from ..data.formats import DataError
+from ..data.loading import check_sources, reads_bytes
+from ..data.tokens import TOKEN_DTYPES
 from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
-from .model_source import check_model, meta_model
+from .model_source import check_model, meta_model, run_tokenizer
 from .sync import averaging, check_sync
 from .tracing import parse_steps
 
@@ -68,6 +71,7 @@ def check_values(config: RunConfig) -> None:
     _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(dp.STRATEGIES))
     _choose(field_label("train", "precision"), config.train.precision, sorted(dp.PRECISIONS))
     _choose(field_label("optim", "lr_scaling"), config.optim.lr_scaling, ["none", "linear"])
+    _choose(field_label("data", "token_dtype"), config.data.token_dtype, TOKEN_DTYPES)
     _choose(
         field_label("train", "checkpoint_save"), config.train.checkpoint_save, ["async", "sync"]
     )
@@ -173,13 +177,23 @@ def _check_trace(config: RunConfig) -> None:
 
 
 def check_data(config: RunConfig) -> None:
-    """The data exists, is readable, and gives every rank at least one window."""
+    """The data exists and is readable, its formats open and every record not yet cached has
+    its fields, token files hold only ids of the run's tokenizer (data/loading.py
+    check_sources), and text read as bytes gives every rank at least one window (other data is
+    counted once tokenized, by the loader)."""
     label = field_label("data", "paths")
+    tokenizer = run_tokenizer(config)
     try:
-        files = corpus_files(list(config.data.paths))
+        files = check_sources(
+            list(config.data.paths), tokenizer, token_dtype=config.data.token_dtype
+        )
+    except DataError as error:
+        raise ConfigError(label, error.problem, error.fix) from None
     except (OSError, ValueError) as error:
-        raise ConfigError(label, str(error), "give readable text files or folders") from None
-    total = corpus_size(files)
+        raise ConfigError(label, str(error), "give readable files or folders") from None
+    if not reads_bytes(files, tokenizer):
+        return
+    total = corpus_size([path for path, _ in files])
     block = config.data.block_size
     val_tokens = int(total * config.data.val_fraction)
     train_windows = num_windows(total - val_tokens, block)

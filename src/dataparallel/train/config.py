@@ -58,20 +58,26 @@ class ModelConfig:
 class DataConfig:
     """What to train on.
 
-    paths: text files or folders to train on (folders are searched recursively); empty means
-        the built-in corpus, the .py sources of this Python's standard library.
+    paths: files or folders to train on (folders are searched recursively), each read by its
+        extension: .jsonl and .parquet (records with "text", "prompt"/"completion" or chat
+        "messages"), .bin and .npy (token ids), anything else as text (docs/workloads-data.md);
+        empty means the built-in corpus, the .py sources of this Python's standard library.
     block_size: tokens (bytes) per training window, the context length; at most the model's
         block_size (128 for gpt-tiny, 256 for gpt-small and gpt-medium).
     val_fraction: fraction of the corpus (its tail, in sorted file order) held out for
         validation.
     eval_windows: validation windows scored at each evaluation, spread evenly over the
         validation split; 0 scores all of them.
+    token_dtype: the dtype of the ids in .bin token files (raw, with no header): "uint16",
+        "uint32", or "auto": uint16 when the tokenizer's vocabulary fits (at most 65536 ids),
+        else uint32. (.npy files carry their own dtype.)
     """
 
     paths: tuple[str, ...] = ()
     block_size: int = 128
     val_fraction: float = 0.05
     eval_windows: int = 256
+    token_dtype: str = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -151,6 +151,12 @@ def _build_hf(config: RunConfig, source: HFSource) -> nn.Module:
         raise ConfigError(field_label("model", "lora"), str(error), "fix --lora") from None
 
 
+def run_tokenizer(config: RunConfig) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of the run's data (data/loading.py): an hf:DIR model's, else bytes."""
+    path = hf_path(config.model.name)
+    return ByteTokenizer() if path is None else HFTokenizer.load(path)
+
+
 def build_for_run(config: RunConfig, world: dp.World) -> BuiltModel:
     """The run's model, the strategy that fills and shards it, and its tokenizer ([Note: a
     run's model]); every rank builds the same (the same seed)."""

@@ -52,7 +52,7 @@ def describe_run(state: TrainState, threads: int) -> list[str]:
     )
     return [
         f"model   {config.model.name}, {params / 1e6:.2f}M parameters, {train.precision}",
-        f"data    {source}: {format_count(len(corpus.tokens))}B in {plural(corpus.num_files, 'file')}, "
+        f"data    {source}: {_tokens_text(corpus)}, "
         f"sha256 {corpus.sha256[:12]}; {len(state.train_windows)} train / "
         f"{len(state.val_windows)} val windows of {block} tokens",
         f"world   {world.world_size} ranks ({config.launch.strategy}, {world.backend}, "
@@ -62,6 +62,18 @@ def describe_run(state: TrainState, threads: int) -> list[str]:
         f"lr      peak {state.peak_lr:.3g} ({scaling}), {optim.warmup_steps} warm-up steps, "
         f"cosine to {state.peak_lr * optim.min_lr_ratio:.3g} at step {train.steps}",
     ]
+
+
+def _tokens_text(corpus) -> str:
+    """'12.3kB in 4 files' for text read as bytes; else '4.5k tokens in 1 file (1.2k counted by
+    the loss)' (data/loading.py DataInfo)."""
+    total, counted = corpus.num_tokens, corpus.target_tokens
+    # A Corpus (setup's argument) is text read as bytes; a DataInfo says what it is.
+    as_bytes = getattr(corpus, "tokenizer", "bytes-v1") == "bytes-v1"
+    as_bytes = as_bytes and getattr(corpus, "formats", ("text",)) == ("text",)
+    size = f"{format_count(total)}B" if as_bytes else f"{format_count(total)} tokens"
+    loss = f" ({format_count(counted)} counted by the loss)" if counted < total else ""
+    return f"{size} in {plural(corpus.num_files, 'file')}{loss}"
 
 
 def _sync_text(config) -> str:

@@ -12,6 +12,8 @@ and after the averaging the gradient is exactly d(global sum / global tokens). A
 micro-batch's mean loss instead would weight tokens unequally as soon as micro-batches hold
 different numbers of targets. The global token count is one small all-reduce per step (with
 fixed-length windows it is also batch x block x accum x world size, which the header prints).
+Only targets the loss counts are counted: for prompt/completion and chat data the masked ones
+(IGNORE, [Note: loss masking] in data/packing.py) are neither in the sum nor in the count.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ import dataparallel as dp
 
 from ..comm import Span
 from ..comm.progress import watched
-from ..data.corpus import Corpus, TokenWindows, evenly_spaced, load_corpus
+from ..data.corpus import Corpus, TokenWindows, evenly_spaced
+from ..data.loading import DataInfo, load_datasets
+from ..data.packing import IGNORE, PackedWindows
 from ..data.stream import SampleStream
 from .config import RunConfig
-from .model_source import BuiltModel, build_for_run
+from .model_source import BuiltModel, build_for_run, run_tokenizer
 from .records import EvalRecord, StepRecord
 from .schedule import WarmupCosine, scaled_lr
 
@@ -50,9 +54,9 @@ class TrainState:
     schedule: WarmupCosine
     peak_lr: float
     samples: SampleStream  # the data position, in global samples ([Note: global sample position])
-    train_windows: TokenWindows
-    val_windows: TokenWindows
-    corpus: Corpus
+    train_windows: TokenWindows | PackedWindows
+    val_windows: TokenWindows | PackedWindows
+    corpus: Corpus | DataInfo  # what the records name: sha256, source, num_files, num_tokens
     scaler: torch.amp.GradScaler | None = None
     averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (dp.compose), or None
     tracer: dp.Tracer = field(default_factory=dp.Tracer)  # on for --trace steps (tracing.py)
@@ -109,12 +113,20 @@ def setup(
         the 256 byte values; default: the reference model config.model.name, built here.
         Build yours after `torch.manual_seed(config.train.seed)` for reproducible runs.
     """
-    launch = config.launch
-    if corpus is None:
-        corpus = load_corpus(list(config.data.paths))
-    train_tokens, val_tokens = corpus.split(config.data.val_fraction)
-    block = config.data.block_size
-    train_windows, val_windows = TokenWindows(train_tokens, block), TokenWindows(val_tokens, block)
+    launch, data, block = config.launch, config.data, config.data.block_size
+    if corpus is None:  # data/loading.py: every format, tokenized once and cached
+        train_windows, val_windows, corpus = load_datasets(
+            list(data.paths),
+            run_tokenizer(config),
+            block,
+            data.val_fraction,
+            world=world,
+            token_dtype=data.token_dtype,
+        )
+    else:
+        train_tokens, val_tokens = corpus.split(data.val_fraction)
+        train_windows = TokenWindows(train_tokens, block)
+        val_windows = TokenWindows(val_tokens, block)
     if model is None:  # [Note: a run's model] in model_source.py
         built = build_for_run(config, world)
     else:
@@ -204,7 +216,9 @@ def _token_loss_sum(state: TrainState, inputs: torch.Tensor, targets: torch.Tens
         logits = state.model(inputs)
     logits = getattr(logits, "logits", logits)  # a Hugging Face model's output holds them
     # The loss in fp32 even under bf16 autocast: a sum over thousands of tokens.
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
 
 
 def train_step(state: TrainState) -> StepRecord:
@@ -218,9 +232,10 @@ def train_step(state: TrainState) -> StepRecord:
         micro = [
             state.train_windows.batch(indices[k * batch : (k + 1) * batch]) for k in range(accum)
         ]
-        local_tokens = sum(int(targets.numel()) for _, targets in micro)
+        local_tokens = sum(int((targets != IGNORE).sum()) for _, targets in micro)
         (global_tokens,) = _all_reduce_sum([local_tokens], world, trace)
-        scale = world.world_size / global_tokens  # [Note: loss normalisation]
+        # [Note: loss normalisation]; a step of prompts only counts 0 tokens: a zero gradient
+        scale = world.world_size / max(global_tokens, 1)
         lr = state.peak_lr * state.schedule(state.step)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
@@ -252,7 +267,7 @@ def train_step(state: TrainState) -> StepRecord:
         trace.add(Span("step", "step", started_ns, time.perf_counter_ns(), {"step": state.step}))
     return StepRecord(
         step=state.step,
-        loss=total_loss / global_tokens,
+        loss=total_loss / max(global_tokens, 1),
         lr=lr,
         grad_norm=grad_norm,
         tokens=int(global_tokens),
@@ -328,7 +343,7 @@ def evaluate(state: TrainState) -> EvalRecord:
             summed = _token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
             if part:
                 loss_sum += float(summed)
-                tokens += int(targets.numel())
+                tokens += int((targets != IGNORE).sum())
     finally:
         state.model.train()
     total_loss, total_tokens = _all_reduce_sum([loss_sum, tokens], world)

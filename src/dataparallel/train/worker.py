@@ -22,8 +22,9 @@ import dataparallel as dp
 
 from ..checkpoint import CheckpointError, latest_checkpoint
 from ..comm.progress import CollectiveMismatch, watched
+from ..data.formats import DataError
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
-from .config import RunConfig, apply_mapping, to_toml
+from .config import RunConfig, apply_mapping, field_label, to_toml
 from .metrics import MetricsLogger
 from .progress import ProgressBar
 from .report import RUN_INFO, make_report
@@ -110,7 +111,10 @@ def run_info(state: TrainState, threads: int, previous: dict | None) -> dict:
             "source": corpus.source,
             "sha256": corpus.sha256,
             "files": corpus.num_files,
-            "tokens": len(corpus.tokens),
+            "tokens": corpus.num_tokens,
+            "target_tokens": corpus.target_tokens,  # the ones the loss counts
+            "formats": list(getattr(corpus, "formats", ("text",))),
+            "tokenizer": getattr(corpus, "tokenizer", "bytes-v1"),  # its fingerprint
             "train_windows": len(state.train_windows),
             "val_windows": len(state.val_windows),
             "block_size": block,
@@ -214,6 +218,11 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
     except CheckpointError as error:  # every rank raises it together (restore broadcasts)
         if world.is_main:
             print(f"dataparallel train: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except DataError as error:  # every rank raises it together (data/loading.py)
+        if world.is_main:
+            label = field_label("data", "paths")
+            print(f"dataparallel train: error: {label}: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:
         # [Note: teardown] Drop the model, optimizer and strategies (which hold the process group)
