@@ -117,8 +117,8 @@ def load_datasets(
             source=", ".join(paths) if paths else f"stdlib:{stdlib_root()}",
             num_files=len(files),
             sha256=digest.hexdigest(),
-            num_tokens=total,
-            target_tokens=stream.num_targets(0, total),
+            num_tokens=int(total),
+            target_tokens=int(stream.num_targets(0, total)),
             formats=tuple(sorted({fmt for _, fmt in files})),
             tokenizer=tokenizer.fingerprint,
         )
