@@ -26,6 +26,7 @@ from .plan.command import add_plan_parser, cmd_plan
 from .train.config import (
     SECTIONS,
     ConfigError,
+    LaunchConfig,
     RunConfig,
     field_docs,
     flag_name,
@@ -79,6 +80,80 @@ def add_train_parser(commands) -> None:
             )
 
 
+# The [launch] fields that `dataparallel launch`, `generate` and `eval` take as flags.
+LAUNCHER_FIELDS = (
+    "nproc",
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "max_restarts",
+    "threads",
+    "collective_timeout",
+    "check_collectives",
+)
+
+
+def add_launcher_flags(parser, names=LAUNCHER_FIELDS, defaults: dict | None = None) -> None:
+    """The launcher's flags, documented as the [launch] fields of the train config."""
+    group = parser.add_argument_group("launcher")
+    docs = field_docs(LaunchConfig)
+    for f in fields(LaunchConfig):
+        if f.name not in names:
+            continue
+        if f.type == "bool":
+            extra = {"action": argparse.BooleanOptionalAction}
+        else:
+            extra = {"type": TYPES[f.type], "metavar": f.name.upper()}
+        default = (defaults or {}).get(f.name, f.default)
+        group.add_argument(
+            flag_name("launch", f.name),
+            dest=f"launch.{f.name}",
+            default=None,
+            help=f"{docs[f.name]} (default: {default})".replace("%", "%%"),
+            **extra,
+        )
+
+
+def launcher_config(args: argparse.Namespace, **defaults) -> RunConfig:
+    """A config whose [launch] section holds the launcher flags given (else `defaults`), checked."""
+    from .train.checks import check_launch
+
+    config = RunConfig().replace(launch={**defaults, **_flags(args).get("launch", {})})
+    check_launch(config)
+    return config
+
+
+def add_launch_parser(commands) -> None:
+    parser = commands.add_parser(
+        "launch",
+        help="run your training script with data-parallel workers",
+        description="Run SCRIPT in each worker, as torchrun would, with dataparallel's thread "
+        "defaults, restarts, watchdog settings (read by dp.init()) and per-attempt store.",
+    )
+    add_launcher_flags(parser, defaults=LAUNCH_DEFAULTS)
+    parser.add_argument("script", help="the Python script each worker runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+# A user's script does not resume by itself unless written to: restarts are asked for.
+LAUNCH_DEFAULTS = {"max_restarts": 0}
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from .train.launch import launch_script
+
+    try:
+        config = launcher_config(args, **LAUNCH_DEFAULTS)
+        script = Path(args.script)
+        if not script.is_file():
+            problem = "is a directory" if script.is_dir() else "does not exist"
+            raise ConfigError("script", f"{args.script} {problem}", "give a Python script")
+    except ConfigError as error:
+        print(f"dataparallel launch: error: {error}", file=sys.stderr)
+        return 2
+    return launch_script(config.launch, str(script), args.script_args)
+
+
 def add_sample_parser(commands) -> None:
     parser = commands.add_parser("sample", help="sample text from trained weights")
     parser.add_argument("run", help="a run directory, or its model.safetensors")
@@ -94,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="dataparallel", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     add_train_parser(commands)
+    add_launch_parser(commands)
     add_sample_parser(commands)
     add_plan_parser(commands)
     # `bench` (benchmarks/) will be registered here as a third command.
@@ -246,7 +322,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"train": cmd_train, "sample": cmd_sample, "plan": cmd_plan}[args.command]
+    handler = {
+        "train": cmd_train,
+        "launch": cmd_launch,
+        "sample": cmd_sample,
+        "plan": cmd_plan,
+    }[args.command]
     return handler(args)
 
 
