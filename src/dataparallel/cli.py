@@ -5,11 +5,15 @@
     dataparallel train --config examples/train.toml --lr 1e-3
     dataparallel train --resume runs/small --steps 2000
     dataparallel sample runs/small --prompt "def "
+    dataparallel launch --nproc 2 my_train.py --lr 1e-4    # your script, under our launcher
+    dataparallel generate runs/small --prompts p.jsonl --out c.jsonl --nproc 2   # completions
+    dataparallel eval runs/small --data valid/ --nproc 2   # the exact perplexity of a dataset
     dataparallel plan --model llama-8b --ranks 64 --precision bf16-params   # before launch
     torchrun --nproc-per-node 2 -m dataparallel.cli train --steps 50   # under torchrun itself
 
 Every `train` flag is a field of the config (train/config.py; `--print-config` shows them all
-with their documentation). Bad input is reported on one line, `dataparallel train: error:
+with their documentation); `launch`, `generate` and `eval` take its launcher flags (--nproc,
+--nnodes, --max-restarts, --collective-timeout...; docs/workloads-launch.md). Bad input is reported on one line, `dataparallel train: error:
 <field>: <problem>; <fix>`, with exit status 2, before anything is started or written.
 """
 

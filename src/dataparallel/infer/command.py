@@ -185,9 +185,8 @@ def start(command: str, source, strategy: str, job, launch) -> int:
         torch.set_num_threads(launch.threads or fair_threads(1))
         try:
             run_job(command, source, strategy, job)
-        except ConfigError as error:  # a model that does not load
-            print(f"dataparallel {command}: error: {error}", file=sys.stderr)
-            return 2
+        except SystemExit as exit:  # run_job has printed the error
+            return exit.code
         return 0
     env = {ENV_JOB: encode_job(command, source, strategy, job)}
     return start_workers(launch, ["--module", "dataparallel.infer.worker"], env)

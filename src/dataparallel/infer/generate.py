@@ -23,6 +23,7 @@ from pathlib import Path
 
 import dataparallel as dp
 
+from ..train.config import ConfigError
 from .decoding import Sampling, decode
 from .loading import LoadedModel
 from .ranks import contiguous_share, gather_objects, reduce_numbers
@@ -76,7 +77,9 @@ def generate(world: dp.World, loaded: LoadedModel, job: GenerateJob) -> list[str
     batches = plan_batches(
         {i: len(ids) for i, ids in encoded.items()}, job.batch, loaded.kind == "gpt"
     )
-    (most,) = reduce_numbers([len(batches)], world, op="max", what="generate batches")
+    longest = max((len(ids) for ids in encoded.values()), default=0)
+    most, longest = reduce_numbers([len(batches), longest], world, op="max", what="batches")
+    check_context(loaded, int(longest), job.tokens)  # on every rank alike
     stand_in = encoded[mine[0]] if len(mine) else [loaded.pad_id]
     completions: dict[int, list[int]] = {}
     for k in range(int(most)):
@@ -100,6 +103,18 @@ def generate(world: dp.World, loaded: LoadedModel, job: GenerateJob) -> list[str
     texts = [tokenizer.decode(merged[i]) for i in range(len(records))]
     write_jsonl(job.out, [{**r, "completion": t} for r, t in zip(records, texts, strict=True)])
     return texts
+
+
+def check_context(loaded: LoadedModel, longest: int, tokens: int) -> None:
+    """A ConfigError when the longest prompt and its new tokens exceed an HF model's positions
+    (a built-in GPT slides its window instead, as `sample` does)."""
+    if loaded.kind == "hf" and loaded.context and longest + tokens > loaded.context:
+        raise ConfigError(
+            "--tokens",
+            f"the longest prompt ({longest} tokens) and {tokens} new tokens exceed the model's "
+            f"{loaded.context} positions",
+            f"use at most {max(loaded.context - longest, 0)} or shorten the prompts",
+        )
 
 
 def write_jsonl(path: str | Path, records: list[dict]) -> None:

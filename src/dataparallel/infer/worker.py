@@ -18,6 +18,7 @@ from pathlib import Path
 
 import dataparallel as dp
 
+from ..train.config import ConfigError
 from .decoding import Sampling
 from .evaluate import EvalJob, evaluate
 from .generate import GenerateJob, generate
@@ -58,13 +59,14 @@ def run_job(command: str, source: ModelSource, strategy: str, job) -> None:
         loaded = load_model(source)
         if strategy == "zero3":
             loaded.model = dp.parallelize(loaded.model, "zero3")
+        loaded_at = time.perf_counter()
         if command == "generate":
             texts = generate(world, loaded, job)
             if world.is_main:
-                seconds = time.perf_counter() - started
+                load, work = loaded_at - started, time.perf_counter() - loaded_at
                 print(
                     f"dataparallel generate: {len(texts)} completions in {job.out} "
-                    f"({_workers(world)}, {seconds:.1f} s)",
+                    f"({_workers(world)}; load {load:.2f} s, generate {work:.2f} s)",
                     flush=True,
                 )
         else:
@@ -79,6 +81,10 @@ def run_job(command: str, source: ModelSource, strategy: str, job) -> None:
                 if job.out:
                     with open(job.out, "w") as handle:
                         json.dump(asdict(result), handle, indent=2)
+    except ConfigError as error:  # found by every rank together (generate.check_context)
+        if world.is_main:
+            print(f"dataparallel {command}: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     finally:
         loaded = None  # [Note: teardown] in train/worker.py: the model before the group
         gc.collect()
