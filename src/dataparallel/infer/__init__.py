@@ -4,6 +4,7 @@
     decoding.py   batched decoding with a fixed number of forwards (greedy or sampled)
     generate.py   prompts split across ranks, batched, gathered back in input order
     evaluate.py   the exact perplexity of a dataset, summed over ranks
+    ranks.py      shares of the work, and the few numbers the ranks exchange
     worker.py     one worker (started by the launcher of train/launch.py)
     command.py    the two commands' flags and checks
 

@@ -85,15 +85,8 @@ def generate(world: dp.World, loaded: LoadedModel, job: GenerateJob) -> list[str
     for k in range(int(most)):
         if k < len(batches):
             indices = batches[k]
-            completions.update(
-                zip(
-                    indices,
-                    decode(
-                        loaded, [encoded[i] for i in indices], indices, job.tokens, job.sampling
-                    ),
-                    strict=True,
-                )
-            )
+            new = decode(loaded, [encoded[i] for i in indices], indices, job.tokens, job.sampling)
+            completions.update(zip(indices, new, strict=True))
         else:  # [Note: forwards in step]: the same forwards as the busiest rank
             decode(loaded, [stand_in], [0], job.tokens, job.sampling)
     everyone = gather_objects(completions, world, what="completions")
