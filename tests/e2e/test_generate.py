@@ -64,13 +64,17 @@ def llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def llama_reference(llama) -> list[str]:
+    return greedy_generate(llama)
+
+
+def greedy_generate(model_dir: Path) -> list[str]:
     """Each prompt alone through transformers' own greedy generate, cut at the eos token."""
     from transformers import AutoModelForCausalLM
 
     from dataparallel.data.tokenizer import HFTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(llama).eval()
-    tokenizer = HFTokenizer.load(llama)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = HFTokenizer.load(model_dir)
     texts = []
     for prompt in PROMPTS:
         ids = torch.tensor([tokenizer.encode(prompt)])
@@ -107,6 +111,17 @@ def test_generate_from_a_run_that_holds_an_hf_export(llama, llama_reference, tmp
     args = ["--prompts", str(prompts), "--out", str(out), "--tokens", "12", "--nproc", "1"]
     assert main(["generate", str(run), *args]) == 0
     assert _completions(out) == llama_reference
+
+
+def test_generate_on_a_gpt2_in_one_process(tmp_path):
+    from hf_fixtures import make_tiny_gpt2
+
+    model = make_tiny_gpt2(tmp_path / "gpt2")  # learned positions: the position ids must be right
+    out = tmp_path / "out.jsonl"
+    prompts = _prompts_file(tmp_path / "p.jsonl")
+    args = ["--prompts", str(prompts), "--out", str(out), "--tokens", "12", "--batch", "3"]
+    assert main(["generate", str(model), *args, "--nproc", "1", "--threads", "1"]) == 0
+    assert _completions(out) == greedy_generate(model)
 
 
 @pytest.fixture(scope="module")
