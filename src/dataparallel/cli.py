@@ -5,11 +5,15 @@
     dataparallel train --config examples/train.toml --lr 1e-3
     dataparallel train --resume runs/small --steps 2000
     dataparallel sample runs/small --prompt "def "
+    dataparallel launch --nproc 2 my_train.py --lr 1e-4    # your script, under our launcher
+    dataparallel generate runs/small --prompts p.jsonl --out c.jsonl --nproc 2   # completions
+    dataparallel eval runs/small --data valid/ --nproc 2   # the exact perplexity of a dataset
     dataparallel plan --model llama-8b --ranks 64 --precision bf16-params   # before launch
     torchrun --nproc-per-node 2 -m dataparallel.cli train --steps 50   # under torchrun itself
 
 Every `train` flag is a field of the config (train/config.py; `--print-config` shows them all
-with their documentation). Bad input is reported on one line, `dataparallel train: error:
+with their documentation); `launch`, `generate` and `eval` take its launcher flags (--nproc,
+--nnodes, --max-restarts, --collective-timeout...; docs/workloads-launch.md). Bad input is reported on one line, `dataparallel train: error:
 <field>: <problem>; <fix>`, with exit status 2, before anything is started or written.
 """
 
@@ -22,6 +26,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from .infer.command import add_eval_parser, add_generate_parser, cmd_eval, cmd_generate
 from .plan.command import add_plan_parser, cmd_plan
 from .train.config import (
     SECTIONS,
@@ -32,6 +37,7 @@ from .train.config import (
     load_toml,
     to_toml,
 )
+from .train.launch_flags import add_launcher_flags, launcher_config
 
 TYPES = {"int": int, "float": float, "str": str}
 
@@ -79,11 +85,47 @@ def add_train_parser(commands) -> None:
             )
 
 
+def add_launch_parser(commands) -> None:
+    parser = commands.add_parser(
+        "launch",
+        help="run your training script with data-parallel workers",
+        description="Run SCRIPT in each worker, as torchrun would, with dataparallel's thread "
+        "defaults, restarts, watchdog settings (read by dp.init()) and per-attempt store.",
+    )
+    add_launcher_flags(parser, LAUNCH_DEFAULTS)
+    parser.add_argument("script", help="the Python script each worker runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+# A user's script does not resume by itself unless written to: restarts are asked for.
+LAUNCH_DEFAULTS = {"max_restarts": 0}
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from .train.launch import launch_script
+
+    try:
+        config = launcher_config(args, LAUNCH_DEFAULTS)
+        script = Path(args.script)
+        if not script.is_file():
+            problem = "is a directory" if script.is_dir() else "does not exist"
+            raise ConfigError("script", f"{args.script} {problem}", "give a Python script")
+    except ConfigError as error:
+        print(f"dataparallel launch: error: {error}", file=sys.stderr)
+        return 2
+    return launch_script(config.launch, str(script), args.script_args)
+
+
 def add_sample_parser(commands) -> None:
     parser = commands.add_parser("sample", help="sample text from trained weights")
-    parser.add_argument("run", help="a run directory, or its model.safetensors")
+    parser.add_argument(
+        "run",
+        metavar="RUN_OR_DIR",
+        help="a run directory (model.safetensors, or an hf/ export), a .safetensors file, or a "
+        "save_pretrained directory",
+    )
     parser.add_argument("--prompt", default="", help="text to continue (default: a new line)")
-    parser.add_argument("--tokens", type=int, default=300, help="bytes to generate")
+    parser.add_argument("--tokens", type=int, default=300, help="tokens (bytes) to generate")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
     parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
@@ -94,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="dataparallel", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     add_train_parser(commands)
+    add_launch_parser(commands)
+    add_generate_parser(commands)
+    add_eval_parser(commands)
     add_sample_parser(commands)
     add_plan_parser(commands)
     # `bench` (benchmarks/) will be registered here as a third command.
@@ -212,43 +257,52 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
+    """Continue one prompt: a built-in GPT's run (its own sampler, as always), or a Hugging Face
+    model (a save_pretrained directory, or a run's hf/ export) through generate's decoder."""
     import torch
 
-    from .train.sampling import generate, load_trained_model, weights_path
+    from .infer.loading import find_model, load_model
+    from .train.sampling import generate
 
-    path = weights_path(args.run)
-    if not path.is_file():
-        print(
-            f"dataparallel sample: error: run: {path} does not exist; give a run directory "
-            "or a .safetensors file written by dataparallel train",
-            file=sys.stderr,
-        )
-        return 2
     # One sequence, one token at a time: small matrices that more threads barely speed up, and
     # threads that wait for busy cores slow down a lot.
     torch.set_num_threads(args.threads)
     try:
-        model, metadata = load_trained_model(path)
-    except Exception as error:  # not a safetensors file, or not one of ours
-        print(f"dataparallel sample: error: run: {error}", file=sys.stderr)
+        loaded = load_model(find_model(args.run))
+    except ConfigError as error:
+        print(f"dataparallel sample: error: {error}", file=sys.stderr)
         return 2
-    torch.manual_seed(args.seed)
-    block = metadata.get("model_config", {}).get("block_size", 128)
-    text = generate(
-        model,
-        args.prompt.encode(),
-        args.tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        block_size=block,
-    )
-    sys.stdout.write(text.decode("utf-8", errors="replace") + "\n")
+    if loaded.kind == "gpt":
+        torch.manual_seed(args.seed)
+        text = generate(
+            loaded.model,
+            args.prompt.encode(),
+            args.tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            block_size=loaded.context,
+        ).decode("utf-8", errors="replace")
+    else:
+        from .infer.decoding import Sampling, decode
+
+        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+        prompt = loaded.tokenizer.encode(args.prompt or "\n")
+        (new,) = decode(loaded, [prompt], [0], args.tokens, sampling)
+        text = loaded.tokenizer.decode(prompt + new)
+    sys.stdout.write(text + "\n")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"train": cmd_train, "sample": cmd_sample, "plan": cmd_plan}[args.command]
+    handler = {
+        "train": cmd_train,
+        "launch": cmd_launch,
+        "generate": cmd_generate,
+        "eval": cmd_eval,
+        "sample": cmd_sample,
+        "plan": cmd_plan,
+    }[args.command]
     return handler(args)
 
 

@@ -21,6 +21,12 @@ from .comm.watchdog import Watchdog
 # The process's watchdog, like the default process group it watches (one per process).
 _watchdog: Watchdog | None = None
 
+# [Note: launcher settings] `dataparallel launch` (and train's launcher) pass the watchdog's
+# settings to the workers in these variables; `init()` reads them when its arguments are left
+# out, so a user's script gets `--collective-timeout` and `--check-collectives` without code.
+ENV_COLLECTIVE_TIMEOUT = "DATAPARALLEL_COLLECTIVE_TIMEOUT"
+ENV_CHECK_COLLECTIVES = "DATAPARALLEL_CHECK_COLLECTIVES"
+
 
 @dataclass(frozen=True)
 class World:
@@ -32,6 +38,8 @@ class World:
     device: the device this rank computes on (`cuda:<local_rank>` when CUDA is there, else cpu).
     backend: "nccl" on CUDA, "gloo" on CPU.
     group: the process group of all ranks (torch's default group once initialised).
+    attempt: how many times the launcher has restarted the workers (0 on the first start;
+        torchrun's TORCHELASTIC_RESTART_COUNT): a restarted script resumes when it is above 0.
     """
 
     rank: int
@@ -40,6 +48,7 @@ class World:
     device: torch.device
     backend: str
     group: dist.ProcessGroup
+    attempt: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -70,8 +79,8 @@ def init(
     backend: str | None = None,
     timeout: timedelta = timedelta(minutes=10),
     threads: int | None = None,
-    collective_timeout: float = 0,
-    check_collectives: bool = False,
+    collective_timeout: float | None = None,
+    check_collectives: bool | None = None,
 ) -> World:
     """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
 
@@ -82,13 +91,16 @@ def init(
     collective_timeout: seconds a collective may wait before a watchdog ends the process with
         one line naming the ranks that never arrived ([Note: watchdog] in comm/watchdog.py);
         0 starts no watchdog (then `timeout` ends a hang, with the backend's error). Keep it
-        below `timeout`, or the backend's error comes first.
+        below `timeout`, or the backend's error comes first. None: the launcher's
+        `--collective-timeout` (DATAPARALLEL_COLLECTIVE_TIMEOUT), else 0.
     check_collectives: before every collective, check that the ranks of its group call the same
         kind, shape and dtype, and raise `dp.comm.CollectiveMismatch` naming the first that
-        differs ([Note: checked collectives] in comm/progress.py). A debug mode: slow.
+        differs ([Note: checked collectives] in comm/progress.py). A debug mode: slow. None:
+        the launcher's `--check-collectives` (DATAPARALLEL_CHECK_COLLECTIVES), else off.
 
     Calling it again returns the same world. Without torchrun's variables it makes a world of one.
     """
+    collective_timeout, check_collectives = launcher_settings(collective_timeout, check_collectives)
     if not collective_timeout >= 0:
         raise ValueError(f"init: collective_timeout={collective_timeout} must be >= 0 (0: off)")
     if threads is not None:
@@ -127,7 +139,26 @@ def init(
         device=device,
         backend=dist.get_backend(group),
         group=group,
+        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     )
+
+
+def launcher_settings(
+    collective_timeout: float | None, check_collectives: bool | None
+) -> tuple[float, bool]:
+    """The arguments given, or else what the launcher put in the environment ([Note: launcher
+    settings]), or else off."""
+    if collective_timeout is None:
+        text = os.environ.get(ENV_COLLECTIVE_TIMEOUT, "0")
+        try:
+            collective_timeout = float(text)
+        except ValueError:
+            raise ValueError(
+                f"init: {ENV_COLLECTIVE_TIMEOUT}={text!r} is not a number of seconds"
+            ) from None
+    if check_collectives is None:
+        check_collectives = os.environ.get(ENV_CHECK_COLLECTIVES, "0") == "1"
+    return collective_timeout, check_collectives
 
 
 def destroy() -> None:

@@ -66,6 +66,29 @@ def resolve_batch(config: RunConfig) -> RunConfig:
     return config.replace(train={"batch": train.global_batch // parts, "global_batch": 0})
 
 
+def check_launch(config: RunConfig) -> None:
+    """Check the launcher's fields (the [launch] section that `dataparallel launch` shares)."""
+    for name, minimum in [("nproc", 1), ("nnodes", 1)] + [
+        (n, 0) for n in ("max_restarts", "threads", "node_rank", "collective_timeout")
+    ]:
+        _at_least(config, "launch", name, minimum)
+    launch = config.launch
+    if launch.nnodes > 1:
+        host, _, port = launch.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(
+                field_label("launch", "rdzv_endpoint"),
+                f"{launch.rdzv_endpoint!r} is not host:port",
+                "give node 0's address and a free port, e.g. --rdzv-endpoint 10.0.0.1:29500",
+            )
+    if launch.node_rank >= launch.nnodes:
+        raise ConfigError(
+            field_label("launch", "node_rank"),
+            f"{launch.node_rank} is not below nnodes={launch.nnodes}",
+            f"use 0..{launch.nnodes - 1}",
+        )
+
+
 def check_values(config: RunConfig) -> None:
     """Check every value on its own and against the others (no I/O)."""
     _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(dp.STRATEGIES))
@@ -80,8 +103,6 @@ def check_values(config: RunConfig) -> None:
         ("train", "batch", 1),
         ("train", "accum", 1),
         ("train", "log_every", 1),
-        ("launch", "nproc", 1),
-        ("launch", "nnodes", 1),
         ("data", "block_size", 1),
         ("optim", "lr_base_batch", 1),
         ("train", "max_skips", 1),
@@ -91,16 +112,12 @@ def check_values(config: RunConfig) -> None:
             ("train", "global_batch"),
             ("train", "eval_every"),
             ("train", "checkpoint_every"),
-            ("launch", "max_restarts"),
             ("train", "stop_after"),
             ("data", "eval_windows"),
             ("optim", "warmup_steps"),
             ("optim", "weight_decay"),
             ("optim", "grad_clip"),
-            ("launch", "threads"),
-            ("launch", "node_rank"),
             ("launch", "shard_group"),
-            ("launch", "collective_timeout"),
         ]
     ]:
         _at_least(config, section, name, minimum)
@@ -130,14 +147,7 @@ def check_values(config: RunConfig) -> None:
             f"use at most {train.steps}, or 0 to run all steps",
         )
     _check_trace(config)
-    if launch.nnodes > 1:
-        host, _, port = launch.rdzv_endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(
-                field_label("launch", "rdzv_endpoint"),
-                f"{launch.rdzv_endpoint!r} is not host:port",
-                "give node 0's address and a free port, e.g. --rdzv-endpoint 10.0.0.1:29500",
-            )
+    check_launch(config)
     world = config.world_size
     # Under local SGD / DiLoCo the shard group is a replica, which may run DDP inside.
     ddp_alone = launch.strategy == "ddp" and not averaging(config)
@@ -149,12 +159,6 @@ def check_values(config: RunConfig) -> None:
         )
         fix = "use zero1, zero2 or zero3" if ddp_alone else "use a divisor"
         raise ConfigError(field_label("launch", "shard_group"), why, f"{fix}, or 0 for none")
-    if launch.node_rank >= launch.nnodes:
-        raise ConfigError(
-            field_label("launch", "node_rank"),
-            f"{launch.node_rank} is not below nnodes={launch.nnodes}",
-            f"use 0..{launch.nnodes - 1}",
-        )
     check_sync(config, check_model(config))  # reads an hf:DIR's config, nothing else
 
 

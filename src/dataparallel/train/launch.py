@@ -19,7 +19,8 @@ import os
 
 import dataparallel as dp
 
-from .config import RunConfig
+from ..runtime import ENV_CHECK_COLLECTIVES, ENV_COLLECTIVE_TIMEOUT
+from .config import LaunchConfig, RunConfig
 from .worker import ENV_LAUNCHER, ENV_RUN, encode_run
 
 WORKER_MODULE = "dataparallel.train.worker"
@@ -38,9 +39,9 @@ def fair_threads(nproc: int, cores: int | None = None) -> int:
     return max(1, (cores or available_cores()) // nproc)
 
 
-def torchrun_argv(config: RunConfig, port: int | None = None) -> list[str]:
-    """The arguments for torch.distributed.run that start this machine's workers."""
-    launch = config.launch
+def torchrun_argv(launch: LaunchConfig, entry: list[str], port: int | None = None) -> list[str]:
+    """The arguments for torch.distributed.run that start this machine's workers of `entry`
+    (["--module", NAME, ...] or [SCRIPT, ...args]), as `launch` says."""
     if launch.nnodes == 1:
         host, port = "127.0.0.1", port or dp.free_port()
     else:
@@ -53,16 +54,27 @@ def torchrun_argv(config: RunConfig, port: int | None = None) -> list[str]:
         f"--master-addr={host}",
         f"--master-port={port}",
         f"--max-restarts={launch.max_restarts}",  # [Note: restarts] in worker.py
-        "--module",
-        WORKER_MODULE,
+        *entry,
     ]
 
 
-def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
-    """Start this machine's workers for the (validated) `config`; return the exit status.
+def worker_environment(launch: LaunchConfig) -> dict[str, str]:
+    """What every worker finds in its environment: its threads ([Note: threads per worker]),
+    the watchdog's settings ([Note: launcher settings] in runtime.py), the launcher's pid."""
+    return {
+        "OMP_NUM_THREADS": str(launch.threads or fair_threads(launch.nproc)),
+        ENV_COLLECTIVE_TIMEOUT: repr(float(launch.collective_timeout)),
+        ENV_CHECK_COLLECTIVES: "1" if launch.check_collectives else "0",
+        ENV_LAUNCHER: str(os.getpid()),  # worker.die_with_launcher
+    }
 
-    The workers get the resolved config through the environment (ENV_RUN), so they need no
-    shared file system and train exactly what was checked here.
+
+def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | None = None) -> int:
+    """Run this machine's workers of `entry` under torch.distributed.run until they end; return
+    the exit status (0, 1 when a worker failed for good, 130 on Ctrl-C).
+
+    `env` is added to the workers' environment (with `worker_environment`); the workers of
+    `dataparallel train` get their resolved config there, so they need no shared file system.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -73,17 +85,26 @@ def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)  # each sets its own level
-    threads = config.launch.threads or fair_threads(config.launch.nproc)
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # [Note: threads per worker]
-    os.environ[ENV_RUN] = encode_run(config, resume, checkpoint)
-    os.environ[ENV_LAUNCHER] = str(os.getpid())  # worker.die_with_launcher
+    os.environ.update({**worker_environment(launch), **(env or {})})
     try:
-        run(parse_args(torchrun_argv(config)))
+        run(parse_args(torchrun_argv(launch, entry)))
     except ChildFailedError:
         # torch.distributed.run has printed which rank failed and its traceback.
         return 1
     except (KeyboardInterrupt, SignalException):
-        # Ctrl-C: torch.distributed.run passed the signal on to the workers, and rank 0 has
-        # said where the run stopped and how to resume it.
+        # Ctrl-C: torch.distributed.run passed the signal on to the workers (rank 0 of
+        # `dataparallel train` has said where the run stopped and how to resume it).
         return 130
     return 0
+
+
+def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
+    """Start this machine's workers of `dataparallel train` for the (validated) `config`."""
+    env = {ENV_RUN: encode_run(config, resume, checkpoint)}
+    return start_workers(config.launch, ["--module", WORKER_MODULE], env)
+
+
+def launch_script(launch: LaunchConfig, script: str, args: list[str]) -> int:
+    """`dataparallel launch`: run the user's `script` with `args` in each worker, as torchrun
+    would, with our threads, restarts, watchdog settings and per-attempt store (`dp.init()`)."""
+    return start_workers(launch, [script, *args])
