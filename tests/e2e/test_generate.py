@@ -188,7 +188,7 @@ def _direct_loss(llama: Path, data: Path, block: int) -> tuple[float, int]:
     tokenizer = HFTokenizer.load(llama)
     model = AutoModelForCausalLM.from_pretrained(llama).eval()
     ids: list[int] = []
-    for number, path in enumerate(sorted(data.iterdir())):
+    for number, path in enumerate(sorted(p for p in data.iterdir() if not p.name.startswith("."))):
         ids += ([tokenizer.eos_id] if number else []) + tokenizer.encode(path.read_text())
     total, count = 0.0, 0
     with torch.no_grad():

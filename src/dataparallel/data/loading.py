@@ -132,6 +132,19 @@ def load_datasets(
     return train, val, info
 
 
+def load_windows(
+    paths: list[str], tokenizer, block: int, *, world=None, token_dtype: str = "auto"
+) -> TokenWindows | PackedWindows:
+    """The windows of `block` targets of the whole data `paths` names (no split), every format
+    `load_datasets` reads, tokenized once and cached the same way (`dataparallel eval`)."""
+    files = data_files(paths)
+    if reads_bytes(files, tokenizer):
+        return TokenWindows(load_corpus(paths).tokens, block)
+    _, _, parts = tokenize_units(files, tokenizer, world, token_dtype)
+    stream = TokenStream(parts)
+    return PackedWindows(stream, 0, len(stream), block)
+
+
 def tokenize_units(files, tokenizer, world, token_dtype: str):
     """(units, their hashes, their (ids, mask) parts) of `files`, tokenized in parallel and
     cached ([Note: parallel tokenization], [Note: chunks] in units.py)."""

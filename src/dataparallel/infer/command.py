@@ -67,7 +67,11 @@ def add_eval_parser(commands) -> None:
     )
     _common(parser)
     parser.add_argument(
-        "--data", required=True, nargs="+", metavar="PATH", help="text files or folders"
+        "--data",
+        required=True,
+        nargs="+",
+        metavar="PATH",
+        help="text, JSONL, Parquet or token files, or folders (as train --data reads them)",
     )
     parser.add_argument(
         "--block", type=int, default=0, help="tokens per window (0: the model's context, <= 1024)"
@@ -140,13 +144,15 @@ def generate_job(args: argparse.Namespace):
 
 
 def eval_job(args: argparse.Namespace):
-    from ..data.corpus import user_files
+    from ..data.loading import data_files
     from .evaluate import EvalJob
 
-    try:
-        user_files(args.data)
+    try:  # the files and their formats; their records are read by the workers
+        data_files(args.data)
     except (OSError, ValueError) as error:
-        raise ConfigError("--data", str(error), "give text files or folders") from None
+        raise ConfigError(
+            "--data", str(error), "give text, JSONL, Parquet or token files, or folders"
+        ) from None
     _at_least("--block", args.block, 0)
     _at_least("--batch", args.batch, 1)
     if args.out:

@@ -19,7 +19,9 @@ from torch.nn import functional as F
 
 import dataparallel as dp
 
-from ..data.corpus import TokenWindows, user_files
+from ..data.loading import load_windows
+from ..data.packing import IGNORE
+from ..train.config import ConfigError
 from .loading import LoadedModel, logits
 from .ranks import reduce_numbers, strided_share
 
@@ -51,19 +53,15 @@ class Perplexity:
     windows: int
 
 
-def token_windows(paths: tuple[str, ...], tokenizer, block: int) -> TokenWindows:
-    """The windows of `block` targets of the data at `paths`, tokenized with `tokenizer`.
-
-    For now: text files (data/corpus.py's `user_files`), each encoded and joined with the
-    tokenizer's eos token between documents (none for bytes). The data formats of issue 24
-    (JSONL, Parquet, token files) will come through this one function.
-    """
-    ids: list[int] = []
-    for number, path in enumerate(user_files(list(paths))):
-        if number and tokenizer.eos_id is not None:
-            ids.append(tokenizer.eos_id)
-        ids += tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
-    return TokenWindows(torch.tensor(ids, dtype=torch.long), block)
+def token_windows(paths: tuple[str, ...], tokenizer, block: int, world=None):
+    """The windows of `block` targets of the data at `paths`, tokenized with `tokenizer`: every
+    format `dataparallel train --data` reads, through the same cache (data/loading.py)."""
+    try:
+        return load_windows(list(paths), tokenizer, block, world=world)
+    except (OSError, ValueError) as error:  # DataError is a ValueError: one line
+        raise ConfigError(
+            "--data", str(error), "give text, JSONL, Parquet or token files"
+        ) from None
 
 
 def window_size(loaded: LoadedModel, block: int) -> int:
@@ -74,7 +72,7 @@ def window_size(loaded: LoadedModel, block: int) -> int:
 @torch.no_grad()
 def evaluate(world: dp.World, loaded: LoadedModel, job: EvalJob) -> Perplexity:
     """The perplexity of `job`'s data, the same on every rank."""
-    windows = token_windows(job.paths, loaded.tokenizer, window_size(loaded, job.block))
+    windows = token_windows(job.paths, loaded.tokenizer, window_size(loaded, job.block), world)
     mine = list(strided_share(len(windows), world))
     longest = -(-len(windows) // world.world_size)
     loss_sum, tokens = 0.0, 0
@@ -83,11 +81,14 @@ def evaluate(world: dp.World, loaded: LoadedModel, job: EvalJob) -> Perplexity:
         inputs, targets = windows.batch(part or [0])  # [Note: forwards in step]
         scores = logits(loaded, inputs.to(_device(loaded))).float()
         losses = F.cross_entropy(
-            scores.flatten(0, 1), targets.flatten().to(scores.device), reduction="none"
+            scores.flatten(0, 1),
+            targets.flatten().to(scores.device),
+            ignore_index=IGNORE,  # prompt tokens of prompt/completion and chat data
+            reduction="none",
         )
         if part:
             loss_sum += float(losses.double().sum())
-            tokens += targets.numel()
+            tokens += int((targets != IGNORE).sum())
     total, count = reduce_numbers([loss_sum, tokens], world, what="eval sums")
     loss = total / max(count, 1)
     return Perplexity(loss=loss, perplexity=math.exp(loss), tokens=int(count), windows=len(windows))

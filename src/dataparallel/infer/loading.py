@@ -16,9 +16,12 @@ from pathlib import Path
 
 import torch
 
+import dataparallel as dp
+
 from ..checkpoint import read_weights_metadata
 from ..data.tokenizer import ByteTokenizer, HFTokenizer
 from ..models import MODEL_CONFIGS
+from ..models.hf import HFSource
 from ..train.config import ConfigError
 from ..train.sampling import load_trained_model, weights_path
 
@@ -72,16 +75,22 @@ def find_model(path: str | Path) -> ModelSource:
     )
 
 
-def load_model(source: ModelSource) -> LoadedModel:
-    """Load the model and tokenizer `source` names, in eval mode (ConfigError when unusable)."""
+def load_model(source: ModelSource, sharded: bool = False) -> LoadedModel:
+    """Load the model and tokenizer `source` names, in eval mode (ConfigError when unusable).
+
+    sharded: parallelize it with ZeRO-3 (collective: every rank calls it). A Hugging Face model
+    is then filled unit by unit as it is sharded (`dp.ZeRO3(materialize=...)`, models/hf.py),
+    so no rank ever holds all of it."""
     if source.kind == "gpt":
         try:
             model, metadata = load_trained_model(source.path)
         except Exception as error:  # not a safetensors file, or not one of ours
             raise ConfigError(FIELD, str(error), "give a run of dataparallel train") from None
         block = metadata.get("model_config", {}).get("block_size") or model.config.block_size
+        if sharded:
+            model = dp.parallelize(model, "zero3")
         return LoadedModel(model, ByteTokenizer(), "gpt", int(block), frozenset(), 0)
-    return _load_hf(source.path)
+    return _load_hf(source.path, sharded)
 
 
 def check_model(source: ModelSource) -> None:
@@ -124,14 +133,21 @@ def _hf_tokenizer(path: Path) -> tuple[dict, HFTokenizer]:
     return config, tokenizer
 
 
-def _load_hf(path: Path) -> LoadedModel:
+def _load_hf(path: Path, sharded: bool) -> LoadedModel:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per rank and per file otherwise
     config, tokenizer = _hf_tokenizer(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path)
+        if sharded:
+            hf_source = HFSource.open(path)
+            model = hf_source.build()
+            model.config.use_cache = True  # build() turns it off for training
+            fill = hf_source.materializer(model)
+            model = dp.parallelize(model, dp.ZeRO3(materialize=fill))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path)
     except Exception as error:  # noqa: BLE001 - not a causal LM, missing weights...
         raise ConfigError(
             FIELD, f"{path} is not a causal LM transformers can load ({error})", "check the export"

@@ -56,9 +56,7 @@ def run_job(command: str, source: ModelSource, strategy: str, job) -> None:
     loaded = None
     try:
         started = time.perf_counter()
-        loaded = load_model(source)
-        if strategy == "zero3":
-            loaded.model = dp.parallelize(loaded.model, "zero3")
+        loaded = load_model(source, sharded=strategy == "zero3")
         loaded_at = time.perf_counter()
         if command == "generate":
             texts = generate(world, loaded, job)

@@ -44,7 +44,9 @@ def main() -> None:
     checkpoint = out / "checkpoint.json"
     resumed_from = json.loads(checkpoint.read_text())["step"] if world.attempt else None
     if world.rank == args.crash_rank and world.attempt == 0:
-        time.sleep(1)  # let rank 0 write the checkpoint
+        deadline = time.monotonic() + 60  # let rank 0 write the checkpoint (a busy machine
+        while not checkpoint.exists() and time.monotonic() < deadline:  # may take a while)
+            time.sleep(0.05)
         raise SystemExit("crashing on purpose")
     if world.rank == 0 and world.attempt == 0:
         checkpoint.write_text(json.dumps({"step": 7}))
