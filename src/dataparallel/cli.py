@@ -13,7 +13,7 @@
 
 Every `train` flag is a field of the config (train/config.py; `--print-config` shows them all
 with their documentation); `launch`, `generate` and `eval` take its launcher flags (--nproc,
---nnodes, --max-restarts, --collective-timeout...; docs/workloads-launch.md). Bad input is reported on one line, `dataparallel train: error:
+--nnodes, --max-restarts, --collective-timeout...; docs/workloads.md). Bad input is reported on one line, `dataparallel train: error:
 <field>: <problem>; <fix>`, with exit status 2, before anything is started or written.
 """
 

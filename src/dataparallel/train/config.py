@@ -60,7 +60,7 @@ class DataConfig:
 
     paths: files or folders to train on (folders are searched recursively), each read by its
         extension: .jsonl and .parquet (records with "text", "prompt"/"completion" or chat
-        "messages"), .bin and .npy (token ids), anything else as text (docs/workloads-data.md);
+        "messages"), .bin and .npy (token ids), anything else as text (docs/workloads.md);
         empty means the built-in corpus, the .py sources of this Python's standard library.
     block_size: tokens (bytes) per training window, the context length; at most the model's
         block_size (128 for gpt-tiny, 256 for gpt-small and gpt-medium).

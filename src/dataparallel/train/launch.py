@@ -88,9 +88,12 @@ def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | 
     os.environ.update({**worker_environment(launch), **(env or {})})
     try:
         run(parse_args(torchrun_argv(launch, entry)))
-    except ChildFailedError:
-        # torch.distributed.run has printed which rank failed and its traceback.
-        return 1
+    except ChildFailedError as failed:
+        # torch.distributed.run has printed which rank failed and its traceback. Workers that
+        # all exited 2 found bad input together (data read by the workers, a checkpoint that
+        # does not fit): rank 0 has said which on one line, and the command exits 2 as well.
+        codes = {failure.exitcode for failure in failed.failures.values()}
+        return 2 if codes == {2} else 1
     except (KeyboardInterrupt, SignalException):
         # Ctrl-C: torch.distributed.run passed the signal on to the workers (rank 0 of
         # `dataparallel train` has said where the run stopped and how to resume it).
