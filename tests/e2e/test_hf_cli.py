@@ -184,3 +184,13 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(llama, tmp_path, caps
     assert main(["train", "--data", str(CORPUS), "--model", f"hf:{small}", "--init", "random"]) == 2
     err = capsys.readouterr().err
     assert "tokenizer has 384 tokens but the model's vocabulary only 100" in err, err
+
+
+def test_bf16_params_on_a_2x2_mesh_trains_close_to_fp32(llama, runs, tmp_path):
+    """ZeRO-3 over shard groups of 2 on 4 ranks (HSDP) with bf16 parameters and fp32 masters,
+    filled unit by unit: it trains as the fp32 run does, to bf16's precision."""
+    run = tmp_path / "run"
+    args = [*ARGS, "--model", f"hf:{llama}", "--strategy", "zero3", "--precision", "bf16-params"]
+    _check(train([*args, "--nproc", "4", "--batch", "2", "--shard-group", "2"], run))
+    ours, fp32 = curve(run)["val_loss"], curve(runs["zero3"])["val_loss"]
+    assert abs(ours[8] - fp32[8]) < 0.02 * fp32[8], (ours, fp32)
