@@ -26,6 +26,7 @@ from .api import (
     parallelize,
     refresh_params,
     strategy_of,
+    wire_bytes,
 )
 from .averaging import DiLoCo, LocalSGD
 from .comm import Tracer
@@ -56,6 +57,7 @@ __all__ = [
     "ZeRO3",
     "build_optimizer",
     "bytes_sent",
+    "wire_bytes",
     "clip_grad_norm_",
     "comm",
     "compose",

@@ -131,6 +131,13 @@ def bytes_sent(model: nn.Module) -> int:
     return sum(comm.total_bytes() for comm in strategy_of(model).comms())
 
 
+def wire_bytes(model: nn.Module) -> int:
+    """Bytes this rank has put on its links for the strategy's collectives so far, from each
+    collective's algorithm ([Note: bytes on the wire] in comm/wire.py). Take differences for a
+    step's bytes."""
+    return sum(comm.total_wire_bytes() for comm in strategy_of(model).comms())
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm across ranks and shards; return that norm."""
     return strategy_of(model).clip_grad_norm_(max_norm, norm_type)

@@ -97,6 +97,9 @@ class LocalSGD:
     def bytes_sent(self) -> int:
         return self.comm.total_bytes()
 
+    def wire_bytes(self) -> int:
+        return self.comm.total_wire_bytes()
+
     def state_tensors(self) -> list[torch.Tensor]:
         return []
 

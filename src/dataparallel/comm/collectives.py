@@ -16,6 +16,7 @@ import torch.distributed as dist
 from . import pairwise
 from .progress import PROGRESS, Progress, check_collective
 from .trace import Span, TracedWork, TraceEvent, Tracer
+from .wire import wire_bytes
 
 __all__ = ["Comm", "TraceEvent", "Tracer"]
 
@@ -27,8 +28,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class Comm:
     """Collectives on one process group, counting the bytes each kind of collective moved.
 
-    `bytes_sent[kind]` counts the payload handed to each collective (the tensor's size, not the
-    algorithm's wire traffic, which depends on the backend's ring or tree).
+    `bytes_sent[kind]` counts the payload handed to each collective (the tensor's size);
+    `wire_sent[kind]` what this rank put on its links for it, from the collective's algorithm
+    ([Note: bytes on the wire] in wire.py).
 
     pairwise: build reduce-scatter and all-gather of CPU tensors from point-to-point messages
         ([Note: pairwise collectives] in pairwise.py); None means yes on gloo, where they cost
@@ -61,6 +63,7 @@ class Comm:
         self._tag = 0  # exchanges so far, for the next tag ([Note: pairwise collectives])
         self._ranks: list[int] | None = None  # group rank -> global rank, for isend/irecv
         self.bytes_sent: Counter[str] = Counter()
+        self.wire_sent: Counter[str] = Counter()  # [Note: bytes on the wire] in wire.py
         self.calls: Counter[str] = Counter()
 
     def _run(self, kind: str, tensor: torch.Tensor, async_op: bool, call, how=None):
@@ -70,6 +73,7 @@ class Comm:
         mode's fingerprint."""
         size = tensor.numel() * tensor.element_size()
         self.bytes_sent[kind] += size
+        self.wire_sent[kind] += wire_bytes(kind, size, self.world_size)
         self.calls[kind] += 1
         tracer, progress = self.tracer, self.progress
         collective = progress.launch(self.group_name, kind, tracer.label)
@@ -187,6 +191,10 @@ class Comm:
         """Bytes handed to every kind of collective so far."""
         return sum(self.bytes_sent.values())
 
+    def total_wire_bytes(self) -> int:
+        """Bytes this rank put on its links so far ([Note: bytes on the wire] in wire.py)."""
+        return sum(self.wire_sent.values())
+
     def all_gather_object(self, obj) -> list:
         out: list = [None] * self.world_size
         progress = self.progress
@@ -219,6 +227,7 @@ class Comm:
 
     def reset_counters(self) -> None:
         self.bytes_sent.clear()
+        self.wire_sent.clear()
         self.calls.clear()
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..comm.wire import wire_fraction
 from .hardware import HardwareProfile
 
 # bandwidth factor per rank of X: how many X each rank sends in a ring
@@ -61,9 +62,11 @@ class Collective:
     every: int = 1
 
     def bytes_sent(self) -> float:
-        """Bytes one rank sends per step (the ring's count)."""
+        """Bytes one rank puts on the wire per step, as a run counts them ([Note: bytes on the
+        wire] in comm/wire.py; a gather's payload is one rank's part of `buffer_bytes`)."""
         k = self.group.size
-        return RING_FACTOR[self.kind] * (k - 1) / k * self.buffer_bytes / self.every
+        payload = self.buffer_bytes / k if self.kind == "all_gather" else self.buffer_bytes
+        return wire_fraction(self.kind, k) * payload / self.every
 
     def seconds(self, hw: HardwareProfile) -> float:
         """Seconds per step ([Note: collective cost])."""

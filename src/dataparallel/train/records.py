@@ -21,6 +21,8 @@ class StepRecord:
         rank (they do not count in `step`, nor move the LR schedule).
     bytes_sent: bytes this rank handed to the strategy's and the averager's collectives in this
         step (payload sizes; compression shrinks them).
+    wire_bytes: bytes this rank put on its links for them in this step, from each collective's
+        algorithm ([Note: bytes on the wire] in comm/wire.py): what crosses the network.
     """
 
     step: int
@@ -33,6 +35,7 @@ class StepRecord:
     loss_scale: float = 1.0
     skipped_steps: int = 0
     bytes_sent: int = 0
+    wire_bytes: int = 0
 
     @property
     def tokens_per_s(self) -> float:

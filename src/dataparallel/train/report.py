@@ -94,6 +94,10 @@ def summarize(run_dir: Path) -> dict:
         "bytes_sent_per_step": (
             sum(r.get("bytes_sent", 0) for r in train) / len(train) if train else 0.0
         ),
+        # what rank 0 put on the wire per step ([Note: bytes on the wire] in comm/wire.py)
+        "wire_bytes_per_step": (
+            sum(r.get("wire_bytes", 0) for r in train) / len(train) if train else 0.0
+        ),
         "train_time_s": sum(r["step_time_s"] for r in train),
         "eval_time_s": sum(r["eval_time_s"] for r in val),
         "info": info,
@@ -129,8 +133,8 @@ def summary_text(summary: dict, run_dir: Path) -> str:
     lines += [
         f"  speed     {format_count(summary['tokens_per_s_median'])} tokens/s (median), "
         f"{format_count(summary['tokens_seen'])} tokens trained on",
-        f"  traffic   {format_count(summary['bytes_sent_per_step'])}B sent per step by rank 0 "
-        f"(payload handed to collectives)",
+        f"  traffic   {format_count(summary['wire_bytes_per_step'])}B on the wire per step by "
+        f"rank 0 ({format_count(summary['bytes_sent_per_step'])}B handed to collectives)",
     ]
     plots = "loss.png, throughput.png"
     if summary.get("trace"):

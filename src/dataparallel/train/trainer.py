@@ -265,6 +265,7 @@ def train_step(state: TrainState) -> StepRecord:
     state.consecutive_skips = state.consecutive_skips + 1 if nonfinite else 0
     if trace.enabled:
         trace.add(Span("step", "step", started_ns, time.perf_counter_ns(), {"step": state.step}))
+    sent = _bytes_sent(state)
     return StepRecord(
         step=state.step,
         loss=total_loss / max(global_tokens, 1),
@@ -275,7 +276,8 @@ def train_step(state: TrainState) -> StepRecord:
         elapsed_s=0.0,
         loss_scale=scaler.get_scale() if scaler is not None else 1.0,
         skipped_steps=state.skipped_steps,
-        bytes_sent=_bytes_sent(state) - sent_before,
+        bytes_sent=sent[0] - sent_before[0],
+        wire_bytes=sent[1] - sent_before[1],
     )
 
 
@@ -312,10 +314,13 @@ def _clip_and_step(state: TrainState, total_loss: float) -> tuple[float, bool, b
     return grad_norm, skipped, nonfinite
 
 
-def _bytes_sent(state: TrainState) -> int:
-    """Bytes this rank has handed to the strategy's and the averager's collectives so far."""
-    averager = state.averager.bytes_sent() if state.averager is not None else 0
-    return dp.bytes_sent(state.model) + averager
+def _bytes_sent(state: TrainState) -> tuple[int, int]:
+    """(bytes handed to, bytes put on the wire by) this rank's strategy and averager so far
+    ([Note: bytes on the wire] in comm/wire.py)."""
+    averager = state.averager
+    payload = averager.bytes_sent() if averager is not None else 0
+    wire = averager.wire_bytes() if averager is not None else 0
+    return dp.bytes_sent(state.model) + payload, dp.wire_bytes(state.model) + wire
 
 
 @torch.no_grad()
