@@ -18,6 +18,18 @@ wherever the inner strategy shards. Exactness anchors (tests/dist/test_averaging
 with every=1 and plain SGD equals DDP; DiLoCo with every=1 and an outer SGD of lr 1 without
 momentum equals local SGD with every=1.
 
+[Note: streaming DiLoCo] Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512) spreads
+DiLoCo's outer step over time: the held tensors are split into F fragments of about equal size
+(consecutive tensors, `split_fragments`), and fragment p has its outer step at the steps s with
+(s + p H / F) mod H = 0, so each is synchronised every H steps and one of them every H / F
+steps: the link carries 1/F of the model at a time, and the peak bandwidth falls F-fold. With
+`overlap` tau > 0 the fragment's all-reduce is started asynchronously and applied tau inner
+steps later, hidden behind their compute; the fragment then continues from alpha x its local
+values (which moved during those steps) + (1 - alpha) x the outer step's result (`mix`). The
+outer optimizer keeps one state per anchor, and a fragment's step moves only its anchors. Outer
+gradients may travel in 4 bits with error feedback (`compress="int4"`). Exactness anchor
+(tests/dist/test_streaming.py): F = 1, tau = 0 is DiLoCo, bit for bit.
+
     mesh = dp.init_mesh(ranks_per_host)                     # replicas = hosts
     dp.parallelize(model, "zero2", group=mesh.shard_group)  # exact inside a host
     optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-3)
@@ -115,13 +127,21 @@ class LocalSGD:
 
 
 class DiLoCo(LocalSGD):
-    """DiLoCo's outer step every `every` steps ([Note: averaging]).
+    """DiLoCo's outer step every `every` steps ([Note: averaging]), streamed by fragments
+    ([Note: streaming DiLoCo]).
 
     model, optimizer, every, group, tracer: as for LocalSGD.
     outer_optimizer: builds the outer optimizer from a list of tensors (any torch.optim class,
         e.g. `partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`, the default).
-    compress: how outer gradients travel: None (fp32), "bf16", "int8" or "fp8" (the last two
-        with per-block scales and error feedback, compression/quantize.py).
+    compress: how outer gradients travel: None (fp32), "bf16", "int8", "fp8" or "int4" (the
+        last three with per-block scales and error feedback, compression/quantize.py).
+    fragments: F, the parts of the model synchronised in turn, each every `every` steps and
+        staggered by every / F steps (F must divide `every`); 1 is DiLoCo itself.
+    overlap: tau, inner steps a fragment's outer all-reduce runs behind before it is applied
+        (0: applied at once; below every / F, so one reduction is in flight at a time).
+    mix: alpha, with overlap > 0: the fragment continues from alpha x its local values +
+        (1 - alpha) x the outer step's result (the inner steps taken meanwhile are kept in
+        part); with overlap 0 it takes the outer result (there are no such steps).
     """
 
     name = "diloco"
@@ -135,39 +155,89 @@ class DiLoCo(LocalSGD):
         outer_optimizer: Callable | None = None,
         compress: str | None = None,
         tracer=None,
+        *,
+        fragments: int = 1,
+        overlap: int = 0,
+        mix: float = 0.5,
     ):
-        if compress not in (None, "bf16", "int8", "fp8"):
-            raise ValueError(f"diloco: compress={compress!r} must be None, 'bf16', 'int8' or 'fp8'")
+        if compress not in OUTER_FORMATS:
+            raise ValueError(
+                f"diloco: compress={compress!r} must be None, 'bf16', 'int8', 'fp8' or 'int4'"
+            )
+        check_streaming(every, fragments, overlap, mix)
         super().__init__(model, optimizer, every, group, tracer)
-        self.compress = compress
-        self.quantize = Quantize(compress) if compress in ("int8", "fp8") else None
+        self.compress, self.fragments, self.overlap, self.mix = compress, fragments, overlap, mix
+        self.quantize = Quantize(compress) if compress in ("int8", "fp8", "int4") else None
         # The anchors are fp32 copies of what this rank holds (sharded where that is).
         self.anchors = [t.detach().float().clone().requires_grad_(True) for t in self.tensors]
         build = outer_optimizer or partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
         self.outer = build(self.anchors)
+        self.parts = split_fragments([t.numel() for t in self.tensors], fragments)
+        self.pending: tuple[int, int, object] | None = None  # (fragment, due step, reduction)
 
-    def _synchronise(self) -> None:
-        moved = [a.detach() - t.float() for a, t in zip(self.anchors, self.tensors, strict=True)]
+    def step(self) -> bool:
+        """Call after each optimizer step; True when a fragment started or finished its outer
+        step here ([Note: streaming DiLoCo])."""
+        self.steps += 1
+        due = self.pending is not None and self.pending[1] == self.steps
+        starting = [p for p in range(self.fragments) if self._starts(p, self.steps)]
+        if not due and not starting:
+            return False
+        finish_param_gather(self.model)
+        with torch.no_grad():
+            if due:
+                self._finish()
+            for fragment in starting:
+                self._start(fragment)
+                if self.overlap == 0:
+                    self._finish()
+        refresh_params(self.model)
+        return True
+
+    def _starts(self, fragment: int, step: int) -> bool:
+        return (step + fragment * (self.every // self.fragments)) % self.every == 0
+
+    def _start(self, fragment: int) -> None:
+        """All-reduce the fragment's outer gradient, the replicas' mean movement since its
+        anchor (asynchronously: it is applied `overlap` steps later)."""
+        part = self.parts[fragment]
+        moved = [self.anchors[i].detach() - self.tensors[i].float() for i in part]
         flat = _flatten(moved).div_(self.comm.world_size)  # the mean, summed below
-        if self.comm.world_size > 1:
-            flat = self._all_reduce(flat)
-        _unflatten(flat, moved)
-        for anchor, grad in zip(self.anchors, moved, strict=True):
-            anchor.grad = grad
-        self.outer.step()
-        self.outer.zero_grad(set_to_none=True)
-        for anchor, tensor in zip(self.anchors, self.tensors, strict=True):
-            tensor.copy_(anchor.detach())
+        key = "outer" if self.fragments == 1 else f"outer{fragment}"  # its own residual
+        self.pending = (fragment, self.steps + self.overlap, self._all_reduce(flat, key))
 
-    def _all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
+    def _finish(self) -> None:
+        """Apply the reduced outer gradient: the outer step on the fragment's anchors, then
+        the fragment continues from the result (mixed with its local values under overlap)."""
+        fragment, _, reduction = self.pending
+        self.pending = None
+        flat = reduction.wait() if hasattr(reduction, "wait") else reduction
+        part = self.parts[fragment]
+        grads = [torch.empty_like(self.anchors[i]) for i in part]
+        _unflatten(flat, grads)
+        for i, grad in zip(part, grads, strict=True):
+            self.anchors[i].grad = grad
+        self.outer.step()  # only the fragment's anchors have a gradient: only they move
+        self.outer.zero_grad(set_to_none=True)
+        for i in part:
+            anchor, tensor = self.anchors[i].detach(), self.tensors[i]
+            if self.overlap:
+                tensor.mul_(self.mix).add_(anchor.to(tensor.dtype), alpha=1 - self.mix)
+            else:
+                tensor.copy_(anchor)
+
+    def _all_reduce(self, flat: torch.Tensor, key: str):
+        """The sum of `flat` over the replicas: a tensor, or a future of one (in flight)."""
+        if self.comm.world_size == 1:
+            return flat
         if self.quantize is not None:
-            return self.quantize.reduce(self.comm, "outer", flat, None).wait()
+            return self.quantize.reduce(self.comm, key, flat, None)
         if self.compress == "bf16":
             low = flat.to(torch.bfloat16)
-            self.comm.all_reduce(low)
-            return low.float()
-        self.comm.all_reduce(flat)
-        return flat
+            work = self.comm.all_reduce(low, async_op=True)
+            return _Reduced(work, lambda: low.float())
+        work = self.comm.all_reduce(flat, async_op=True)
+        return _Reduced(work, lambda: flat)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The anchor, the outer optimizer's state and the outer residual (this rank's)."""
@@ -176,9 +246,23 @@ class DiLoCo(LocalSGD):
         return [a.detach() for a in self.anchors] + state + residual
 
     def state_dict(self) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        """As LocalSGD's; a reduction in flight is waited for and kept as "pending" entries of
+        its fragment's tensors (the same on every replica), applied when it falls due."""
+        pending = {}
+        if self.pending is not None:
+            fragment, due, reduction = self.pending
+            flat = reduction.wait() if hasattr(reduction, "wait") else reduction
+            self.pending = (fragment, due, flat)
+            values = [torch.empty_like(self.anchors[i]) for i in self.parts[fragment]]
+            _unflatten(flat, values)
+            pending = dict(zip(self.parts[fragment], values, strict=True))
         shared = [
-            {"anchor": anchor.detach(), **self.outer.state.get(anchor, {})}
-            for anchor in self.anchors
+            {
+                "anchor": anchor.detach(),
+                **self.outer.state.get(anchor, {}),
+                **({"pending": pending[i]} if i in pending else {}),
+            }
+            for i, anchor in enumerate(self.anchors)
         ]
         local = keyed_tensors(self.quantize.stores()) if self.quantize is not None else {}
         return shared, local
@@ -186,14 +270,69 @@ class DiLoCo(LocalSGD):
     @torch.no_grad()
     def load_state_dict(self, steps: int, shared: list[dict], local: dict) -> None:
         super().load_state_dict(steps, shared, local)
-        for anchor, entries in zip(self.anchors, shared, strict=True):
+        pending = {}
+        for i, (anchor, entries) in enumerate(zip(self.anchors, shared, strict=True)):
             for key, value in entries.items():
                 if key == "anchor":
                     anchor.copy_(value.view_as(anchor))
+                elif key == "pending":
+                    pending[i] = value.view_as(anchor).clone()
                 else:
                     self.outer.state[anchor][key] = value.view_as(anchor).clone()
+        self.pending = None
+        if pending:  # the fragment whose reduction was in flight, due `overlap` after its start
+            fragment = next(p for p, part in enumerate(self.parts) if part and part[0] in pending)
+            started = max(s for s in range(steps + 1) if s and self._starts(fragment, s))
+            flat = _flatten([pending[i] for i in self.parts[fragment]])
+            self.pending = (fragment, started + self.overlap, flat)
         if self.quantize is not None:
             load_keyed_tensors(self.quantize.stores(), local)
+
+
+OUTER_FORMATS = (None, "bf16", "int8", "fp8", "int4")
+
+
+def check_streaming(every: int, fragments: int, overlap: int, mix: float) -> None:
+    """The streaming fields, against each other (ValueError naming the field)."""
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+        raise ValueError(f"diloco: fragments={fragments!r} must be an integer >= 1")
+    if isinstance(every, int) and every % fragments:
+        raise ValueError(
+            f"diloco: fragments={fragments} must divide every={every} (each fragment is "
+            "synchronised every `every` steps, staggered by every / fragments)"
+        )
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
+        raise ValueError(f"diloco: overlap={overlap!r} must be an integer >= 0")
+    if isinstance(every, int) and overlap and overlap >= every // fragments:
+        raise ValueError(
+            f"diloco: overlap={overlap} must be below every / fragments = "
+            f"{every // fragments} (one outer reduction in flight at a time)"
+        )
+    if not 0.0 <= mix <= 1.0:
+        raise ValueError(f"diloco: mix={mix} must be in [0, 1]")
+
+
+def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
+    """Positions of `sizes` in `fragments` consecutive runs of about equal total size (each
+    tensor whole, in order; a fragment may be empty when there are fewer tensors)."""
+    total, parts, acc = sum(sizes), [[] for _ in range(fragments)], 0
+    for i, size in enumerate(sizes):
+        # the fragment in whose equal share of the total this tensor's middle falls
+        fragment = min(fragments - 1, int((acc + size / 2) * fragments / max(total, 1)))
+        parts[fragment].append(i)
+        acc += size
+    return parts
+
+
+class _Reduced:
+    """An async collective and what its result is once waited for."""
+
+    def __init__(self, work, result: Callable[[], torch.Tensor]):
+        self.work, self.result = work, result
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.result()
 
 
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .api import build_optimizer, parallelize
-from .averaging import DiLoCo, LocalSGD
+from .averaging import DiLoCo, LocalSGD, check_streaming
 from .comm import Tracer
 from .compression import build_hook
 from .strategies import POLICIES, Mesh, MixedPrecision, init_mesh, resolve_policy
@@ -45,7 +45,7 @@ PRECISIONS: dict[str, tuple] = {
     "bf16-params": (MixedPrecision(param_dtype=torch.bfloat16), None, False),
     "fp16": (MixedPrecision(param_dtype=torch.float16), None, True),
 }
-OUTER_COMPRESS = ("", "bf16", "int8", "fp8")
+OUTER_COMPRESS = ("", "bf16", "int8", "fp8", "int4")
 STRATEGIES = tuple(POLICIES)
 
 
@@ -66,7 +66,10 @@ class Recipe:
     local_sgd: average the replicas' parameters every H optimizer steps (0: off).
     diloco: DiLoCo every H optimizer steps (0: off), with an outer Nesterov SGD of
         `outer_lr` and `outer_momentum` (0: plain SGD).
-    outer_compress: DiLoCo's outer gradients on the wire: "", "bf16", "int8" or "fp8".
+    outer_compress: DiLoCo's outer gradients on the wire: "", "bf16", "int8", "fp8" or "int4".
+    fragments, overlap, mix: Streaming DiLoCo ([Note: streaming DiLoCo] in averaging.py): F
+        fragments synchronised in turn, each outer all-reduce applied `overlap` inner steps
+        later, the fragment then mixed as mix x local + (1 - mix) x the outer result.
     """
 
     strategy: object = "ddp"
@@ -78,6 +81,9 @@ class Recipe:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_compress: str = ""
+    fragments: int = 1
+    overlap: int = 0
+    mix: float = 0.5
 
     def __post_init__(self):
         if isinstance(self.strategy, str) and self.strategy not in POLICIES:
@@ -102,6 +108,13 @@ class Recipe:
             _bad("outer_compress", f"{self.outer_compress!r} is unknown", f"choose one of {OUTER_COMPRESS}")  # fmt: skip
         if self.outer_compress and not self.diloco:
             _bad("outer_compress", "only DiLoCo has outer gradients", "set diloco, or drop it")
+        if (self.fragments != 1 or self.overlap) and not self.diloco:
+            _bad("fragments", "only DiLoCo streams fragments", "set diloco, or drop them")
+        if self.diloco:
+            try:
+                check_streaming(self.diloco, self.fragments, self.overlap, self.mix)
+            except ValueError as error:
+                _bad("fragments", str(error).removeprefix("diloco: "), "see docs/compression.md")
 
     @property
     def averaging(self) -> bool:
@@ -205,4 +218,7 @@ def _averager(recipe: Recipe, model, optimizer, group, tracer):
         outer_optimizer=outer,
         compress=compress,
         tracer=tracer,
+        fragments=recipe.fragments,
+        overlap=recipe.overlap,
+        mix=recipe.mix,
     )

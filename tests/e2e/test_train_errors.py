@@ -242,6 +242,21 @@ CASES = {
         None,
         ["--outer-momentum (sync.outer_momentum)", "outside [0, 1)"],
     ),
+    "fragments that do not divide H": (
+        ["--diloco", "8", "--fragments", "3"],
+        None,
+        ["--fragments (sync.fragments)", "fragments=3 must divide every=8"],
+    ),
+    "fragments without DiLoCo": (
+        ["--fragments", "2"],
+        None,
+        ["--fragments (sync.fragments)", "only DiLoCo streams fragments"],
+    ),
+    "an overlap as long as a fragment's turn": (
+        ["--diloco", "8", "--fragments", "2", "--overlap", "4"],
+        None,
+        ["--overlap (sync.overlap)", "must be below every / fragments = 4"],
+    ),
     "resume of a directory without a run": (
         [],
         lambda tmp: ["--resume", str(tmp)],

@@ -108,7 +108,7 @@ def test_spec_parsing():
         (lambda: TopK(1.5), "topk: ratio=1.5 must be in (0, 1]"),
         (lambda: TopK(0.1, momentum=1.0), "topk: momentum=1.0 must be in [0, 1)"),
         (lambda: PowerSGD(rank=0), "powersgd: rank=0 must be an integer >= 1"),
-        (lambda: Quantize("int4"), "quantize: kind='int4' must be one of int8, fp8"),
+        (lambda: Quantize("int2"), "quantize: kind='int2' must be one of int8, fp8, int4"),
         (lambda: Quantize("int8", block=6), "quantize: block=6 must be a multiple of 4"),
         (lambda: CompressedHook(TopK(0.1), start=-1), "topk: start=-1 must be an integer >= 0"),
         (lambda: parse_spec("topk:ratio=abc"), "topk: ratio='abc' is not a float"),
@@ -123,8 +123,8 @@ def test_spec_parsing():
             "local-sgd: every=0 must be an integer >= 1",
         ),
         (
-            lambda: dp.DiLoCo(torch.nn.Linear(2, 2), None, 5, compress="int4"),
-            "diloco: compress='int4' must be None, 'bf16', 'int8' or 'fp8'",
+            lambda: dp.DiLoCo(torch.nn.Linear(2, 2), None, 5, compress="int2"),
+            "diloco: compress='int2' must be None, 'bf16', 'int8', 'fp8' or 'int4'",
         ),
     ],
 )

@@ -1,4 +1,10 @@
-"""int8 and fp8 quantisation with per-block scales, reduced as a quantised reduce-scatter.
+"""int8, fp8 and int4 quantisation with per-block scales, reduced as a quantised reduce-scatter.
+
+[Note: 4-bit values] int4 keeps integers in [-7, 7] (scale absmax / 7, rounded to nearest),
+stored offset by 8 as nibbles, two entries to a byte (entry 2i in the low nibble, 2i + 1 in
+the high one): about n x (1/2 + 4 / block) bytes, an eighth of fp32. Streaming DiLoCo sends
+its outer gradients so (arXiv 2501.18512 uses 4-bit E3M0 floats; integers with a per-block
+scale and error feedback are what the rest of this module does).
 
 [Note: quantised reduction] The pattern of ZeRO++'s qgZ and torchft's quantised all-reduce:
 1. each rank quantises its (corrected) buffer, split into W chunks, one per rank, with one fp32
@@ -26,13 +32,14 @@ from .feedback import ErrorFeedback
 FORMATS = {  # name -> (storage dtype, largest magnitude it holds)
     "int8": (torch.int8, 127.0),
     "fp8": (torch.float8_e4m3fn, 448.0),
+    "int4": (torch.int8, 7.0),  # [Note: 4-bit values]: two to a byte
 }
 
 
 class Quantize:
-    """Blockwise int8 or fp8 quantisation with error feedback.
+    """Blockwise int8, fp8 or int4 quantisation with error feedback.
 
-    kind: "int8" or "fp8" (torch.float8_e4m3fn).
+    kind: "int8", "fp8" (torch.float8_e4m3fn) or "int4" ([Note: 4-bit values]).
     block: entries sharing one fp32 scale, a multiple of 4.
     """
 
@@ -57,21 +64,23 @@ class Quantize:
             quantised = scaled.round_().clamp_(-self.limit, self.limit).to(torch.int8)
         else:
             quantised = scaled.clamp_(-self.limit, self.limit).to(self.dtype)
-        packed = torch.cat(
-            [
-                scales.reshape(rows.shape[0], -1).view(torch.uint8),
-                quantised.reshape(rows.shape[0], -1).view(torch.uint8),
-            ],
-            dim=1,
-        )
-        return packed
+        values = quantised.reshape(rows.shape[0], -1).view(torch.uint8)
+        if self.kind == "int4":  # [Note: 4-bit values]
+            values = ((values[:, 0::2] + 8) & 15) | (((values[:, 1::2] + 8) & 15) << 4)
+        return torch.cat([scales.reshape(rows.shape[0], -1).view(torch.uint8), values], dim=1)
 
     def dequantize(self, packed: torch.Tensor) -> torch.Tensor:
-        """Packed bytes (R, 4c/block + c) back to fp32 rows (R, c)."""
-        c = packed.shape[1] * self.block // (self.block + 4)
+        """Packed bytes (R, 4c/block + c, or + c/2 for int4) back to fp32 rows (R, c)."""
+        per_entry = 0.5 if self.kind == "int4" else 1.0
+        c = round(packed.shape[1] / (4 / self.block + per_entry))
         nblocks = c // self.block
         scales = packed[:, : 4 * nblocks].contiguous().view(torch.float32)
-        values = packed[:, 4 * nblocks :].contiguous().view(self.dtype).float()
+        raw = packed[:, 4 * nblocks :].contiguous()
+        if self.kind == "int4":
+            low, high = (raw & 15).to(torch.int8) - 8, (raw >> 4).to(torch.int8) - 8
+            values = torch.stack([low, high], dim=2).reshape(raw.shape[0], -1).float()
+        else:
+            values = raw.view(self.dtype).float()
         return (values.view(-1, nblocks, self.block) * scales.unsqueeze(2)).view(-1, c)
 
     def round_trip(self, key, rows: torch.Tensor) -> torch.Tensor:

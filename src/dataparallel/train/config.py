@@ -214,7 +214,13 @@ class SyncConfig:
     outer_lr: DiLoCo's outer learning rate (0.7 in the DiLoCo paper).
     outer_momentum: DiLoCo's outer Nesterov momentum (0.9 in the paper); 0: plain SGD.
     outer_compress: how DiLoCo's outer gradients travel: "" (fp32), "bf16", or "int8" / "fp8"
-        (with error feedback).
+        / "int4" (with error feedback).
+    fragments: Streaming DiLoCo: the model in this many fragments, each synchronised every
+        --diloco H steps, staggered by H / fragments steps (it must divide H); 1: DiLoCo.
+    overlap: Streaming DiLoCo: inner steps a fragment's outer all-reduce runs behind before
+        it is applied (below H / fragments); 0: at once.
+    mix: Streaming DiLoCo with --overlap: the fragment continues from mix x its local values
+        + (1 - mix) x the outer step's result (0.5 in the paper).
     """
 
     compress: str = ""
@@ -223,6 +229,9 @@ class SyncConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_compress: str = ""
+    fragments: int = 1
+    overlap: int = 0
+    mix: float = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ import torch
 
 import dataparallel as dp
 
+from ..averaging import check_streaming
 from ..compression import SPEC_HELP, PowerSGD, build_hook, parse_spec
 from .config import ConfigError, RunConfig, field_label
 
@@ -45,7 +46,7 @@ def check_sync(config: RunConfig, model_shapes: list[torch.Size] | None = None) 
         raise ConfigError(
             field_label("sync", "outer_compress"),
             f"unknown value {sync.outer_compress!r}",
-            "choose bf16, int8, fp8 or leave it empty",
+            "choose bf16, int8, fp8, int4 or leave it empty",
         )
     if sync.outer_compress and not sync.diloco:
         raise ConfigError(
@@ -53,6 +54,7 @@ def check_sync(config: RunConfig, model_shapes: list[torch.Size] | None = None) 
             "only DiLoCo has outer gradients",
             "add --diloco H, or drop --outer-compress",
         )
+    _check_streaming(sync)
     if not sync.compress:
         return
     label = field_label("sync", "compress")
@@ -87,3 +89,42 @@ def check_sync(config: RunConfig, model_shapes: list[torch.Size] | None = None) 
 
 def averaging(config: RunConfig) -> bool:
     return bool(config.sync.local_sgd or config.sync.diloco)
+
+
+def _check_streaming(sync) -> None:
+    """--fragments, --overlap and --mix against --diloco ([Note: streaming DiLoCo])."""
+    if not sync.diloco:
+        for name, off in (("fragments", 1), ("overlap", 0)):
+            if getattr(sync, name) != off:
+                raise ConfigError(
+                    field_label("sync", name),
+                    "only DiLoCo streams fragments",
+                    f"add --diloco H, or drop --{name}",
+                )
+        return
+    try:
+        check_streaming(sync.diloco, sync.fragments, sync.overlap, sync.mix)
+    except ValueError as error:
+        text = str(error).removeprefix("diloco: ")
+        name = text.split("=", 1)[0]  # the field the message starts with
+        raise ConfigError(field_label("sync", name), text, "see docs/compression.md") from None
+
+
+def recipe_of(config: RunConfig, strategy) -> dp.Recipe:
+    """What `dp.compose` is given for this run ([Note: composition]): the [sync] section, the
+    precision and the mesh; `strategy` is the config's name or the policy the model needs."""
+    sync = config.sync
+    return dp.Recipe(
+        strategy=strategy,
+        shard_size=config.launch.shard_group,
+        precision=config.train.precision,
+        compress=sync.compress,
+        local_sgd=sync.local_sgd,
+        diloco=sync.diloco,
+        outer_lr=sync.outer_lr,
+        outer_momentum=sync.outer_momentum,
+        outer_compress=sync.outer_compress,
+        fragments=sync.fragments,
+        overlap=sync.overlap,
+        mix=sync.mix,
+    )

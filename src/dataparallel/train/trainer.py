@@ -40,6 +40,7 @@ from .config import RunConfig
 from .model_source import BuiltModel, build_for_run, run_tokenizer
 from .records import EvalRecord, StepRecord
 from .schedule import WarmupCosine, scaled_lr
+from .sync import recipe_of
 
 
 @dataclass(kw_only=True)
@@ -132,18 +133,7 @@ def setup(
     else:
         built = BuiltModel(model.to(world.device), launch.strategy, None, type(model).__name__)
     model, model_name = built.model, built.name
-    sync = config.sync
-    recipe = dp.Recipe(
-        strategy=built.strategy,
-        shard_size=launch.shard_group,
-        precision=config.train.precision,
-        compress=sync.compress,
-        local_sgd=sync.local_sgd,
-        diloco=sync.diloco,
-        outer_lr=sync.outer_lr,
-        outer_momentum=sync.outer_momentum,
-        outer_compress=sync.outer_compress,
-    )
+    recipe = recipe_of(config, built.strategy)  # the CLI's flags as a dp.Recipe
     optim = config.optim
     peak_lr = scaled_lr(
         optim.lr,
