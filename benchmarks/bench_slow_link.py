@@ -40,6 +40,30 @@ CONFIGS = {  # name -> dataparallel train flags
     "diloco": ["--diloco", "50"],  # fp32 outer gradients, as the torchft peer sends them
     "local-sgd-h10": ["--local-sgd", "10"],
     "diloco-int8-h10": ["--diloco", "10", "--outer-compress", "int8"],
+    "diloco-h20": ["--diloco", "20"],
+    # Streaming DiLoCo ([Note: streaming DiLoCo]): 4 fragments in turn, each all-reduce
+    # behind one inner step, 4-bit outer gradients with error feedback.
+    "streaming-h20": [
+        "--diloco",
+        "20",
+        "--fragments",
+        "4",
+        "--overlap",
+        "1",
+        "--outer-compress",
+        "int4",
+    ],
+    "streaming-h20-fp32": ["--diloco", "20", "--fragments", "4", "--overlap", "1"],
+    "streaming": [
+        "--diloco",
+        "50",
+        "--fragments",
+        "5",
+        "--overlap",
+        "1",
+        "--outer-compress",
+        "int4",
+    ],
     "peer-powersgd": None,  # PyTorch DDP + powerSGD_hook
     "peer-torchft-diloco": None,  # torchft's DiLoCo, H = 50, fp32 outer gradients
 }
@@ -49,8 +73,12 @@ EXTRA = (
     "diloco-int8-h10",
     "diloco",
     "peer-torchft-diloco",
+    "diloco-h20",
+    "streaming-h20",
+    "streaming-h20-fp32",
 )  # run only when named in --only
-COMMON = ["--model", "gpt-small", "--eval-every", "0", "--threads", "1", "--warmup-steps", "30"]
+MODEL = ["gpt-small"]  # --model
+COMMON = ["--eval-every", "0", "--threads", "1", "--warmup-steps", "30"]
 
 
 def summarize(out: Path) -> dict:
@@ -61,13 +89,15 @@ def summarize(out: Path) -> dict:
         "train_time_s": sum(r["step_time_s"] for r in train),
         "step_time_median_s": statistics.median(r["step_time_s"] for r in train[2:]),
         "bytes_per_step": sum(r["bytes_sent"] for r in train) / len(train),
+        # what crosses the link ([Note: bytes on the wire] in comm/wire.py)
+        "wire_per_step": sum(r.get("wire_bytes", r["bytes_sent"]) for r in train) / len(train),
         "val_loss": val[-1]["val_loss"],
         "tokens": sum(r["tokens"] for r in train),
     }
 
 
 def run_ours(name: str, steps: int, out: Path, rate: str | None, loopback: bool) -> dict:
-    args = [*COMMON, "--steps", str(steps), *CONFIGS[name]]
+    args = [*COMMON, "--model", MODEL[0], "--steps", str(steps), *CONFIGS[name]]
     if loopback:
         cmd = [sys.executable, "-m", "dataparallel.cli", "train", "--nproc", "2", "--out", str(out)]
         result = subprocess.run([*cmd, *args], capture_output=True, text=True)
@@ -144,16 +174,23 @@ def table(results: dict, rate: str) -> str:
     bound = results.get("bound")
     ddp = results.get("ddp")
     lines = [
-        f"| {rate} | wall time of steps | step (median) | throughput / bound | bytes/step "
-        "| val loss | vs DDP |",
-        "|---|--:|--:|--:|--:|--:|--:|",
+        f"| {rate} | wall time of steps | step (median) | throughput / bound | on the wire/step "
+        "| handed/step | wire vs DDP | val loss | vs DDP |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for name, r in results.items():
         ratio = bound["step_time_median_s"] / r["step_time_median_s"] if bound else float("nan")
         versus = f"{r['val_loss'] / ddp['val_loss'] - 1:+.1%}" if ddp else "-"
+        wire = r.get("wire_per_step", r["bytes_per_step"])
+        fewer = (
+            f"{ddp.get('wire_per_step', ddp['bytes_per_step']) / wire:.0f}x fewer"
+            if ddp and wire
+            else "-"
+        )
         lines.append(
             f"| {name} | {r['train_time_s']:.0f} s | {r['step_time_median_s'] * 1000:.0f} ms | "
-            f"{ratio:.2f}x | {r['bytes_per_step'] / 1e6:.2f} MB | {r['val_loss']:.4f} | {versus} |"
+            f"{ratio:.2f}x | {wire / 1e6:.3f} MB | {r['bytes_per_step'] / 1e6:.3f} MB | {fewer} | "
+            f"{r['val_loss']:.4f} | {versus} |"
         )
     return "\n".join(lines)
 
@@ -163,6 +200,7 @@ def main() -> int:
     parser.add_argument("--rate", default="100mbit", help="tc tbf rate; 'none' for unshaped")
     parser.add_argument("--loopback", action="store_true", help="2 ranks on 127.0.0.1 instead")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--model", default="gpt-small", help="the built-in model to train")
     parser.add_argument(
         "--only",
         default=",".join(c for c in CONFIGS if c not in EXTRA),
@@ -170,6 +208,7 @@ def main() -> int:
     )
     parser.add_argument("--out", default=f"runs/slow-link-{int(time.time())}")
     args = parser.parse_args()
+    MODEL[0] = args.model
     if not args.loopback:
         reason = two_hosts.available()
         if reason:
