@@ -94,6 +94,13 @@ def test_lora_keeps_the_base_and_exports_merged_weights(llama, tmp_path):
     ).eval()
     x = torch.randint(0, merged.config.vocab_size, (2, 16))
     assert (merged(x).logits - with_adapter(x).logits).abs().max().item() < 1e-5
+    # Interrupted at step 4 and resumed, it ends on the same adapters and base.
+    again = tmp_path / "again"
+    args = [*ARGS, "--model", f"hf:{llama}", "--strategy", "zero2", "--lora", lora]
+    _check(train([*args, "--stop-after", "4"], again))
+    _check(train(["--resume", str(again)], again))
+    resumed = load_file(again / "model.safetensors")
+    assert all(torch.equal(resumed[k], trained[k]) for k in trained)
 
 
 def test_random_init_starts_from_the_config_alone(llama, tmp_path):
