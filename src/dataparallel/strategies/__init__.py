@@ -4,7 +4,7 @@ from .base import Strategy
 from .ddp import DDP, DDPStrategy
 from .fsdp import ZeRO3, ZeRO3Strategy
 from .parts.geometry import SCALAR_STATE_KEYS, Geometry, HeldPiece, elementwise
-from .parts.mesh import Groups, Mesh, init_mesh
+from .parts.mesh import Groups, Mesh, as_mesh, init_mesh
 from .parts.precision import MixedPrecision
 from .resolve import POLICIES, apply_policy, resolve_policy
 from .zero import ZeRO1, ZeRO2, ZeROStrategy
@@ -26,6 +26,7 @@ __all__ = [
     "ZeRO3Strategy",
     "ZeROStrategy",
     "apply_policy",
+    "as_mesh",
     "elementwise",
     "init_mesh",
     "resolve_policy",

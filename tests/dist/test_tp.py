@@ -1,0 +1,200 @@
+"""Data parallelism over tensor-parallel models (docs/core.md, "Hybrid parallelism").
+
+4 ranks as dp 2 x tp 2 (`init_device_mesh("cpu", (2, 2), ("dp", "tp"))`): a model split with
+PyTorch's ColwiseParallel / RowwiseParallel on "tp", then `dp.parallelize(..., mesh=mesh["dp"])`
+with every strategy, several AdamW steps clipped by a global norm that bites, against one process
+on the global batch and against PyTorch's FSDP2 (`fully_shard` on mesh["dp"]) over the same
+tensor-parallel model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dataparallel as dp
+
+from .harness import run_world
+from .models import GPT, GPTConfig
+
+STEPS = 4
+PER_RANK = 4  # samples per data-parallel rank
+MAX_NORM = 0.05  # below every step's norm here: clipping bites
+ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
+
+
+class Block(nn.Module):
+    """A residual MLP block with biases: `up` is split by columns (its bias Shard(0)), `down` by
+    rows (its bias Replicate), so both kinds of placement are trained."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(Block(16) for _ in range(2))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def build(name: str) -> nn.Module:
+    torch.manual_seed(7)
+    if name == "net":
+        return Net()
+    config = GPTConfig(
+        vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=False, bias=False
+    )
+    return GPT(config)
+
+
+def plan(name: str, model: nn.Module) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    up, down = ("up", "down") if name == "net" else ("mlp.0", "mlp.2")
+    out = {}
+    for i in range(len(model.blocks)):
+        out[f"blocks.{i}.{up}"] = ColwiseParallel()
+        out[f"blocks.{i}.{down}"] = RowwiseParallel()
+    return out
+
+
+def batch(name: str, step: int, size: int):
+    g = torch.Generator().manual_seed(100 + step)
+    if name == "net":
+        return torch.randn(size, 8, generator=g), torch.randn(size, 4, generator=g)
+    x = torch.randint(0, 32, (size, 9), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def loss_of(name: str, model: nn.Module, x, y) -> torch.Tensor:
+    out = model(x)
+    if name == "net":
+        return F.mse_loss(out, y)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def reference(name: str, dp_size: int) -> tuple[dict, list[float]]:
+    """One process on the global batch: the mean of the data-parallel ranks' chunk losses."""
+    model = build(name)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    norms = []
+    for step in range(STEPS):
+        x, y = batch(name, step, PER_RANK * dp_size)
+        chunks = zip(x.chunk(dp_size), y.chunk(dp_size), strict=True)
+        torch.stack([loss_of(name, model, cx, cy) for cx, cy in chunks]).mean().backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}, norms
+
+
+def tensor_parallel(name: str, mesh) -> nn.Module:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = build(name)
+    return parallelize_module(model, mesh["tp"], plan(name, model))
+
+
+def train(name: str, model, opt, mesh, clip) -> list[float]:
+    dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    norms = []
+    for step in range(STEPS):
+        x, y = batch(name, step, PER_RANK * dp_size)
+        loss_of(name, model, x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]).backward()
+        norms.append(float(clip(model)))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def full_diff(ours: dict, theirs: dict) -> float:
+    assert set(ours) == set(theirs)
+    for k in theirs:
+        assert ours[k].shape == theirs[k].shape, k
+    return max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+
+
+@torch.no_grad()
+def clip_dtensors(model: nn.Module) -> float:
+    """torch's clip over DTensor gradients on two meshes (("dp",) and ("dp", "tp")), which
+    torch.nn.utils.clip_grad_norm_ refuses to stack: one norm per mesh, as torchtitan does."""
+    by_mesh: dict = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p.grad)
+    squares = [torch.nn.utils.get_total_norm(g).full_tensor() ** 2 for g in by_mesh.values()]
+    total = torch.stack(squares).sum().sqrt()
+    coef = torch.clamp(MAX_NORM / (total + 1e-6), max=1.0).item()
+    for grads in by_mesh.values():
+        for g in grads:
+            g.mul_(coef)
+    return total.item()
+
+
+def fsdp2(name: str, mesh) -> tuple[dict, list[float]]:
+    """PyTorch's own composition: fully_shard on mesh["dp"] over the tensor-parallel model."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tensor_parallel(name, mesh)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    norms = train(name, model, opt, mesh, clip_dtensors)
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}, norms
+
+
+def grid(world) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for name in ("net", "transformer"):
+        expected, expected_norms = reference(name, 2)
+        initial = build(name).state_dict()
+        out[name, "reference", "moved"] = full_diff(expected, initial)
+        theirs, their_norms = fsdp2(name, mesh)
+        out[name, "fsdp2", "one process"] = full_diff(theirs, expected)
+        for strategy in ("ddp", "zero1", "zero2", "zero3"):
+            model = dp.parallelize(tensor_parallel(name, mesh), strategy, mesh=mesh["dp"])
+            opt = dp.build_optimizer(model, torch.optim.AdamW, **ADAMW)
+            norms = train(name, model, opt, mesh, lambda m: dp.clip_grad_norm_(m, MAX_NORM))
+            ours = dp.full_state_dict(model)
+            out[name, strategy, "one process"] = full_diff(ours, expected)
+            out[name, strategy, "fsdp2"] = full_diff(ours, theirs)
+            out[name, strategy, "norms"] = max(
+                abs(a - b) / b for a, b in zip(norms, expected_norms, strict=True)
+            )
+            out[name, strategy, "clipped"] = min(expected_norms) / MAX_NORM
+    return out
+
+
+def test_every_strategy_over_tensor_parallel_matches_one_process_and_fsdp2():
+    results = run_world(4, grid, timeout=300)
+    for key, value in results[0].items():
+        print(key, f"{value:.2e}")
+    for rank_results in results:
+        for (name, strategy, against), value in rank_results.items():
+            if against == "moved":
+                assert value > 1e-3, name  # the steps moved the parameters
+            elif against == "clipped":
+                assert value > 2, (name, strategy)  # every step's norm is clipped
+            elif against == "norms":
+                assert value < 1e-5, (name, strategy, value)
+            else:
+                assert value <= 2e-5, (name, strategy, against, value)
