@@ -198,3 +198,71 @@ def test_every_strategy_over_tensor_parallel_matches_one_process_and_fsdp2():
                 assert value < 1e-5, (name, strategy, value)
             else:
                 assert value <= 2e-5, (name, strategy, against, value)
+
+
+def mesh_forms(world) -> dict:
+    """The same data-parallel layout given four ways trains to the same weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    hsdp = dp.init_mesh(2)
+    forms = {
+        "init_mesh": hsdp,
+        "init_mesh.device_mesh": hsdp.device_mesh,
+        "DeviceMesh (replicate, shard)": init_device_mesh(
+            "cpu", (2, 2), mesh_dim_names=("replicate", "shard")
+        ),
+    }
+    flat = {"no mesh": None, "1-D DeviceMesh": init_device_mesh("cpu", (4,))}
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for strategy in ("zero2", "zero3"):
+        for layout in (forms, flat):
+            results = {}
+            for form, given in layout.items():
+                model = dp.parallelize(build("net"), strategy, mesh=given)
+                opt = dp.build_optimizer(model, torch.optim.AdamW, **ADAMW)
+                train("net", model, opt, mesh, lambda m: dp.clip_grad_norm_(m, MAX_NORM))
+                results[form] = dp.full_state_dict(model)
+            first = next(iter(results.values()))
+            for form, state in results.items():
+                out[strategy, form] = full_diff(state, first)
+    try:
+        dp.parallelize(build("net"), "zero2", mesh=mesh)
+    except ValueError as error:
+        out["error"] = str(error)
+    return out
+
+
+def test_mesh_takes_a_device_mesh_and_init_mesh_alike():
+    results = run_world(4, mesh_forms, timeout=300)
+    for rank_results in results:
+        error = rank_results.pop("error")
+        assert "pass its data-parallel part" in error and "('dp', 'tp')" in error
+        for key, value in rank_results.items():
+            assert value == 0.0, key  # the same groups: bit for bit
+
+
+def three_dimensions(world) -> dict:
+    """replicate 2 x shard 2 x tp 2 on 8 ranks: HSDP over the tensor-parallel model."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    data = mesh["replicate", "shard"]._flatten("dp")  # the data rank, for the batch slice
+    slicing = {"dp": data, "tp": mesh["tp"]}
+    expected, _ = reference("net", 4)
+    out = {}
+    for strategy in ("zero2", "zero3"):
+        model = tensor_parallel("net", slicing)
+        model = dp.parallelize(model, strategy, mesh=mesh["replicate", "shard"])
+        opt = dp.build_optimizer(model, torch.optim.AdamW, **ADAMW)
+        train("net", model, opt, slicing, lambda m: dp.clip_grad_norm_(m, MAX_NORM))
+        out[strategy] = full_diff(dp.full_state_dict(model), expected)
+    return out
+
+
+def test_replicate_shard_and_tensor_parallel_on_eight_ranks():
+    results = run_world(8, three_dimensions, timeout=300)
+    print(results[0])
+    for rank_results in results:
+        for strategy, value in rank_results.items():
+            assert value <= 2e-5, (strategy, value)
