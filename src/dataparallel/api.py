@@ -14,8 +14,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import Comm, Tracer
-from .strategies import Geometry, Groups, Mesh, Strategy, apply_policy, as_mesh, resolve_policy
-from .strategies.parts.tensor_parallel import bind_dtensor_views, localize_parameters
+from .strategies import (
+    Geometry,
+    Groups,
+    Mesh,
+    Strategy,
+    apply_policy,
+    as_mesh,
+    bind_dtensor_views,
+    localize_parameters,
+    resolve_policy,
+)
 
 _ATTR = "_dataparallel_strategy"
 

@@ -266,3 +266,75 @@ def test_replicate_shard_and_tensor_parallel_on_eight_ranks():
     for rank_results in results:
         for strategy, value in rank_results.items():
             assert value <= 2e-5, (strategy, value)
+
+
+def layout(world, dp_size: int, tp_size: int, strategy: str, seed_shift: int = 0):
+    """The net on dp_size x tp_size ranks under `strategy` (tp 1: the plain model)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if tp_size == 1:
+        torch.manual_seed(7 + seed_shift)
+        model = dp.parallelize(Net(), strategy)
+    else:
+        mesh = init_device_mesh("cpu", (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(7 + seed_shift)
+        model = Net()
+        parallelize_module_(model, mesh)
+        model = dp.parallelize(model, strategy, mesh=mesh["dp"])
+    return model, dp.build_optimizer(model, torch.optim.AdamW, **ADAMW)
+
+
+def parallelize_module_(model, mesh):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh["tp"], plan("net", model))
+
+
+def resharded(world, root: str) -> dict:
+    """Save dp 2 x tp 2 (ZeRO-3 and ZeRO-2), load as dp 4 x tp 1, dp 1 x tp 4 and dp 2 x tp 2
+    under other strategies: the whole weights and plain optimizer state, exactly."""
+    from dataparallel.checkpoint import (
+        check_same_model,
+        load_state,
+        model_shapes,
+        save_chunks,
+        state_chunks,
+    )
+
+    out = {}
+    for source in ("zero3", "zero2"):
+        model, opt = layout(world, 2, 2, source)
+        x, y = batch("net", 0, 8)
+        for step in range(2):
+            x, y = batch("net", step, 8)
+            dp_rank = world.rank // 2
+            F.mse_loss(model(x.chunk(2)[dp_rank]), y.chunk(2)[dp_rank]).backward()
+            dp.clip_grad_norm_(model, MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+        folder = f"{root}/{source}"
+        save_chunks(state_chunks(model, opt, rank=world.rank), folder, world.group)
+        weights = dp.full_state_dict(model)
+        state = dp.optimizer_state_dict(model, opt)["state"]
+        shapes = model_shapes(model)
+        for dp_size, tp_size, strategy in ((4, 1, "zero2"), (1, 4, "zero3"), (2, 2, "ddp"),
+                                           (4, 1, "zero3"), (2, 2, "zero1")):  # fmt: skip
+            target, target_opt = layout(world, dp_size, tp_size, strategy, seed_shift=1)
+            check_same_model(target, shapes)
+            load_state(folder, target, target_opt, rank=world.rank, group=world.group)
+            got = dp.full_state_dict(target)
+            got_state = dp.optimizer_state_dict(target, target_opt)["state"]
+            diff = full_diff(got, weights)
+            for index, entry in state.items():
+                for key, value in entry.items():
+                    diff = max(diff, (got_state[index][key] - value).abs().max().item())
+            out[f"{source} 2x2 -> {strategy} {dp_size}x{tp_size}"] = diff
+    return out
+
+
+def test_checkpoints_move_across_dp_and_tp_sizes(tmp_path):
+    results = run_world(4, resharded, str(tmp_path), timeout=300)
+    print(results[0])
+    for rank_results in results:
+        assert len(rank_results) == 10
+        assert max(rank_results.values()) == 0.0, rank_results

@@ -6,6 +6,13 @@ from .fsdp import ZeRO3, ZeRO3Strategy
 from .parts.geometry import SCALAR_STATE_KEYS, Geometry, HeldPiece, elementwise
 from .parts.mesh import Groups, Mesh, as_mesh, init_mesh
 from .parts.precision import MixedPrecision
+from .parts.tensor_parallel import (
+    TensorParallel,
+    bind_dtensor_views,
+    localize_parameters,
+    tensor_parallel_of,
+    whole_shape,
+)
 from .resolve import POLICIES, apply_policy, resolve_policy
 from .zero import ZeRO1, ZeRO2, ZeROStrategy
 
@@ -20,14 +27,19 @@ __all__ = [
     "POLICIES",
     "SCALAR_STATE_KEYS",
     "Strategy",
+    "TensorParallel",
     "ZeRO1",
     "ZeRO2",
     "ZeRO3",
     "ZeRO3Strategy",
     "ZeROStrategy",
     "apply_policy",
+    "bind_dtensor_views",
     "as_mesh",
     "elementwise",
     "init_mesh",
+    "localize_parameters",
     "resolve_policy",
+    "tensor_parallel_of",
+    "whole_shape",
 ]

@@ -84,6 +84,16 @@ class TensorParallel:
         index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
         return whole[index]
 
+    def runs(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """Where the run [start, stop) of the flattened local tensor lies in the flattened whole
+        tensor: (position in the run, offset in the whole, length) per contiguous part, for
+        sharded checkpoints ([Note: chunks] in checkpoint/dcp.py). A local tensor of whole
+        rows (Shard(0)) is one part; one of column blocks (Shard(1)) a part per row."""
+        shape, offset = compute_local_shape_and_global_offset(
+            self.shape, self.mesh, list(self.placements)
+        )
+        return flat_runs(tuple(self.shape), tuple(shape), tuple(offset), start, stop)
+
     def norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """The mesh dimensions' groups over which the local tensors are disjoint (Shard)."""
         return tuple(
@@ -91,6 +101,40 @@ class TensorParallel:
             for dim, placement in enumerate(self.placements)
             if isinstance(placement, Shard)
         )
+
+
+def flat_runs(
+    whole: tuple[int, ...], local: tuple[int, ...], offset: tuple[int, ...], start: int, stop: int
+) -> list[tuple[int, int, int]]:
+    """The run [start, stop) of a box (`local` at `offset` inside `whole`, row-major), as
+    (position in the run, offset in the flattened whole, length) parts (pure)."""
+    if start >= stop:
+        return []
+    j = len(whole) - 1  # the box is contiguous in the whole over dims j.. (full after j)
+    while j > 0 and local[j] == whole[j]:
+        j -= 1
+    segment = 1
+    for size in local[j:]:
+        segment *= size
+    strides = [1] * len(whole)
+    for d in range(len(whole) - 2, -1, -1):
+        strides[d] = strides[d + 1] * whole[d + 1]
+    out = []
+    for index in range(start // segment, (stop - 1) // segment + 1):
+        lead, base, rest = index, offset[j] * strides[j], []
+        for d in range(j - 1, -1, -1):
+            lead, i = divmod(lead, local[d])
+            rest.append((d, i))
+        base += sum((offset[d] + i) * strides[d] for d, i in rest)
+        lo, hi = max(start, index * segment), min(stop, (index + 1) * segment)
+        out.append((lo - start, base + lo - index * segment, hi - lo))
+    return out
+
+
+def whole_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of the whole tensor `param` is part of (its own for a plain parameter)."""
+    spec = tensor_parallel_of(param)
+    return param.shape if spec is None else spec.shape
 
 
 def tensor_parallel_of(param: torch.Tensor) -> TensorParallel | None:
