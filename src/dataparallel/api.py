@@ -20,7 +20,7 @@ from .strategies import (
     Mesh,
     Strategy,
     apply_policy,
-    as_mesh,
+    as_layout,
     bind_dtensor_views,
     localize_parameters,
     resolve_policy,
@@ -73,7 +73,8 @@ def parallelize(
         raise RuntimeError("parallelize: no process group; call dataparallel.init() first")
     if mesh is not None and group is not None:
         raise ValueError("parallelize: pass a group or a mesh (built over a group), not both")
-    mesh = as_mesh(mesh) if mesh is not None else None
+    if mesh is not None:
+        group, mesh = as_layout(mesh)
     policy = resolve_policy(strategy)
     on_meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
     if on_meta is not None and getattr(policy, "materialize", None) is None:

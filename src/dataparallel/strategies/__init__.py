@@ -4,7 +4,7 @@ from .base import Strategy
 from .ddp import DDP, DDPStrategy
 from .fsdp import ZeRO3, ZeRO3Strategy
 from .parts.geometry import SCALAR_STATE_KEYS, Geometry, HeldPiece, elementwise
-from .parts.mesh import Groups, Mesh, as_mesh, init_mesh
+from .parts.mesh import Groups, Mesh, as_layout, init_mesh
 from .parts.precision import MixedPrecision
 from .parts.tensor_parallel import (
     TensorParallel,
@@ -35,7 +35,7 @@ __all__ = [
     "ZeROStrategy",
     "apply_policy",
     "bind_dtensor_views",
-    "as_mesh",
+    "as_layout",
     "elementwise",
     "init_mesh",
     "localize_parameters",

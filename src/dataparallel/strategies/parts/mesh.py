@@ -11,7 +11,7 @@ all-gather stay inside a host and only 1/S of the gradient crosses hosts. S = N 
 layout (no replicate group), S = 1 is DDP's (every rank replicates everything).
 
 [Note: device mesh] PyTorch's `DeviceMesh` is the currency between parallelisms, and `Mesh`
-converts to and from it in one place (`as_mesh`, `Mesh.device_mesh`):
+converts to and from it in one place (`as_layout`, `Mesh.device_mesh`):
 - a 1-D DeviceMesh is the data-parallel group itself: S = N, one replica;
 - a 2-D DeviceMesh named ("replicate", "shard") is the R x S layout above, its groups those of
   its two dimensions (no new group but the one over all of its ranks);
@@ -74,22 +74,23 @@ def _device_type(group: dist.ProcessGroup) -> str:
     return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
 
 
-def as_mesh(mesh: Mesh | DeviceMesh) -> Mesh:
-    """A `Mesh` from a `Mesh` (as is) or a torch `DeviceMesh` ([Note: device mesh]): 1-D, the
-    data-parallel group; 2-D named ("replicate", "shard"), HSDP. Collective over the mesh's
-    ranks when it has two dimensions (the group of all of them is created)."""
+def as_layout(
+    mesh: Mesh | DeviceMesh,
+) -> tuple[dist.ProcessGroup | None, Mesh | None]:
+    """(group, Mesh) for `Groups.build` from what `parallelize(mesh=)` takes ([Note: device
+    mesh]): a `Mesh` as is; a 1-D DeviceMesh, its group (no Mesh: one replica); a 2-D
+    DeviceMesh named ("replicate", "shard"), HSDP. Collective over the mesh's ranks in the 2-D
+    case (the group of all of them is created, unless they are every rank)."""
     if isinstance(mesh, Mesh):
-        return mesh
+        return None, mesh
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"parallelize: mesh={mesh!r} must be a torch DeviceMesh (1-D, or 2-D named "
             "('replicate', 'shard')), a dataparallel.Mesh from dataparallel.init_mesh, or None"
         )
-    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
     if mesh.ndim == 1:
-        group = mesh.get_group()
-        n = len(ranks)
-        return Mesh(n, 1, group, group, group, ranks)
+        return mesh.get_group(), None
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
     names = mesh.mesh_dim_names
     if mesh.ndim != 2 or names != ("replicate", "shard"):
         raise ValueError(
@@ -102,7 +103,7 @@ def as_mesh(mesh: Mesh | DeviceMesh) -> Mesh:
         whole = dist.group.WORLD
     else:
         whole = dist.new_group(list(ranks), use_local_synchronization=True)
-    return Mesh(
+    return None, Mesh(
         shard_size=int(shard),
         replicate_size=int(replicate),
         group=whole,
