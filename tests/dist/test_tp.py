@@ -181,6 +181,14 @@ def grid(world) -> dict:
                 abs(a - b) / b for a, b in zip(norms, expected_norms, strict=True)
             )
             out[name, strategy, "clipped"] = min(expected_norms) / MAX_NORM
+            # AdamW's two moments, 8 bytes per element of the local tensors (tp halves the
+            # split ones), over the dp ranks for the sharded strategies
+            local = sum(p.numel() for p in model.parameters())
+            held = dp.memory_report(model, opt)["optimizer_state"]
+            share = 1 if strategy == "ddp" else 2
+            out[name, strategy, "adam bytes"] = abs(held / (8 * local / share) - 1)
+            whole = sum(t.numel() for t in expected.values())
+            out[name, strategy, "local share"] = local / whole
     return out
 
 
@@ -194,6 +202,10 @@ def test_every_strategy_over_tensor_parallel_matches_one_process_and_fsdp2():
                 assert value > 1e-3, name  # the steps moved the parameters
             elif against == "clipped":
                 assert value > 2, (name, strategy)  # every step's norm is clipped
+            elif against == "adam bytes":
+                assert value < 0.05, (name, strategy, value)  # padding at most
+            elif against == "local share":
+                assert 0.5 < value < 0.8, (name, strategy, value)  # the MLPs are split
             elif against == "norms":
                 assert value < 1e-5, (name, strategy, value)
             else:
