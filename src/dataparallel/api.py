@@ -22,6 +22,7 @@ from .strategies import (
     apply_policy,
     as_layout,
     bind_dtensor_views,
+    check_apart,
     localize_parameters,
     resolve_policy,
 )
@@ -85,8 +86,10 @@ def parallelize(
     # DTensor parameters (tensor parallelism on other mesh dimensions) become their local
     # tensors for the strategy, and DTensor views again at each forward, after the strategy's
     # hooks ([Note: tensor-parallel parameters] in strategies/parts/tensor_parallel.py).
+    groups = Groups.build(group, mesh, tracer, pairwise)
+    check_apart(model, groups.world.group)
     localized = localize_parameters(model)
-    instance = apply_policy(policy, model, Groups.build(group, mesh, tracer, pairwise))
+    instance = apply_policy(policy, model, groups)
     bind_dtensor_views(localized)
     object.__setattr__(model, _ATTR, instance)
     return model

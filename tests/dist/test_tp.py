@@ -242,6 +242,11 @@ def mesh_forms(world) -> dict:
         dp.parallelize(build("net"), "zero2", mesh=mesh)
     except ValueError as error:
         out["error"] = str(error)
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    try:  # the tensor-parallel dimension given as the data-parallel one
+        dp.parallelize(tensor_parallel("net", tp), "zero2", mesh=tp["tp"])
+    except ValueError as error:
+        out["overlap"] = str(error)
     return out
 
 
@@ -250,6 +255,7 @@ def test_mesh_takes_a_device_mesh_and_init_mesh_alike():
     for rank_results in results:
         error = rank_results.pop("error")
         assert "pass its data-parallel part" in error and "('dp', 'tp')" in error
+        assert "shares ranks" in rank_results.pop("overlap")
         for key, value in rank_results.items():
             assert value == 0.0, key  # the same groups: bit for bit
 

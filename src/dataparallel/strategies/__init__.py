@@ -9,6 +9,7 @@ from .parts.precision import MixedPrecision
 from .parts.tensor_parallel import (
     TensorParallel,
     bind_dtensor_views,
+    check_apart,
     localize_parameters,
     tensor_parallel_of,
     whole_shape,
@@ -35,6 +36,7 @@ __all__ = [
     "ZeROStrategy",
     "apply_policy",
     "bind_dtensor_views",
+    "check_apart",
     "as_layout",
     "elementwise",
     "init_mesh",

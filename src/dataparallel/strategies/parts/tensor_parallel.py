@@ -195,6 +195,23 @@ def localize_parameters(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return replaced
 
 
+def check_apart(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Refuse DTensor parameters whose mesh shares ranks with the data-parallel `group` (None:
+    every rank): data parallelism would average tensor-parallel shards that differ."""
+    dp_ranks = set(dist.get_process_group_ranks(group or dist.group.WORLD))
+    me = dist.get_rank()
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            continue
+        shared = sorted(set(param.device_mesh.mesh.flatten().tolist()) & dp_ranks - {me})
+        if shared:
+            raise ValueError(
+                f"parallelize: parameter {name!r} is a DTensor on a mesh that shares ranks "
+                f"{shared} with the data-parallel ranks; pass the data-parallel dimensions only "
+                "(mesh['dp']) and split the model over the others (mesh['tp'])"
+            )
+
+
 def bind_dtensor_views(replaced: list[tuple[nn.Module, str]]) -> list:
     """Give each module the DTensor view of its localized parameters, now and at every
     forward, after the hooks registered before (a ZeRO-3 unit's gather). Returns the hooks'
