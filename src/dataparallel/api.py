@@ -11,9 +11,21 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import Comm, Tracer
-from .strategies import Geometry, Groups, Mesh, Strategy, apply_policy, resolve_policy
+from .strategies import (
+    Geometry,
+    Groups,
+    Mesh,
+    Strategy,
+    apply_policy,
+    as_layout,
+    bind_dtensor_views,
+    check_apart,
+    localize_parameters,
+    resolve_policy,
+)
 
 _ATTR = "_dataparallel_strategy"
 
@@ -23,7 +35,7 @@ def parallelize(
     strategy="ddp",
     *,
     group: dist.ProcessGroup | None = None,
-    mesh: Mesh | None = None,
+    mesh: Mesh | DeviceMesh | None = None,
     tracer: Tracer | None = None,
     pairwise: bool | None = None,
 ) -> nn.Module:
@@ -32,13 +44,23 @@ def parallelize(
     strategy: a name ("ddp", "zero1", "zero2", "zero3") or a policy object such as
         `DDP(bucket_mb=25)`.
     group: the process group to train over; None is every rank (call `dataparallel.init()`).
-    mesh: a 2-D replicate x shard layout of the ranks from `dataparallel.init_mesh(shard_size)`
-        (HSDP, docs/core.md): sharded strategies shard within each group of `shard_size` ranks
-        and all-reduce across the groups. None shards over every rank. Replaces `group`.
+    mesh: the data-parallel ranks as a torch `DeviceMesh` or a `dataparallel.Mesh` ([Note:
+        device mesh] in strategies/parts/mesh.py). One dimension: the group to train over
+        (e.g. `mesh["dp"]` of a ("dp", "tp") mesh, the other dimensions left to the model's
+        DTensor parameters). Two dimensions named ("replicate", "shard"), or
+        `dataparallel.init_mesh(shard_size)`: HSDP (docs/core.md), sharded strategies shard
+        within each group of `shard_size` ranks and all-reduce across the groups. None shards
+        over every rank (or `group`). Replaces `group`.
     tracer: records when collectives start and finish (see `comm.Tracer`).
     pairwise: build reduce-scatter and all-gather from point-to-point messages; None means
         yes on gloo, where that costs half of gloo's own collectives, no on NCCL (see
         `comm.Comm`; the sharded strategies use them, DDP's all-reduce is gloo's).
+
+    A model split with PyTorch's tensor parallelism (DTensor parameters on other dimensions
+    of the mesh) is taken as it is: its local tensors are replicated or sharded over `mesh`
+    only, gradients reduced over it only, DTensor runs the tensor-parallel collectives, and
+    `clip_grad_norm_`, `full_state_dict` and the plain optimizer state see the whole tensors
+    (docs/core.md, "Hybrid parallelism").
 
     Collective: every rank of the group must call it, with the same model.
     """
@@ -50,13 +72,10 @@ def parallelize(
         raise ValueError("parallelize: this model is already parallelized; wrap it only once")
     if not dist.is_initialized():
         raise RuntimeError("parallelize: no process group; call dataparallel.init() first")
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"parallelize: mesh={mesh!r} must be a dataparallel.Mesh from "
-            "dataparallel.init_mesh(shard_size), or None"
-        )
     if mesh is not None and group is not None:
         raise ValueError("parallelize: pass a group or a mesh (built over a group), not both")
+    if mesh is not None:
+        group, mesh = as_layout(mesh)
     policy = resolve_policy(strategy)
     on_meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
     if on_meta is not None and getattr(policy, "materialize", None) is None:
@@ -64,7 +83,14 @@ def parallelize(
             f"parallelize: parameter {on_meta!r} is on the meta device; give it values first, "
             "or shard it as it is filled with dataparallel.ZeRO3(materialize=...)"
         )
-    instance = apply_policy(policy, model, Groups.build(group, mesh, tracer, pairwise))
+    # DTensor parameters (tensor parallelism on other mesh dimensions) become their local
+    # tensors for the strategy, and DTensor views again at each forward, after the strategy's
+    # hooks ([Note: tensor-parallel parameters] in strategies/parts/tensor_parallel.py).
+    groups = Groups.build(group, mesh, tracer, pairwise)
+    check_apart(model, groups.world.group)
+    localized = localize_parameters(model)
+    instance = apply_policy(policy, model, groups)
+    bind_dtensor_views(localized)
     object.__setattr__(model, _ATTR, instance)
     return model
 

@@ -11,6 +11,11 @@ below describe chunks to DCP directly: DCP's global plan then removes duplicates
 chunk saved by every replica of a 2-D mesh, or by every DDP rank, is written once) and
 checks that the chunks tile each tensor, and on load it reads, for any other set of chunks,
 the overlapping parts of the stored ones. A 0-d tensor (Adam's `step`) is a chunk of itself.
+A run of a tensor-parallel parameter's local tensor ([Note: tensor-parallel parameters] in
+strategies/parts/tensor_parallel.py) is not one run of the whole tensor's elements but several
+(a local tensor of column blocks has one per row): its chunk lists them (`runs`), each written
+and read as a part of its own, so the stored tensor is the whole one, the same as a run
+without tensor parallelism writes, and any tp size reads it back.
 
 [Note: no unpickling] DCP stores tensors with `torch.save` and reads them back with
 `torch.load(weights_only=True)`, but its `.metadata` file is a pickle that
@@ -63,11 +68,14 @@ class Chunk:
         other number of dimensions (a 0-d scalar, a matrix) is a whole tensor of that shape.
     offset: where a 1-D `tensor` starts in the flattened whole.
     numel: elements in the flattened whole (default: `tensor`'s own, a whole tensor).
+    runs: where a 1-D `tensor` lies in the flattened whole when that is not one run: (position
+        in `tensor`, offset in the whole, length) per part; None: one run at `offset`.
     """
 
     tensor: torch.Tensor
     offset: int = 0
     numel: int | None = None
+    runs: tuple[tuple[int, int, int], ...] | None = None
 
     def __post_init__(self):
         if self.numel is None:
@@ -77,14 +85,16 @@ class Chunk:
                 f"Chunk: a part of a tensor must be 1-D, got shape {list(self.tensor.shape)}"
             )
 
-
-def _storage_chunk(chunk: Chunk) -> ChunkStorageMetadata:
-    if chunk.tensor.dim() != 1:
-        shape = chunk.tensor.shape
-        return ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)
-    return ChunkStorageMetadata(
-        offsets=torch.Size([chunk.offset]), sizes=torch.Size([chunk.tensor.numel()])
-    )
+    def parts(self) -> list[tuple[torch.Tensor, ChunkStorageMetadata]]:
+        """(the elements, where they lie in the stored tensor) of each part of the chunk."""
+        if self.tensor.dim() != 1:
+            shape = self.tensor.shape
+            return [(self.tensor, ChunkStorageMetadata(torch.Size([0] * len(shape)), shape))]
+        runs = self.runs if self.runs is not None else ((0, self.offset, self.tensor.numel()),)
+        return [
+            (self.tensor[at : at + n], ChunkStorageMetadata(torch.Size([o]), torch.Size([n])))
+            for at, o, n in runs
+        ]
 
 
 def _whole_size(chunk: Chunk) -> torch.Size:
@@ -100,24 +110,26 @@ class ChunkSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         items = []
+        self.parts = {}
         for key, chunk in self.chunks.items():
-            storage = _storage_chunk(chunk)
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(key, storage.offsets),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=storage,
-                        properties=TensorProperties.create_from_tensor(chunk.tensor),
-                        size=_whole_size(chunk),
-                    ),
+            for tensor, storage in chunk.parts():
+                self.parts[key, storage.offsets] = tensor
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(key, storage.offsets),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=storage,
+                            properties=TensorProperties.create_from_tensor(tensor),
+                            size=_whole_size(chunk),
+                        ),
+                    )
                 )
-            )
         self.plan = SavePlan(items)
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
-        tensor = self.chunks[index.fqn].tensor.detach()
+        tensor = self.parts[index.fqn, index.offset].detach()
         # torch.save writes a view's whole storage: give it the chunk's own.
         if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
             tensor = tensor.clone()
@@ -133,13 +145,16 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         items = []
+        self.parts = {}
         for key, chunk in self.chunks.items():
             stored = self.metadata.state_dict_metadata[key]
-            items += create_read_items_for_chunk_list(key, stored, [_storage_chunk(chunk)])
+            parts = chunk.parts()
+            self.parts.update({(key, storage.offsets): tensor for tensor, storage in parts})
+            items += create_read_items_for_chunk_list(key, stored, [s for _, s in parts])
         return LoadPlan(items)
 
     def resolve_tensor(self, read_item):
-        tensor = self.chunks[read_item.dest_index.fqn].tensor
+        tensor = self.parts[read_item.dest_index.fqn, read_item.dest_index.offset]
         for dim, (start, length) in enumerate(
             zip(read_item.dest_offsets, read_item.lengths, strict=True)
         ):

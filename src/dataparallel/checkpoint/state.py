@@ -25,13 +25,24 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import geometry, strategy_of
-from ..strategies import SCALAR_STATE_KEYS, elementwise
+from ..strategies import SCALAR_STATE_KEYS, elementwise, tensor_parallel_of, whole_shape
 from .dcp import Chunk, load_chunks, stored_tensors
 
 
 def model_shapes(model: nn.Module) -> dict[str, list[int]]:
-    """name -> shape of every parameter and buffer the checkpoint holds."""
-    return {name: list(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    """name -> shape of every parameter and buffer the checkpoint holds (a tensor-parallel
+    parameter's whole shape)."""
+    return {name: list(whole_shape(t)) for name, t in model.state_dict(keep_vars=True).items()}
+
+
+def _piece_chunk(flat: torch.Tensor, piece) -> Chunk:
+    """The chunk of a run `flat` held for `piece`: at its offset in the parameter, or, for a
+    tensor-parallel parameter, in parts of the whole tensor ([Note: chunks] in dcp.py)."""
+    spec = tensor_parallel_of(piece.param)
+    if spec is None:
+        return Chunk(flat, piece.offset, piece.shape.numel())
+    runs = spec.runs(piece.offset, piece.offset + piece.value.numel())
+    return Chunk(flat, 0, spec.shape.numel(), tuple(runs))
 
 
 def _held(model, optimizer, prefix: str) -> tuple[dict[str, Chunk], dict[int, object]]:
@@ -40,8 +51,7 @@ def _held(model, optimizer, prefix: str) -> tuple[dict[str, Chunk], dict[int, ob
     chunks: dict[str, Chunk] = {}
     optimized = {}
     for piece in geometry(model, optimizer).pieces:
-        numel = piece.shape.numel()
-        chunks[f"{prefix}model/{piece.name}"] = Chunk(piece.value, piece.offset, numel)
+        chunks[f"{prefix}model/{piece.name}"] = _piece_chunk(piece.value, piece)
         if piece.key is not None:
             optimized[id(piece.key)] = piece
     for name, buffer in _buffers(model):
@@ -69,7 +79,7 @@ def state_chunks(model, optimizer, averager=None, *, rank: int, prefix: str = ""
 
 def _state_chunk(name: str, key: str, value, piece) -> Chunk:
     if elementwise(key, value, piece.key):
-        return Chunk(value.detach().reshape(-1), piece.offset, piece.shape.numel())
+        return _piece_chunk(value.detach().reshape(-1), piece)
     if torch.is_tensor(value) and (value.dim() == 0 or key in SCALAR_STATE_KEYS):
         return Chunk(value.detach().reshape(()))
     raise ValueError(
@@ -85,7 +95,7 @@ def _averager_chunks(averager, by_key: dict, rank: int) -> dict[str, Chunk]:
         piece = by_key[id(held)]
         for key, value in entries.items():
             flat = value.detach().reshape(-1)
-            chunks[f"outer/{piece.name}/{key}"] = Chunk(flat, piece.offset, piece.shape.numel())
+            chunks[f"outer/{piece.name}/{key}"] = _piece_chunk(flat, piece)
     for name, tensor in local.items():
         chunks[f"rank{rank}/outer/{name}"] = Chunk(tensor.detach())
     return chunks
@@ -172,7 +182,7 @@ def _target(size: torch.Size, dtype: torch.dtype, piece) -> Chunk:
     if len(size) == 0:
         return Chunk(torch.zeros((), dtype=dtype))
     blank = torch.zeros(piece.value.numel(), dtype=dtype, device=piece.value.device)
-    return Chunk(blank, piece.offset, piece.shape.numel())
+    return _piece_chunk(blank, piece)
 
 
 def _stored_under(stored: dict, head: str):

@@ -39,6 +39,7 @@ from .base import (
     verify_same_model,
 )
 from .parts.buckets import MB, plan_buckets
+from .parts.clip import clip_replicated_
 from .parts.footprint import Footprint, bucketed
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
@@ -162,9 +163,9 @@ class DDPStrategy(Strategy):
         return optimizer
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        # After backward every rank holds the same reduced gradients: the local norm is global.
-        grads = [p for p in self.model.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type)
+        # After backward every rank holds the same reduced gradients: the local norm is global
+        # (over "dp"; tensor-parallel parameters' norms are summed over "tp").
+        return clip_replicated_(list(self.model.parameters()), max_norm, norm_type)
 
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """Every parameter whole, stepped as itself ([Note: geometry])."""

@@ -69,7 +69,7 @@ from .fsdp_order import CHECK_MODES
 from .fsdp_plan import plan_units, select_units
 from .fsdp_schedule import Schedule
 from .fsdp_unit import FlatUnit
-from .parts.clip import clip_grad_norm_
+from .parts.clip import clip_shards_
 from .parts.footprint import Footprint, unitwise
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
@@ -364,8 +364,9 @@ class ZeRO3Strategy(Strategy):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm: each rank's shard norms, combined over the shard group."""
-        grads = [g for u in self.units for g in u.shard.grad_tensors()]
-        return clip_grad_norm_(grads, max_norm, norm_type, self.groups.shard)
+        shards = [(u.shard, u.params) for u in self.units]
+        params = list(self.model.parameters())
+        return clip_shards_(shards, params, max_norm, norm_type, self.groups.shard)
 
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """Each unit's shard pieces, in the units' master dtype ([Note: geometry])."""

@@ -41,7 +41,7 @@ from .base import (
     verify_same_model,
 )
 from .parts.buckets import MB, Bucket, plan_buckets
-from .parts.clip import clip_grad_norm_
+from .parts.clip import clip_shards_
 from .parts.flat_shard import FlatShard
 from .parts.footprint import Footprint, bucketed
 from .parts.geometry import Geometry, build_geometry, optimized_ids
@@ -367,8 +367,9 @@ class ZeROStrategy(Strategy):
         return {id(p): full[names[id(p)]].to(p.device) for p in self.trainable}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        grads = [g for b in self.buckets for g in b.shard.grad_tensors()]
-        return clip_grad_norm_(grads, max_norm, norm_type, self.groups.shard)
+        shards = [(b.shard, b.params) for b in self.buckets]
+        params = list(self.model.parameters())
+        return clip_shards_(shards, params, max_norm, norm_type, self.groups.shard)
 
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """The buckets' shard pieces (masters in mixed precision), frozen parameters whole

@@ -9,5 +9,6 @@ geometry.py     Geometry: what a rank holds; state dicts, plain optimizer state,
 clip.py         global-norm clipping over shards
 param_gather.py ZeRO-1/2's parameter all-gather after the step, optionally overlapped
 precision.py    MixedPrecision: the dtypes a strategy computes, reduces and returns in
-mesh.py         2-D meshes: shard within groups, replicate across them
+mesh.py         2-D meshes: shard within groups, replicate across them; from a DeviceMesh too
+tensor_parallel.py  DTensor parameters as local tensors; their whole forms, norms, checkpoint parts
 """

@@ -18,6 +18,10 @@ the sharded checkpoints (checkpoint/state.py saves and loads exactly these runs)
 bytes of `memory_report`. After a load the strategy's `refresh_params` makes the model follow
 (ZeRO-1/2 all-gather their shards again, ZeRO-3 gathers at the next forward). A parameter
 under two names (tied weights) is held under the first name the model's state_dict gives it.
+A tensor-parallel parameter ([Note: tensor-parallel parameters] in tensor_parallel.py) is its
+local tensor here: runs, pieces and offsets are of the local tensor, and its plain forms are
+made whole over "tp" after the runs are assembled over the group (`to_whole`), and cut back to
+the local tensor before loading (`to_local`).
 
 [Note: plain optimizer state] A checkpoint must move between strategies and world sizes, so the
 optimizer state leaves as a plain optimizer over the original parameters would write it:
@@ -37,6 +41,7 @@ import torch
 from torch import nn
 
 from ...comm import Comm
+from .tensor_parallel import to_local, to_whole
 
 # State keys that torch optimizers keep as one number per parameter, not one per element.
 SCALAR_STATE_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
@@ -189,7 +194,8 @@ def full_state_dict(model: nn.Module, geometry: Geometry) -> dict[str, torch.Ten
     for piece in geometry.pieces:
         runs[id(piece.param)].append((piece.offset, piece.value, piece.replicated))
     entries = [(params[i].shape, geometry.dtypes[i], runs[i]) for i in order]
-    whole = dict(zip(order, _assemble(entries, geometry.group), strict=True))
+    assembled = _assemble(entries, geometry.group)
+    whole = {i: to_whole(params[i], t) for i, t in zip(order, assembled, strict=True)}
     return {
         name: whole[id(t)] if id(t) in whole else t.detach().cpu().clone()
         for name, t in model.state_dict(keep_vars=True).items()
@@ -201,6 +207,9 @@ def load_full_state_dict(model: nn.Module, geometry: Geometry, state: dict) -> N
     """Write a whole-model state dict (present on every rank) into what this rank holds and
     into the buffers; no collective (the strategy then calls `refresh_params`)."""
     entries = model.state_dict(keep_vars=True)
+    state = {
+        name: to_local(entries[name], t) if name in entries else t for name, t in state.items()
+    }
     missing = sorted(set(entries) - set(state))
     unexpected = sorted(set(state) - set(entries))
     if missing or unexpected:
@@ -269,9 +278,9 @@ def optimizer_state_dict(
             value = optimizer.state.get(piece.key, {}).get(key) if piece is not None else None
             runs = [] if value is None else [(piece.offset, value, piece.replicated)]
             entries.append((params[i].shape, dtype, runs))
-            slots.append((entry, key))
-    for (entry, key), whole in zip(slots, _assemble(entries, group), strict=True):
-        entry[key] = whole
+            slots.append((entry, key, params[i]))
+    for (entry, key, param), whole in zip(slots, _assemble(entries, group), strict=True):
+        entry[key] = to_whole(param, whole)
     groups = []
     for group_state, params_of in zip(optimizer.param_groups, user_groups, strict=True):
         plain = {k: v for k, v in group_state.items() if k != "params"}
@@ -328,6 +337,7 @@ def _piece_state(param_state: dict | None, piece: HeldPiece) -> dict:
     stop = piece.offset + piece.value.numel()
     entry = {}
     for key, value in param_state.items():
+        value = to_local(piece.param, value) if torch.is_tensor(value) else value
         if elementwise(key, value, piece.param):
             entry[key] = value.detach().reshape(-1)[piece.offset : stop].clone()
         else:

@@ -9,13 +9,28 @@ divides by N, in one place (the bucket, [Note: reduction interface] in comm/hook
 Rows are consecutive ranks, so with S = ranks per host, the heavy reduce-scatter and
 all-gather stay inside a host and only 1/S of the gradient crosses hosts. S = N is the 1-D
 layout (no replicate group), S = 1 is DDP's (every rank replicates everything).
+
+[Note: device mesh] PyTorch's `DeviceMesh` is the currency between parallelisms, and `Mesh`
+converts to and from it in one place (`as_layout`, `Mesh.device_mesh`):
+- a 1-D DeviceMesh is the data-parallel group itself: S = N, one replica;
+- a 2-D DeviceMesh named ("replicate", "shard") is the R x S layout above, its groups those of
+  its two dimensions (no new group but the one over all of its ranks);
+- a sub-mesh of a larger mesh (`mesh["dp"]` of a ("dp", "tp") mesh) is taken the same way: data
+  parallelism runs over its ranks only, and the other dimensions belong to the model (its
+  DTensor parameters, [Note: tensor-parallel parameters] in parts/tensor_parallel.py).
+`init_mesh(shard_size)` keeps building the two groups itself (any group, synchronising only
+with their members) and `Mesh.device_mesh` wraps them as a ("replicate", "shard") DeviceMesh
+without a collective.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ...comm import Comm, Tracer
 
@@ -29,6 +44,7 @@ class Mesh:
     group: every rank of the mesh.
     shard_group: this rank's shard group (the S ranks of its row).
     replicate_group: this rank's replicate group (the R ranks of its column).
+    ranks: the global ranks of the mesh in row-major order (row = replica); () if unknown.
     """
 
     shard_size: int
@@ -36,6 +52,65 @@ class Mesh:
     group: dist.ProcessGroup
     shard_group: dist.ProcessGroup
     replicate_group: dist.ProcessGroup
+    ranks: tuple[int, ...] = ()
+
+    @cached_property
+    def device_mesh(self) -> DeviceMesh:
+        """The same layout as a torch DeviceMesh named ("replicate", "shard") over the groups
+        already built ([Note: device mesh]); no collective."""
+        ranks = self.ranks or tuple(
+            dist.get_global_rank(self.group, r) for r in range(dist.get_world_size(self.group))
+        )
+        layout = torch.tensor(ranks, dtype=torch.int).view(self.replicate_size, self.shard_size)
+        return DeviceMesh.from_group(
+            [self.replicate_group, self.shard_group],
+            _device_type(self.group),
+            mesh=layout,
+            mesh_dim_names=("replicate", "shard"),
+        )
+
+
+def _device_type(group: dist.ProcessGroup) -> str:
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+
+def as_layout(
+    mesh: Mesh | DeviceMesh,
+) -> tuple[dist.ProcessGroup | None, Mesh | None]:
+    """(group, Mesh) for `Groups.build` from what `parallelize(mesh=)` takes ([Note: device
+    mesh]): a `Mesh` as is; a 1-D DeviceMesh, its group (no Mesh: one replica); a 2-D
+    DeviceMesh named ("replicate", "shard"), HSDP. Collective over the mesh's ranks in the 2-D
+    case (the group of all of them is created, unless they are every rank)."""
+    if isinstance(mesh, Mesh):
+        return None, mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"parallelize: mesh={mesh!r} must be a torch DeviceMesh (1-D, or 2-D named "
+            "('replicate', 'shard')), a dataparallel.Mesh from dataparallel.init_mesh, or None"
+        )
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    names = mesh.mesh_dim_names
+    if mesh.ndim != 2 or names != ("replicate", "shard"):
+        raise ValueError(
+            f"parallelize: a DeviceMesh of {mesh.ndim} dimensions named {names} is not a data-"
+            "parallel mesh; pass its data-parallel part: one dimension (mesh['dp']) or two "
+            "named ('replicate', 'shard') (mesh['replicate', 'shard'])"
+        )
+    replicate, shard = mesh.mesh.shape
+    if len(ranks) == dist.get_world_size():
+        whole = dist.group.WORLD
+    else:
+        whole = dist.new_group(list(ranks), use_local_synchronization=True)
+    return None, Mesh(
+        shard_size=int(shard),
+        replicate_size=int(replicate),
+        group=whole,
+        shard_group=mesh.get_group("shard"),
+        replicate_group=mesh.get_group("replicate"),
+        ranks=ranks,
+    )
 
 
 def init_mesh(shard_size: int, group: dist.ProcessGroup | None = None) -> Mesh:
@@ -62,6 +137,7 @@ def init_mesh(shard_size: int, group: dist.ProcessGroup | None = None) -> Mesh:
         group=group,
         shard_group=dist.new_group(row, use_local_synchronization=True),
         replicate_group=dist.new_group(column, use_local_synchronization=True),
+        ranks=tuple(ranks),
     )
 
 
