@@ -31,6 +31,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .api import build_optimizer, parallelize
 from .averaging import DiLoCo, LocalSGD, check_streaming
@@ -172,15 +174,27 @@ def compose(
     *,
     params=None,
     group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
     tracer: Tracer | None = None,
     **optimizer_kwargs,
 ) -> Composed:
     """Parallelize `model` and build its optimizer and averager as `recipe` says, in the order
     of [Note: composition]. `params` are the optimizer's param groups (default: every trainable
-    parameter); `group` the ranks (default: every rank); `tracer` records the collectives.
+    parameter); `group` the ranks (default: every rank); `mesh` instead of `group`: the
+    data-parallel dimension of a torch DeviceMesh (`mesh["dp"]` of a ("dp", "tp") mesh, the
+    model split over "tp" beforehand), over which everything below runs as over a group, the
+    HSDP layout and an averager's replicas included; `tracer` records the collectives.
     Collective: every rank calls it with the same model and recipe."""
     tracer = tracer or Tracer()
+    if mesh is not None:  # [Note: device mesh] in strategies/parts/mesh.py: 1-D = its group
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"compose: mesh has {mesh.ndim} dimensions; pass the data-parallel one "
+                "(mesh['dp']) and give Recipe.shard_size for HSDP"
+            )
+        group = mesh.get_group()
     policy = recipe.policy()  # 1. precision, 3. compression: the strategy's own fields
+    names = {id(p): name for name, p in model.named_parameters()}
     world_size = dist.get_world_size(group)
     mesh, replicas = None, None
     if recipe.averaging:  # 2. the strategy runs inside each replica; 6. the averager across
@@ -192,12 +206,35 @@ def compose(
         parallelize(model, policy, mesh=mesh, tracer=tracer)
     else:
         parallelize(model, policy, group=group, tracer=tracer)
+    params = _rebind(params, names, model)
     optimizer = build_optimizer(model, optimizer_cls, params=params, **optimizer_kwargs)  # 5.
     averager = _averager(recipe, model, optimizer, replicas, tracer) if replicas else None
     scaler = None
     if PRECISIONS[recipe.precision][2]:
         scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
     return Composed(model, optimizer, averager, mesh, scaler, recipe, tracer)
+
+
+def _rebind(params, names: dict[int, str], model: nn.Module):
+    """Param groups made before `parallelize` may hold a tensor-parallel model's DTensors,
+    which it replaced by local parameters under the same names ([Note: tensor-parallel
+    parameters]): give the groups those."""
+    if params is None:
+        return None
+    params = list(params)  # a generator is read once
+    groups = [g if isinstance(g, dict) else {"params": [g]} for g in params]
+    if not any(isinstance(p, DTensor) for g in groups for p in _listed(g["params"])):
+        return params
+    now = dict(model.named_parameters())
+
+    def swap(p):
+        return now[names[id(p)]] if isinstance(p, DTensor) else p
+
+    return [{**g, "params": [swap(p) for p in _listed(g["params"])]} for g in groups]
+
+
+def _listed(params) -> list:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
 def _averager(recipe: Recipe, model, optimizer, group, tracer):

@@ -262,7 +262,7 @@ def subset_optimizer_case(world) -> list[float]:
     while the unit's other pieces keep theirs (the shard is then reused, not rebuilt)."""
     model = dp.parallelize(build("transformer", seed=5), dp.ZeRO3())
     opt = dp.build_optimizer(
-        model, torch.optim.SGD, params=[model.blocks[0].attn.qkv.weight], lr=0.0
+        model, torch.optim.SGD, params=[model.blocks[0].attn.q.weight], lr=0.0
     )
     x, y = batch("transformer", 0, 4)
     norms = []

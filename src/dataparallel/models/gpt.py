@@ -46,20 +46,43 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate query, key and value projections.
+
+    [Note: local heads] Under tensor parallelism (train/tensor_parallel.py) q, k and v are
+    split by output rows (ColwiseParallel) and `proj` by input columns (RowwiseParallel), so a
+    rank holds whole heads: the forward reads the number of heads from the output width it
+    computed (the local one), never from the config. Separate q, k, v (rather than one fused
+    qkv) keep each rank's rows whole heads; a state dict of the fused form still loads.
+    """
+
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.head_dim = config.n_embd // config.n_head
+        self.q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.k = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
+        self._register_load_state_dict_pre_hook(_split_fused_qkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        batch, time, _ = x.shape
+        q, k, v = (
+            t.view(batch, time, -1, self.head_dim).transpose(1, 2)  # -1: the local heads
+            for t in (self.q(x), self.k(x), self.v(x))
+        )
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
+
+
+def _split_fused_qkv(state_dict, prefix, *args) -> None:
+    """Load a state dict saved with the fused `qkv` projection (before [Note: local heads])."""
+    for kind in ("weight", "bias"):
+        fused = state_dict.pop(f"{prefix}qkv.{kind}", None)
+        if fused is not None:
+            for name, part in zip("qkv", fused.chunk(3), strict=True):
+                state_dict[f"{prefix}{name}.{kind}"] = part
 
 
 class Block(nn.Module):

@@ -49,6 +49,7 @@ from .parts.mesh import Groups
 from .parts.opaque import opaque
 from .parts.precision import MixedPrecision, check_precision, install_casts, norm_params
 from .parts.reducer import GradientReducer
+from .parts.tensor_parallel import to_local
 from .zero_step import BucketShard, ShardedStep, flatten_bucket
 
 # Bucket reductions in flight at once in backward: bounds ZeRO-2's full-size buckets and the
@@ -364,7 +365,8 @@ class ZeROStrategy(Strategy):
         Collective over the shard group."""
         full = self.full_state_dict()
         names = self.geometry().names
-        return {id(p): full[names[id(p)]].to(p.device) for p in self.trainable}
+        # A tensor-parallel parameter holds its local part of the whole tensor.
+        return {id(p): to_local(p, full[names[id(p)]]).to(p.device) for p in self.trainable}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         shards = [(b.shard, b.params) for b in self.buckets]

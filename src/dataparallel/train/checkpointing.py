@@ -94,6 +94,7 @@ def layout(state: TrainState) -> dict:
         "world_size": state.world.world_size,
         "strategy": config.launch.strategy,
         "shard_group": config.launch.shard_group,
+        "tp": config.launch.tp,
         "sync": dataclasses.asdict(config.sync),
     }
 
@@ -148,7 +149,8 @@ class Checkpointer:
             self._write(chunks, state.step, plain)
         else:
             staged = {
-                k: Chunk(self._stage(k, c.tensor), c.offset, c.numel) for k, c in chunks.items()
+                k: Chunk(self._stage(k, c.tensor), c.offset, c.numel, c.runs)  # runs: --tp
+                for k, c in chunks.items()
             }
             self.pending = self.executor.submit(self._write, staged, state.step, plain)
 

@@ -22,6 +22,7 @@ from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
 from .model_source import check_model, meta_model, run_tokenizer
 from .sync import averaging, check_sync
+from .tensor_parallel import check_tp
 from .tracing import parse_steps
 
 # Files that mark a directory as holding a run (see docs/train.md, "The run directory").
@@ -51,7 +52,7 @@ def resolve_batch(config: RunConfig) -> RunConfig:
     The result records the derived batch and global_batch = 0, so that a resumed run (or one
     started from the written config.toml) with other flags derives nothing stale.
     """
-    train, world = config.train, config.world_size
+    train, world = config.train, config.data_ranks  # tp peers read the same slice
     if train.global_batch <= 0:
         return config
     parts = train.accum * world
@@ -148,7 +149,7 @@ def check_values(config: RunConfig) -> None:
         )
     _check_trace(config)
     check_launch(config)
-    world = config.world_size
+    world = config.data_ranks  # the shard group lies within mesh["dp"]
     # Under local SGD / DiLoCo the shard group is a replica, which may run DDP inside.
     ddp_alone = launch.strategy == "ddp" and not averaging(config)
     if launch.shard_group and (world % launch.shard_group or ddp_alone):
@@ -159,6 +160,7 @@ def check_values(config: RunConfig) -> None:
         )
         fix = "use zero1, zero2 or zero3" if ddp_alone else "use a divisor"
         raise ConfigError(field_label("launch", "shard_group"), why, f"{fix}, or 0 for none")
+    check_tp(config)
     check_sync(config, check_model(config))  # reads an hf:DIR's config, nothing else
 
 
@@ -256,7 +258,7 @@ def keep_global_batch(base: RunConfig, config: RunConfig, flags: dict) -> RunCon
     is kept and `accum` absorbs the change when it divides; otherwise `accum` is kept and the
     micro-batch changes; when neither divides, the resize is refused.
     """
-    target, ranks = base.global_batch, config.world_size
+    target, ranks = base.global_batch, config.data_ranks
     if config.global_batch == target:
         return config
     if {"batch", "accum", "global_batch"} & set(flags):

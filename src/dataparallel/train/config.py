@@ -165,6 +165,9 @@ class LaunchConfig:
     shard_group: ranks per shard group for zero1/2/3 on a 2-D mesh (HSDP: shard within groups
         of this many consecutive ranks, replicate across the groups); must divide the world
         size. 0: shard over every rank.
+    tp: tensor-parallel ranks: the reference GPT's attention heads and MLP are split over tp
+        consecutive ranks, the data parallelism runs over world / tp ("world 4 = dp 2 x tp 2");
+        must divide the ranks, the heads and the width (docs/core.md). 1: none.
     out: run directory for metrics, checkpoints and the report; empty: runs/<time>-<model>.
     threads: torch threads per worker; 0: a fair share, max(1, cores // nproc).
     max_restarts: times the launcher restarts the workers after one dies; they resume from
@@ -184,6 +187,7 @@ class LaunchConfig:
     nproc: int = 2
     strategy: str = "ddp"
     shard_group: int = 0
+    tp: int = 1
     out: str = ""
     threads: int = 0
     max_restarts: int = 3
@@ -258,9 +262,14 @@ class RunConfig:
         return self.launch.nproc * self.launch.nnodes
 
     @property
+    def data_ranks(self) -> int:
+        """Ranks that read different data: the world size / tp."""
+        return self.world_size // max(self.launch.tp, 1)
+
+    @property
     def global_batch(self) -> int:
-        """Windows per optimizer step: batch x accum x world size."""
-        return self.train.batch * self.train.accum * self.world_size
+        """Windows per optimizer step: batch x accum x data ranks."""
+        return self.train.batch * self.train.accum * self.data_ranks
 
     def replace(self, **changes: dict) -> RunConfig:
         """A copy with some fields of some sections changed: replace(train={"steps": 5})."""

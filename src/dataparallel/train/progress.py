@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
+from .tensor_parallel import mesh_text, parameter_count
 from .trainer import Callback, EvalRecord, StepRecord, TrainState
 
 
@@ -41,9 +42,9 @@ def describe_run(state: TrainState, threads: int) -> list[str]:
     """The header lines: model, data, processes, global batch and LR schedule."""
     config, world, corpus = state.config, state.world, state.corpus
     train, optim = config.train, config.optim
-    params = sum(p.numel() for p in state.model.parameters())
+    params = parameter_count(state.model, config)
     block = config.data.block_size
-    global_batch = train.batch * train.accum * world.world_size
+    global_batch, ranks = config.global_batch, config.data_ranks  # ranks: dp under --tp
     source = "built-in corpus (stdlib .py)" if not config.data.paths else corpus.source
     scaling = (
         f"linear scaling {optim.lr:g} x {global_batch}/{optim.lr_base_batch}"
@@ -55,10 +56,10 @@ def describe_run(state: TrainState, threads: int) -> list[str]:
         f"data    {source}: {_tokens_text(corpus)}, "
         f"sha256 {corpus.sha256[:12]}; {len(state.train_windows)} train / "
         f"{len(state.val_windows)} val windows of {block} tokens",
-        f"world   {world.world_size} ranks ({config.launch.strategy}, {world.backend}, "
+        f"world   {mesh_text(world.world_size, config.launch.tp)} ({config.launch.strategy}, {world.backend}, "
         f"{world.device.type}, {plural(threads, 'thread')} each){_sync_text(config)}",
         f"batch   global batch = {train.batch} per rank x {train.accum} accum x "
-        f"{world.world_size} ranks = {global_batch} windows = {global_batch * block} tokens/step",
+        f"{ranks} {'ranks' if config.launch.tp == 1 else 'dp ranks'} = {global_batch} windows = {global_batch * block} tokens/step",
         f"lr      peak {state.peak_lr:.3g} ({scaling}), {optim.warmup_steps} warm-up steps, "
         f"cosine to {state.peak_lr * optim.min_lr_ratio:.3g} at step {train.steps}",
     ]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .metrics import read_metrics
 from .progress import format_count, format_duration, plural
+from .tensor_parallel import mesh_text
 from .trace_report import load_traces, plot_timeline, summarize_traces, trace_lines
 
 REPORT = "report"
@@ -114,7 +115,7 @@ def summary_text(summary: dict, run_dir: Path) -> str:
         f"  run       {run_dir}",
         f"  model     {info.get('model')} ({info.get('parameters', 0) / 1e6:.2f}M parameters) "
         f"on {info.get('corpus', {}).get('description', '?')}",
-        f"  world     {info.get('world_size')} ranks x {plural(info.get('threads', 1), 'thread')}, "
+        f"  world     {mesh_text(info.get('world_size', 1), info.get('tp', 1))} x {plural(info.get('threads', 1), 'thread')}, "
         f"{info.get('strategy')}, global batch {info.get('global_batch')} windows = "
         f"{info.get('tokens_per_step')} tokens/step",
         f"  time      {done} steps: {format_duration(summary['train_time_s'])} training, "

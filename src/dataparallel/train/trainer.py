@@ -7,11 +7,13 @@
 global batch (every rank, every micro-step) divided by the number of target tokens in it, so the
 result does not depend on how the batch is split into ranks and micro-steps. The strategy
 *averages* gradients over ranks (DDP's "mean"), so each rank backpropagates
-    sum of its micro-batch's token losses x world_size / global target tokens,
+    sum of its micro-batch's token losses x data ranks / global target tokens,
 and after the averaging the gradient is exactly d(global sum / global tokens). Averaging each
 micro-batch's mean loss instead would weight tokens unequally as soon as micro-batches hold
 different numbers of targets. The global token count is one small all-reduce per step (with
 fixed-length windows it is also batch x block x accum x world size, which the header prints).
+Under --tp the data ranks are the dp size and the sums run over mesh["dp"] ([Note: the job's
+mesh] in train/tensor_parallel.py): tp peers hold the same tokens and the same loss.
 Only targets the loss counts are counted: for prompt/completion and chat data the masked ones
 (IGNORE, [Note: loss masking] in data/packing.py) are neither in the sum nor in the count.
 """
@@ -41,6 +43,7 @@ from .model_source import BuiltModel, build_for_run, run_tokenizer
 from .records import EvalRecord, StepRecord
 from .schedule import WarmupCosine, scaled_lr
 from .sync import recipe_of
+from .tensor_parallel import DataRanks, split_for_run
 
 
 @dataclass(kw_only=True)
@@ -63,6 +66,7 @@ class TrainState:
     tracer: dp.Tracer = field(default_factory=dp.Tracer)  # on for --trace steps (tracing.py)
     composed: dp.Composed | None = None  # what dp.compose built (autocast, the recipe)
     source: object | None = None  # the Hugging Face directory of an hf:DIR model (models/hf.py)
+    data: DataRanks | None = None  # who reads which data (train/tensor_parallel.py); None: world
     step: int = 0
     skipped_steps: int = 0  # steps skipped on every rank (overflow or a non-finite loss/gradient)
     consecutive_skips: int = 0  # non-finite steps in a row ([Note: non-finite steps])
@@ -133,11 +137,12 @@ def setup(
     else:
         built = BuiltModel(model.to(world.device), launch.strategy, None, type(model).__name__)
     model, model_name = built.model, built.name
+    dp_mesh, data = split_for_run(model, world, config.launch.tp)  # [Note: the job's mesh]
     recipe = recipe_of(config, built.strategy)  # the CLI's flags as a dp.Recipe
     optim = config.optim
     peak_lr = scaled_lr(
         optim.lr,
-        config.train.batch * config.train.accum * world.world_size,
+        config.train.batch * config.train.accum * data.size,
         scaling=optim.lr_scaling,
         base_batch=optim.lr_base_batch,
     )
@@ -148,6 +153,7 @@ def setup(
         torch.optim.AdamW,
         params=param_groups(model, optim.weight_decay),
         group=world.group,
+        mesh=dp_mesh,
         lr=peak_lr,
         betas=(optim.beta1, optim.beta2),
     )
@@ -174,23 +180,30 @@ def setup(
         tracer=composed.tracer,
         composed=composed,
         source=built.source,
+        data=data,
     )
 
 
 def next_indices(state: TrainState, count: int) -> list[int]:
     """This rank's next `count` samples; the stream then counts exactly the samples trained on
     (every rank's), so its state_dict is the resume point with no prefetch to correct for."""
-    return state.samples.take(count, state.world.rank, state.world.world_size)
+    data = _data(state)
+    return state.samples.take(count, data.rank, data.size)
 
 
-def _all_reduce_sum(values: list[float], world: dp.World, tracer=None) -> list[float]:
-    """Sum a few numbers over all ranks (float64, so token counts stay exact)."""
+def _data(state: TrainState) -> DataRanks:
+    return state.data or DataRanks(state.world.rank, state.world.world_size, state.world.group)
+
+
+def _all_reduce_sum(values: list[float], state: TrainState, tracer=None) -> list[float]:
+    """Sum a few numbers over the data ranks (float64, so token counts stay exact)."""
+    world, data = state.world, _data(state)
     tensor = torch.tensor(values, dtype=torch.float64, device=world.device)  # NCCL: on the GPU
-    if world.world_size > 1:
+    if data.size > 1:
         # Not the strategy's traffic (not in bytes_sent), but the training thread waits on it.
         with tracer.span("wait", "blocked", kind="all_reduce") if tracer else _NO_SPAN:
-            with watched(world.group, "all_reduce", tensor, what="trainer sums"):  # watchdog
-                dist.all_reduce(tensor, group=world.group)
+            with watched(data.group, "all_reduce", tensor, what="trainer sums"):  # watchdog
+                dist.all_reduce(tensor, group=data.group)
     return tensor.tolist()
 
 
@@ -223,9 +236,9 @@ def train_step(state: TrainState) -> StepRecord:
             state.train_windows.batch(indices[k * batch : (k + 1) * batch]) for k in range(accum)
         ]
         local_tokens = sum(int((targets != IGNORE).sum()) for _, targets in micro)
-        (global_tokens,) = _all_reduce_sum([local_tokens], world, trace)
+        (global_tokens,) = _all_reduce_sum([local_tokens], state, trace)
         # [Note: loss normalisation]; a step of prompts only counts 0 tokens: a zero gradient
-        scale = world.world_size / max(global_tokens, 1)
+        scale = _data(state).size / max(global_tokens, 1)
         lr = state.peak_lr * state.schedule(state.step)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
@@ -242,7 +255,7 @@ def train_step(state: TrainState) -> StepRecord:
                 (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += summed.detach().double()
     with trace.span("loss"):
-        (total_loss,) = _all_reduce_sum([float(loss_sum)], world, trace)
+        (total_loss,) = _all_reduce_sum([float(loss_sum)], state, trace)
     with trace.span("optimizer"):
         grad_norm, skipped, nonfinite = _clip_and_step(state, total_loss)
     if state.averager is not None and not skipped:
@@ -325,10 +338,10 @@ def evaluate(state: TrainState) -> EvalRecord:
     leave the others waiting. A rank whose shard has run out scores a stand-in window and drops it.
     """
     started = time.perf_counter()
-    config, world = state.config, state.world
+    config, world, data = state.config, state.world, _data(state)
     chosen = evenly_spaced(config.data.eval_windows, len(state.val_windows))
-    mine = chosen[world.rank :: world.world_size]
-    longest = -(-len(chosen) // world.world_size)  # the longest rank's share
+    mine = chosen[data.rank :: data.size]  # tp peers score the same windows
+    longest = -(-len(chosen) // data.size)  # the longest rank's share
     state.model.eval()
     loss_sum, tokens = 0.0, 0
     try:
@@ -341,7 +354,7 @@ def evaluate(state: TrainState) -> EvalRecord:
                 tokens += int((targets != IGNORE).sum())
     finally:
         state.model.train()
-    total_loss, total_tokens = _all_reduce_sum([loss_sum, tokens], world)
+    total_loss, total_tokens = _all_reduce_sum([loss_sum, tokens], state)
     return EvalRecord(
         step=state.step,
         val_loss=total_loss / max(total_tokens, 1),

@@ -28,6 +28,7 @@ from .config import RunConfig, apply_mapping, field_label, to_toml
 from .metrics import MetricsLogger
 from .progress import ProgressBar
 from .report import RUN_INFO, make_report
+from .tensor_parallel import parameter_count
 from .tracing import TraceWriter, parse_steps
 from .trainer import Callback, TrainState, fit, setup
 
@@ -90,13 +91,14 @@ def run_info(state: TrainState, threads: int, previous: dict | None) -> dict:
     """run.json: what ran, on what data, with which software (and when it was resumed)."""
     config, corpus = state.config, state.corpus
     block = config.data.block_size
-    global_batch = config.train.batch * config.train.accum * state.world.world_size
+    global_batch = config.global_batch
     now = datetime.datetime.now().isoformat(timespec="seconds")
     info = {
         "model": config.model.name,
-        "parameters": sum(p.numel() for p in state.model.parameters()),
+        "parameters": parameter_count(state.model, config),
         "strategy": config.launch.strategy,
         "world_size": state.world.world_size,
+        "tp": config.launch.tp,
         "threads": threads,
         "device": state.world.device.type,
         "backend": state.world.backend,
