@@ -39,6 +39,32 @@ def _folder(path: Path) -> Path:
 
 CASES = {
     # name: (extra args, a setup function of tmp_path returning more args, expected fragments)
+    "tp does not divide the ranks": (
+        ["--nproc", "3", "--tp", "2"],
+        None,
+        ["--tp (launch.tp)", "2 does not divide the 3 ranks", "use a divisor"],
+    ),
+    "tp does not divide the heads": (
+        ["--nproc", "8", "--tp", "8"],
+        None,
+        ["--tp (launch.tp)", "8 does not divide gpt-tiny's 4 heads", "use a divisor of 4"],
+    ),
+    "tp of a Hugging Face model": (
+        ["--tp", "2", "--model", "hf:some/dir"],
+        None,
+        ["--tp (launch.tp)", "hf:some/dir has no tensor-parallel plan", "or --tp 1"],
+    ),
+    "tp of a model without a plan": (
+        ["--tp", "2", "--model", "mlp"],
+        None,
+        ["--tp (launch.tp)", "mlp has no tensor-parallel plan", "use a reference GPT"],
+    ),
+    "tp with an averager": (
+        ["--nproc", "4", "--tp", "2", "--diloco", "4"],
+        None,
+        ["--tp (launch.tp)", "do not run with tensor parallelism yet"],
+    ),
+    "tp below 1": (["--tp", "0"], None, ["--tp (launch.tp)", "0 is below 1"]),
     "global batch does not divide": (
         ["--global-batch", "10", "--accum", "2"],
         None,

@@ -59,7 +59,7 @@ def check_tp(config: RunConfig) -> None:
             f"{config.model.name} has no tensor-parallel plan",
             "use a reference GPT (gpt-tiny, gpt-small, gpt-medium), or --tp 1",
         )
-    for what, size in (("heads", shape.n_head), ("width", shape.n_embd)):
+    for what, size in (("heads", shape.n_head), ("width", shape.n_embd)):  # heads | width
         if size % tp:
             raise ConfigError(
                 label,
