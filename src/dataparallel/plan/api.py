@@ -40,6 +40,7 @@ def plan(
     activation_checkpointing: bool = False,
     layout: str = "dataparallel",
     bucket_mb: float | None = None,
+    tp: int = 1,
 ) -> Plan:
     """Predict memory per rank, bytes sent and step time of every strategy, and pick one.
 
@@ -81,6 +82,7 @@ def plan(
         activation_checkpointing=activation_checkpointing,
         layout=layout,
         bucket_mb=bucket_mb,
+        tp=tp,
     )
     return make_plan(model_shape(model, params, layers, width, seq_len, vocab, loss_fn,
                                  inputs), hw, inputs)  # fmt: skip
@@ -92,7 +94,10 @@ def model_shape(model, params, layers, width, seq_len, vocab, loss_fn, x: PlanIn
         compute = torch.float16
     autocast = torch.bfloat16 if x.autocast else None
     if isinstance(model, str):
-        return builtin_shape(model, seq_len, compute, autocast)
+        return builtin_shape(model, seq_len, compute, autocast, x.tp)
+    if x.tp > 1:
+        raise PlanError("--tp", "the tensor-parallel split is known for built-in models only",
+                        "give --model gpt-small, llama-8b, ..., or drop --tp")  # fmt: skip
     if isinstance(model, nn.Module):
         kept = 0.0
         if loss_fn is not None:

@@ -33,6 +33,7 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--diloco-steps", type=int, default=100, help="DiLoCo inner steps H")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--layout", default="dataparallel", help="dataparallel or zero-paper")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1: none)")
     p.add_argument("--json", action="store_true", help="print rows as JSON")
     p.add_argument("--calibrate", action="store_true", help="measure this machine (2 ranks)")
     p.add_argument("--out", help="with --calibrate: where to write the profile JSON")
@@ -83,6 +84,7 @@ def _plan(args: argparse.Namespace) -> int:
         diloco_steps=args.diloco_steps,
         activation_checkpointing=args.activation_checkpointing,
         layout=args.layout,
+        tp=args.tp,
     )
     print(as_json(result) if args.json else as_table(result))
     return 0

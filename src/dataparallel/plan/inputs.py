@@ -44,6 +44,8 @@ class PlanInputs:
         fp32 gradient slice, no buckets).
     bucket_mb: gradient bucket MiB of DDP, ZeRO-1 and ZeRO-2; None: each policy's own
         default (25, 25 and 4).
+    tp: tensor-parallel ranks T: the strategies run over ranks / T data-parallel ranks on the
+        part of the model a rank holds ([Note: planner tensor parallelism]); 1: none.
     """
 
     ranks: int
@@ -59,8 +61,13 @@ class PlanInputs:
     activation_checkpointing: bool = False
     layout: str = "dataparallel"
     bucket_mb: float | None = None
+    tp: int = 1
 
     def __post_init__(self):
+        _count("--tp", self.tp, "give tensor-parallel ranks >= 1 (1: none)")
+        if self.ranks % self.tp:
+            raise PlanError("--tp", f"{self.tp} does not divide the {self.ranks} ranks",
+                            f"give a divisor of {self.ranks}")  # fmt: skip
         _count("--ranks", self.ranks, "give a positive number of ranks (or --nodes and "
                "--ranks-per-node)")  # fmt: skip
         _count("--micro-batch", self.micro_batch, "give samples per rank per forward, >= 1")
@@ -84,10 +91,10 @@ class PlanInputs:
                 )  # fmt: skip
         for s in self.shard_sizes or ():
             _count("--shard-size", s, f"give a divisor of --ranks {self.ranks}")
-            if self.ranks % s:
+            if self.data_ranks % s:
                 raise PlanError(
-                    "--shard-size", f"{s} does not divide the {self.ranks} ranks",
-                    f"give a divisor of {self.ranks}",
+                    "--shard-size", f"{s} does not divide the {self.data_ranks} data ranks",
+                    f"give a divisor of {self.data_ranks}",
                 )  # fmt: skip
         if self.compress not in COMPRESSORS:
             raise PlanError(
@@ -104,6 +111,11 @@ class PlanInputs:
             )
         if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise PlanError("--bucket-mb", f"{self.bucket_mb} MiB", "give a size > 0")
+
+    @property
+    def data_ranks(self) -> int:
+        """The data-parallel ranks: ranks / tp."""
+        return self.ranks // self.tp
 
     @property
     def param_bytes(self) -> int:

@@ -156,21 +156,27 @@ def widest(width: int, hidden: int, vocab: int, seq_len: int, itemsize: int) -> 
 
 
 def builtin_shape(
-    name: str, seq_len: int | None, compute: torch.dtype, autocast: torch.dtype | None
+    name: str,
+    seq_len: int | None,
+    compute: torch.dtype,
+    autocast: torch.dtype | None,
+    tp: int = 1,
 ) -> ModelShape:
-    """A model of dataparallel.models (or a Llama of llama.py), built and traced on meta."""
+    """A model of dataparallel.models (or a Llama of llama.py), built and traced on meta; with
+    `tp` > 1 the part one rank holds ([Note: planner tensor parallelism])."""
     from ..models import MODEL_CONFIGS, build_model
     from .llama import LLAMA_CONFIGS, Llama
+    from .tensor_parallel import narrow
 
     if name in LLAMA_CONFIGS:
         config = LLAMA_CONFIGS[name]
         with torch.device("meta"):
-            model = Llama(config).to(compute)
+            model = narrow(Llama(config).to(compute), tp, config.n_heads, config.n_kv_heads)
         shape = shape_of_module(
             model, name=name, seq_len=seq_len or config.seq_len, layers=config.n_layer,
             width=config.dim, vocab=config.vocab_size,
         )  # fmt: skip
-        return llama_activations(shape, config, compute, autocast)
+        return llama_activations(shape, config, compute, autocast, tp)
     if name not in MODEL_CONFIGS or not hasattr(MODEL_CONFIGS[name], "n_layer"):
         gpts = [n for n, c in MODEL_CONFIGS.items() if hasattr(c, "n_layer")]
         known = ", ".join(sorted([*gpts, *LLAMA_CONFIGS]))
@@ -183,26 +189,28 @@ def builtin_shape(
             f"give at most {config.block_size}",
         )  # fmt: skip
     with torch.device("meta"):
-        model = build_model(name).to(compute)
+        model = narrow(build_model(name).to(compute), tp, config.n_head)
     kept = saved_bytes(model, lm_run(seq_len, 1, config.vocab_size, autocast))
     itemsize = (autocast or compute).itemsize
     return shape_of_module(
         model, name=name, seq_len=seq_len, layers=config.n_layer, width=config.n_embd,
         vocab=config.vocab_size, activation_bytes=kept,
-        largest_activation=widest(config.n_embd, 4 * config.n_embd, config.vocab_size, seq_len,
-                                  itemsize),
+        largest_activation=widest(config.n_embd, 4 * config.n_embd // tp, config.vocab_size,
+                                  seq_len, itemsize),
     )  # fmt: skip
 
 
-def llama_activations(shape: ModelShape, config, compute, autocast) -> ModelShape:
+def llama_activations(shape: ModelShape, config, compute, autocast, tp: int = 1) -> ModelShape:
     """Llama's activations by formula ([Note: activations] with Llama's block: RMSNorm,
     grouped-query attention, SwiGLU): per token and layer 6h + 2kv + 4ffn elements, plus
-    the logits (compute dtype) and their fp32 log-softmax."""
+    the logits (compute dtype) and their fp32 log-softmax. Under tensor parallelism the two
+    norms' inputs and outputs (4h) stay whole and the rest is split `tp` ways."""
     from dataclasses import replace
 
     itemsize = (autocast or compute).itemsize
     kv = config.dim // config.n_heads * config.n_kv_heads
-    per_token = config.n_layer * (6 * config.dim + 2 * kv + 4 * config.ffn_dim) * itemsize
+    split = (2 * config.dim + 2 * kv + 4 * config.ffn_dim) / tp
+    per_token = config.n_layer * (4 * config.dim + split) * itemsize
     per_token += config.vocab_size * (itemsize + 4)
     return replace(
         shape,

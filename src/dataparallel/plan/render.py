@@ -15,6 +15,7 @@ def as_json(p: Plan) -> str:
             "model": p.model.name,
             "params": p.model.params,
             "ranks": p.inputs.ranks,
+            "tp": p.inputs.tp,
             "hardware": p.hardware.name,
             "rows": [r.to_dict(p.hardware) for r in p.rows],
             "recommendation": p.best.candidate.label if p.best else None,
@@ -24,10 +25,16 @@ def as_json(p: Plan) -> str:
     )
 
 
+def _world(p: Plan) -> str:
+    x = p.inputs
+    return f"{x.ranks} ranks" if x.tp == 1 else f"{x.ranks} ranks = dp {x.data_ranks} x tp {x.tp}"
+
+
 def as_table(p: Plan) -> str:
     """Memory in GB (1e9 bytes), traffic in GB per rank per step, times in ms."""
     head = (
-        f"{p.model.name}: {p.model.params:,} parameters, {p.inputs.ranks} ranks, "
+        f"{p.model.name}: {p.model.params:,} parameters{' per rank' if p.inputs.tp > 1 else ''}"
+        f", {_world(p)}, "
         f"{p.inputs.precision}, micro-batch {p.inputs.micro_batch} x {p.inputs.accumulation}, "
         f"{p.hardware.name}"
     )

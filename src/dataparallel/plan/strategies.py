@@ -42,6 +42,7 @@ from .collectives import Collective, compressed_bytes, span
 from .hardware import HardwareProfile
 from .inputs import PlanInputs
 from .model import ModelShape
+from .tensor_parallel import activation_all_reduces
 
 # --precision names with a low param_dtype (fp32 masters); the others train in fp32.
 PARAM_DTYPES = {"bf16-params": torch.bfloat16, "fp16": torch.float16}
@@ -109,7 +110,7 @@ def policy_of(c: Candidate, x: PlanInputs):
 
 def footprint(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) -> Footprint:
     """[Note: planner memory] and the collectives of one step, for candidate `c`."""
-    n, s = x.ranks, c.shard_size
+    n, s, t = x.data_ranks, c.shard_size, x.tp  # dp groups: ranks t apart
     policy = policy_of(c, x)
     if isinstance(policy, DDP):
         held = policy.footprint(m.param_shapes, optimizer_bytes=x.optimizer_bytes)
@@ -117,9 +118,9 @@ def footprint(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) -
     else:  # our comm's reduce-scatters are pairwise on gloo (`parallelize(pairwise=None)`)
         held = policy.footprint(m.param_shapes, shard_size=s, pairwise=hw.backend == "gloo",
                                 optimizer_bytes=x.optimizer_bytes)  # fmt: skip
-    world = span(n, 1, n, hw.ranks_per_node)
-    shard = span(s, 1, n, hw.ranks_per_node)
-    replicas = world if s == 1 else span(n // s, s, n, hw.ranks_per_node)
+    world = span(n, t, x.ranks, hw.ranks_per_node)
+    shard = span(s, t, x.ranks, hw.ranks_per_node)
+    replicas = world if s == 1 else span(n // s, s * t, x.ranks, hw.ranks_per_node)
     grads, calls = sum(held.reductions), len(held.reductions)
     f = Footprint(rank=held)
     if c.strategy in ("zero3", "diloco"):
@@ -135,6 +136,9 @@ def footprint(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) -
                                         buffer_bytes=sum(held.gathers), group=shard,
                                         calls=len(held.gathers), window="none"))  # fmt: skip
     f = _compress(f, c, m, x, world if c.strategy == "ddp" else replicas)
+    itemsize = 2 if x.autocast else x.param_bytes
+    f.collectives.extend(activation_all_reduces(x.tp, m.layers, m.width, m.seq_len
+                         * x.micro_batch, itemsize, x.accumulation, x.ranks, hw.ranks_per_node))  # fmt: skip
     psi, k = float(m.params), x.optimizer_bytes
     return _paper(f, c.strategy, psi, n, k) if x.layout == "zero-paper" else f
 
