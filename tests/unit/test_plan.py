@@ -185,6 +185,13 @@ def test_recommendation_and_a_plan_that_fits_nowhere():
         (["--model", "gpt-small", "--ranks", "2", "--precision", "fp8"], "--precision"),
         (["--model", "gpt-small", "--ranks", "2", "--optimizer", "lion"], "--optimizer"),
         (["--model", "gpt-small", "--ranks", "2", "--compress", "zip"], "--compress"),
+        (["--model", "gpt-small", "--ranks", "4", "--tp", "3"], "--tp"),
+        (["--model", "gpt-small", "--ranks", "8", "--tp", "8"], "--tp"),  # 4 heads
+        (["--params", "1e9", "--ranks", "4", "--tp", "2"], "--tp"),
+        (
+            ["--model", "gpt-small", "--ranks", "8", "--tp", "2", "--shard-size", "8"],
+            "--shard-size",
+        ),  # fmt: skip
     ],
 )
 def test_bad_input_is_one_line_naming_the_field(argv, field, capsys):
@@ -309,3 +316,36 @@ def test_the_planner_reports_the_policies_footprints():
         shape.param_shapes, shard_size=2, **given
     )
     assert wide.memory.buckets > rows["zero2 S=2"].memory.buckets
+
+
+# Held bytes (parameters, gradients, AdamW state) per rank that `dp.memory_report` measured for
+# gpt-small on 4 ranks as dp 2 x tp 2 (benchmarks/bench_tp.py, BENCHMARKS.md).
+TP_MEASURED = {"ddp": 27_427_088, "zero2": 17_141_912, "zero3": 13_713_624}
+
+
+@pytest.mark.parametrize("strategy", sorted(TP_MEASURED))
+def test_tensor_parallel_plans_the_part_a_rank_holds(strategy):
+    row = dp.plan("gpt-small", ranks=4, tp=2, micro_batch=4, strategies=[strategy],
+                  shard_sizes=[2]).rows[0]  # fmt: skip
+    # The planner counts no AdamW `step` scalars: 272 bytes per rank at most.
+    assert 0 <= TP_MEASURED[strategy] - row.held_bytes <= 300
+    # The blocks' linears are split in two, embeddings, norms and the tied head stay whole.
+    assert row.memory.rank.params * {"zero3": 2}.get(strategy, 1) == 1_714_176 * 4
+    assert dp.plan("gpt-small", ranks=2).model.params == 3_290_624
+
+
+def test_tensor_parallel_traffic_is_two_all_reduces_per_block_and_direction():
+    row = dp.plan("gpt-small", ranks=8, tp=2, micro_batch=4, accumulation=3, strategies=["ddp"],
+                  ranks_per_node=8).rows[0]  # fmt: skip
+    activations = [c for c in row.memory.collectives if c.what.startswith("activations")]
+    assert [c.what for c in activations] == ["activations (forward)", "activations (backward)"]
+    for c in activations:  # 4 blocks x 2 x 3 micro-batches of 4 x 256 tokens x 256 fp32
+        assert (c.kind, c.group.size, c.calls, c.window) == ("all_reduce", 2, 24, "none")
+        assert c.buffer_bytes == 2 * 4 * 3 * 4 * 256 * 256 * 4
+        assert c.bytes_sent() == c.buffer_bytes  # a ring of 2 sends 2 (k-1)/k = 1 buffer
+    gradients = [c for c in row.memory.collectives if c.what == "gradients"]
+    assert gradients[0].group.size == 4  # dp: 8 / 2 ranks, 2 apart
+    assert (
+        dp.plan("gpt-small", ranks=8, tp=1, strategies=["ddp"]).rows[0].memory.collectives[0].what
+        == "gradients"
+    )
