@@ -20,6 +20,10 @@ script gets exactly what the CLI gets. The order, and why:
    altogether and synchronises the replicas' parameters every H steps after the optimizer
    step; compressing gradients would then only compress the fast in-replica links, so the two
    are not combined, and DiLoCo's outer gradients are compressed instead (`outer_compress`).
+A tensor-parallel model (split with PyTorch's `parallelize_module` beforehand) composes over
+the data-parallel dimension only: `compose(..., mesh=mesh["dp"])` runs all of the above over
+that dimension's group, so precision acts on the local tensors and compression on the dp
+reduction, never on DTensor's activation all-reduces (docs/core.md, "Hybrid parallelism").
 """
 
 from __future__ import annotations
