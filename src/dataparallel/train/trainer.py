@@ -61,12 +61,12 @@ class TrainState:
     train_windows: TokenWindows | PackedWindows
     val_windows: TokenWindows | PackedWindows
     corpus: Corpus | DataInfo  # what the records name: sha256, source, num_files, num_tokens
+    data: DataRanks  # the ranks that read different data: the dp ones ([Note: the job's mesh])
     scaler: torch.amp.GradScaler | None = None
     averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (dp.compose), or None
     tracer: dp.Tracer = field(default_factory=dp.Tracer)  # on for --trace steps (tracing.py)
     composed: dp.Composed | None = None  # what dp.compose built (autocast, the recipe)
     source: object | None = None  # the Hugging Face directory of an hf:DIR model (models/hf.py)
-    data: DataRanks | None = None  # who reads which data (train/tensor_parallel.py); None: world
     step: int = 0
     skipped_steps: int = 0  # steps skipped on every rank (overflow or a non-finite loss/gradient)
     consecutive_skips: int = 0  # non-finite steps in a row ([Note: non-finite steps])
@@ -187,17 +187,12 @@ def setup(
 def next_indices(state: TrainState, count: int) -> list[int]:
     """This rank's next `count` samples; the stream then counts exactly the samples trained on
     (every rank's), so its state_dict is the resume point with no prefetch to correct for."""
-    data = _data(state)
-    return state.samples.take(count, data.rank, data.size)
-
-
-def _data(state: TrainState) -> DataRanks:
-    return state.data or DataRanks(state.world.rank, state.world.world_size, state.world.group)
+    return state.samples.take(count, state.data.rank, state.data.size)
 
 
 def _all_reduce_sum(values: list[float], state: TrainState, tracer=None) -> list[float]:
     """Sum a few numbers over the data ranks (float64, so token counts stay exact)."""
-    world, data = state.world, _data(state)
+    world, data = state.world, state.data
     tensor = torch.tensor(values, dtype=torch.float64, device=world.device)  # NCCL: on the GPU
     if data.size > 1:
         # Not the strategy's traffic (not in bytes_sent), but the training thread waits on it.
@@ -238,7 +233,7 @@ def train_step(state: TrainState) -> StepRecord:
         local_tokens = sum(int((targets != IGNORE).sum()) for _, targets in micro)
         (global_tokens,) = _all_reduce_sum([local_tokens], state, trace)
         # [Note: loss normalisation]; a step of prompts only counts 0 tokens: a zero gradient
-        scale = _data(state).size / max(global_tokens, 1)
+        scale = state.data.size / max(global_tokens, 1)
         lr = state.peak_lr * state.schedule(state.step)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
@@ -338,7 +333,7 @@ def evaluate(state: TrainState) -> EvalRecord:
     leave the others waiting. A rank whose shard has run out scores a stand-in window and drops it.
     """
     started = time.perf_counter()
-    config, world, data = state.config, state.world, _data(state)
+    config, world, data = state.config, state.world, state.data
     chosen = evenly_spaced(config.data.eval_windows, len(state.val_windows))
     mine = chosen[data.rank :: data.size]  # tp peers score the same windows
     longest = -(-len(chosen) // data.size)  # the longest rank's share
