@@ -325,8 +325,9 @@ def _bytes_sent(state: TrainState) -> tuple[int, int]:
 def evaluate(state: TrainState) -> EvalRecord:
     """Mean token loss over the scored validation windows, exact for any world size.
 
-    Data rank r scores windows r, r + data ranks, ... of the chosen set (tp peers the same), so shards may differ in
-    length by one and no window is scored twice (a padded sampler would count some twice).
+    Data rank r scores windows r, r + data ranks, ... of the chosen set (tp peers the same),
+    so shards may differ in length by one and no window is scored twice (a padded sampler
+    would count some twice).
     Each rank sums its token losses and counts its tokens; one all-reduce of the two sums gives
     the exact mean. Every rank runs the same number of forwards, though: a sharded strategy
     (ZeRO-3) gathers parameters collectively inside forward, so a rank that stopped early would
