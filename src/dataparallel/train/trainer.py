@@ -35,7 +35,7 @@ from ..comm.progress import watched
 from ..data.corpus import Corpus, TokenWindows, evenly_spaced
 from ..data.loading import DataInfo, load_datasets
 from ..data.packing import IGNORE, PackedWindows
-from ..data.stream import SampleStream
+from ..data.stream import SampleStream, split_evenly
 from .config import RunConfig
 from .model_source import BuiltModel, build_for_run, run_tokenizer
 from .records import EvalRecord, StepRecord
@@ -67,6 +67,12 @@ class TrainState:
     consecutive_skips: int = 0  # non-finite steps in a row ([Note: non-finite steps])
     history: list = field(default_factory=list)  # the StepRecords of this session
     evals: list = field(default_factory=list)  # the EvalRecords of this session
+
+    @property
+    def global_batch(self) -> int:
+        """Windows per optimizer step over all ranks ([Note: uneven batches])."""
+        train = self.config.train
+        return train.global_batch or train.batch * train.accum * self.world.world_size
 
     @property
     def last_step(self) -> int:
@@ -145,9 +151,16 @@ def setup(
         outer_compress=sync.outer_compress,
     )
     optim = config.optim
+    train = config.train
+    global_batch = train.global_batch or train.batch * train.accum * world.world_size
+    if global_batch < train.accum * world.world_size:
+        raise ValueError(
+            f"a global batch of {global_batch} windows leaves a micro-batch of accum "
+            f"{train.accum} x {world.world_size} ranks empty"
+        )
     peak_lr = scaled_lr(
         optim.lr,
-        config.train.batch * config.train.accum * world.world_size,
+        global_batch,
         scaling=optim.lr_scaling,
         base_batch=optim.lr_base_batch,
     )
@@ -222,16 +235,24 @@ def _token_loss_sum(state: TrainState, inputs: torch.Tensor, targets: torch.Tens
 
 
 def train_step(state: TrainState) -> StepRecord:
-    """One optimizer step over `accum` micro-batches of this rank's data."""
+    """One optimizer step over `accum` micro-batches of this rank's data.
+
+    [Note: uneven batches] A global batch that accum x world size does not divide is shared as
+    evenly as it goes: rank r takes its share of the step's samples (SampleStream.take_share:
+    the first B % W ranks one more) and cuts it into `accum` micro-batches that differ by at most
+    one (the longer first), so any two micro-batches of the step differ by at most one window.
+    Every rank still runs `accum` micro-steps, so the collectives pair. The gradient stays
+    exactly the global batch's ([Note: loss normalisation]: each rank's token-loss sum is scaled
+    by world_size / global tokens, whatever its own count), which tests/dist/test_ddp.py checks
+    against one process on the whole batch.
+    """
     started, started_ns = time.perf_counter(), time.perf_counter_ns()
     config, world, model, trace = state.config, state.world, state.model, state.tracer
     sent_before = _bytes_sent(state)
-    batch, accum = config.train.batch, config.train.accum
-    with trace.span("data"):
-        indices = next_indices(state, batch * accum)
-        micro = [
-            state.train_windows.batch(indices[k * batch : (k + 1) * batch]) for k in range(accum)
-        ]
+    accum = config.train.accum
+    with trace.span("data"):  # [Note: uneven batches]
+        indices = state.samples.take_share(state.global_batch, world.rank, world.world_size)
+        micro = [state.train_windows.batch(part) for part in split_evenly(indices, accum)]
         local_tokens = sum(int((targets != IGNORE).sum()) for _, targets in micro)
         (global_tokens,) = _all_reduce_sum([local_tokens], world, trace)
         # [Note: loss normalisation]; a step of prompts only counts 0 tokens: a zero gradient

@@ -90,7 +90,7 @@ def run_info(state: TrainState, threads: int, previous: dict | None) -> dict:
     """run.json: what ran, on what data, with which software (and when it was resumed)."""
     config, corpus = state.config, state.corpus
     block = config.data.block_size
-    global_batch = config.train.batch * config.train.accum * state.world.world_size
+    global_batch = state.global_batch
     now = datetime.datetime.now().isoformat(timespec="seconds")
     info = {
         "model": config.model.name,
