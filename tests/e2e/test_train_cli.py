@@ -108,6 +108,12 @@ def test_writes_the_run_directory(reference_run):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
     assert all(r["tokens"] == 16 * 32 for r in records if r["kind"] == "train")
+    # [Note: blame]: each rank's work time, in rank order; no rank to blame for a bad gradient.
+    assert all(
+        len(r["rank_step_s"]) == 2 and 0 < min(r["rank_step_s"]) and r["nonfinite_ranks"] == []
+        for r in records
+        if r["kind"] == "train"
+    )
     info = json.loads((run_dir / "run.json").read_text())
     assert info["corpus"]["sha256"] == load_corpus([str(CORPUS)]).sha256
     assert (info["world_size"], info["global_batch"], info["tokens_per_step"]) == (2, 16, 512)

@@ -21,6 +21,10 @@ class StepRecord:
         rank (they do not count in `step`, nor move the LR schedule).
     bytes_sent: bytes this rank handed to the strategy's and the averager's collectives in this
         step (payload sizes; compression shrinks them).
+    rank_step_s: each rank's work time in this step (data, forward, backward, less the time it
+        waited in collectives), in rank order ([Note: blame] in blame.py).
+    nonfinite_ranks: for a step skipped for a non-finite loss or gradient, the ranks whose own
+        loss or gradients were not finite before the reduction; else ().
     """
 
     step: int
@@ -33,6 +37,8 @@ class StepRecord:
     loss_scale: float = 1.0
     skipped_steps: int = 0
     bytes_sent: int = 0
+    rank_step_s: tuple[float, ...] = ()
+    nonfinite_ranks: tuple[int, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:

@@ -23,6 +23,7 @@ import dataparallel as dp
 from ..checkpoint import CheckpointError, latest_checkpoint
 from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
+from .blame import Blame
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
 from .config import RunConfig, apply_mapping, field_label, to_toml
 from .metrics import MetricsLogger
@@ -168,6 +169,7 @@ def prepare(
         callbacks += [
             ProgressBar(log_every=config.train.log_every, threads=threads),
             MetricsLogger(run_dir),
+            Blame(),  # stragglers and non-finite gradients, by rank ([Note: blame])
         ]
     # Last, so that a checkpoint follows the metrics of its step.
     callbacks.append(
