@@ -11,7 +11,7 @@ result does not depend on how the batch is split into ranks and micro-steps. The
 and after the averaging the gradient is exactly d(global sum / global tokens). Averaging each
 micro-batch's mean loss instead would weight tokens unequally as soon as micro-batches hold
 different numbers of targets. The global token count is one small all-reduce per step (with
-fixed-length windows it is also batch x block x accum x world size, which the header prints).
+fixed-length windows it is also the global batch x block, which the header prints).
 Only targets the loss counts are counted: for prompt/completion and chat data the masked ones
 (IGNORE, [Note: loss masking] in data/packing.py) are neither in the sum nor in the count.
 """
@@ -221,8 +221,10 @@ def train_step(state: TrainState) -> StepRecord:
     one (the longer first), so any two micro-batches of the step differ by at most one window.
     Every rank still runs `accum` micro-steps, so the collectives pair. The gradient stays
     exactly the global batch's ([Note: loss normalisation]: each rank's token-loss sum is scaled
-    by world_size / global tokens, whatever its own count), which tests/dist/test_ddp.py checks
-    against one process on the whole batch.
+    by world_size / global tokens, whatever its own count), which tests/dist/test_uneven_batches.py
+    checks against one process on the whole batch. Under local SGD / DiLoCo each replica steps
+    on its own gradient, which an uneven split scales by the replica's share of the global
+    tokens (within a window of the others') until the replicas are averaged.
     """
     started, started_ns = time.perf_counter(), time.perf_counter_ns()
     waited = PROGRESS.waited()  # [Note: blame]: a rank's work time leaves out its waits
@@ -252,8 +254,9 @@ def train_step(state: TrainState) -> StepRecord:
                 (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += summed.detach().double()
     work_s = time.perf_counter() - started - (PROGRESS.waited() - waited)
-    bad = not math.isfinite(float(loss_sum))
-    bad = state.gradients.nonfinite() or bad if state.gradients is not None else bad
+    bad = not math.isfinite(float(loss_sum))  # this rank's own verdict ([Note: blame])
+    if state.gradients is not None:
+        bad = state.gradients.nonfinite() or bad  # called every step: it starts the next
     with trace.span("loss"):  # the loss, and each rank's time and verdict in its own slots
         sums = all_reduce_sum(
             [float(loss_sum), *_slot(work_s, world), *_slot(float(bad), world)], world, trace
