@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
+from ..data.stream import share
 from .trainer import Callback, EvalRecord, StepRecord, TrainState
 
 
@@ -37,13 +38,22 @@ def format_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def describe_split(global_batch: int, accum: int, world_size: int) -> str:
+    """'8 = 3,3,2 windows per rank' ([Note: uneven batches] in trainer.py), or '8 = 4 windows
+    per rank' when the ranks share it equally; ' in N micro-steps' when accum N > 1."""
+    counts = [share(global_batch, rank, world_size) for rank in range(world_size)]
+    each = str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
+    steps = f" in {accum} micro-steps" if accum > 1 else ""
+    return f"{global_batch} = {each} windows per rank{steps}"
+
+
 def describe_run(state: TrainState, threads: int) -> list[str]:
     """The header lines: model, data, processes, global batch and LR schedule."""
     config, world, corpus = state.config, state.world, state.corpus
     train, optim = config.train, config.optim
     params = sum(p.numel() for p in state.model.parameters())
     block = config.data.block_size
-    global_batch = train.batch * train.accum * world.world_size
+    global_batch = state.global_batch
     source = "built-in corpus (stdlib .py)" if not config.data.paths else corpus.source
     scaling = (
         f"linear scaling {optim.lr:g} x {global_batch}/{optim.lr_base_batch}"
@@ -57,11 +67,21 @@ def describe_run(state: TrainState, threads: int) -> list[str]:
         f"{len(state.val_windows)} val windows of {block} tokens",
         f"world   {world.world_size} ranks ({config.launch.strategy}, {world.backend}, "
         f"{world.device.type}, {plural(threads, 'thread')} each){_sync_text(config)}",
-        f"batch   global batch = {train.batch} per rank x {train.accum} accum x "
-        f"{world.world_size} ranks = {global_batch} windows = {global_batch * block} tokens/step",
+        _batch_text(train, world.world_size, global_batch, block),
         f"lr      peak {state.peak_lr:.3g} ({scaling}), {optim.warmup_steps} warm-up steps, "
         f"cosine to {state.peak_lr * optim.min_lr_ratio:.3g} at step {train.steps}",
     ]
+
+
+def _batch_text(train, world_size: int, global_batch: int, block: int) -> str:
+    tokens = f"{global_batch * block} tokens/step"
+    if global_batch == train.batch * train.accum * world_size:
+        return (
+            f"batch   global batch = {train.batch} per rank x {train.accum} accum x "
+            f"{world_size} ranks = {global_batch} windows = {tokens}"
+        )
+    split = describe_split(global_batch, train.accum, world_size)
+    return f"batch   global batch {split} (uneven) = {tokens}"
 
 
 def _tokens_text(corpus) -> str:
