@@ -219,14 +219,14 @@ def train_and_count(world, run_dir: str, strategy: str, steps: int, resume: bool
     if resume:
         restore(state, run_dir)
     taken = []
-    take = state.samples.take
+    take = state.samples.take_share
 
-    def recording(per_rank, rank, world_size):
-        out = take(per_rank, rank, world_size)
+    def recording(global_batch, rank, world_size):
+        out = take(global_batch, rank, world_size)
         taken.append(out)
         return out
 
-    state.samples.take = recording
+    state.samples.take_share = recording
     for _ in range(steps):
         train_step(state)
     Checkpointer(run_dir, state, "sync").save(state)

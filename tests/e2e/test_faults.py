@@ -168,10 +168,18 @@ def test_a_different_model_is_named_by_its_first_parameter(stopped, tmp_path):
     assert "'tok_emb.weight' has shape [256, 144] in the checkpoint but [256, 256]" in message
 
 
-def test_a_resize_that_cannot_keep_the_global_batch_is_refused(stopped, tmp_path):
+def test_a_resume_on_three_ranks_shares_the_global_batch_unevenly(whole, stopped, tmp_path):
+    """16 windows on 3 ranks: 6,5,5 per rank (micro-batches 3+3, 3+2, 3+2), every sample once,
+    the weights those of the uninterrupted run up to summation order ([Note: uneven batches])."""
     run = _copy(stopped, tmp_path)
-    message = _error(_resume(run, "--nproc", "3"))
-    assert "3 ranks cannot share the run's global batch of 16 windows" in message
+    result = _resume(run, "--nproc", "3", "--strategy", "zero3")
+    _ok(result)
+    assert "global batch 16 = 6,5,5 windows per rank in 2 micro-steps (uneven)" in result.stdout
+    latest = run / "checkpoint" / (run / "checkpoint" / "latest").read_text().strip()
+    state = json.loads((latest / "train_state.json").read_text())
+    assert state["samples"]["consumed"] == 12 * 16 and state["global_batch"] == 16
+    ours, reference = _weights(run), _weights(whole)
+    assert max((ours[k] - reference[k]).abs().max().item() for k in ours) < 1e-4
 
 
 def test_exported_weights_equal_the_checkpoint(whole):

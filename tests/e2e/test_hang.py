@@ -1,12 +1,13 @@
-"""A stalled worker is named: `dataparallel train --collective-timeout 5` with 2 workers, one of
-them stopped (SIGSTOP) once training has started ([Note: watchdog] in comm/watchdog.py).
+"""A stalled worker is named and ends the run: `dataparallel train --collective-timeout 5` with 2
+workers, one of them stopped (SIGSTOP) once training has started ([Note: watchdog] in
+comm/watchdog.py).
 
 The other worker's watchdog must print one line naming the stopped rank and the collective it
-never arrived at, within the timeout plus a few seconds, and the run must end with no worker
-left. [Note: stopped worker] torchrun's agent stops the remaining workers with SIGTERM and waits
-its shutdown timeout (30 s) before SIGKILL; a stopped process keeps SIGTERM pending until it is
-continued, so the test continues it (SIGCONT) once the line is out, as an operator would, and
-the run then ends at once. The detection latency is measured and printed (docs/watchdog.md).
+never arrived at, within the timeout plus a few seconds, and the command must exit (status 1)
+within the timeout plus 10 s with no worker left, although nothing continues the stopped worker:
+the launcher continues it once torchrun's agent has told it to end ([Note: stopped workers] in
+train/stopped_workers.py). Before, the agent waited its 30 s shutdown timeout on it. The
+latencies are measured and printed (docs/watchdog.md, docs/faults.md).
 """
 
 from __future__ import annotations
@@ -129,10 +130,12 @@ def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path):
             lambda: stderr.first("collective timeout:"), TIMEOUT_S + 20, "no timeout line"
         )
         latency = found[0] - stopped_at
-        print(f"\ndetection latency: {latency:.2f} s (timeout {TIMEOUT_S} s)\n{found[1]}")
-        os.kill(workers[1], signal.SIGCONT)  # [Note: stopped worker]
-        launcher.wait(timeout=20)
+        launcher.wait(timeout=TIMEOUT_S + 60)  # nothing continues the stopped worker here
         ended = time.monotonic() - stopped_at
+        print(
+            f"\ndetection latency: {latency:.2f} s, exit after {ended:.2f} s "
+            f"(timeout {TIMEOUT_S} s)\n{found[1]}"
+        )
     finally:
         for pid in workers.values():
             with contextlib.suppress(ProcessLookupError):
@@ -158,8 +161,8 @@ def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path):
     assert named, context
     assert TIMEOUT_S <= float(named.group(4)) < TIMEOUT_S + 2, line
     assert len([x for x in stderr.lines if "collective timeout:" in x[1]]) == 1, context
-    assert launcher.returncode != 0
-    assert ended < latency + 10
+    assert launcher.returncode == 1
+    assert ended < TIMEOUT_S + 10, f"the command exited {ended:.1f} s after the stop"
     for pid in workers.values():  # nothing left behind
         assert not _alive(pid)
 

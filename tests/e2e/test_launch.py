@@ -99,6 +99,21 @@ def test_the_watchdog_stops_a_hung_script(tmp_path):
     assert elapsed < 40
 
 
+def test_a_stopped_worker_ends_the_launch_within_the_timeout_plus_10_s(tmp_path):
+    """[Note: stopped workers]: the stopped rank takes the agent's SIGTERM at once."""
+    timeout = 3
+    started = time.monotonic()
+    result = _launch(
+        "--nproc", "2", "--threads", "1", "--collective-timeout", str(timeout),
+        "--max-restarts", "0", str(SCRIPT), str(tmp_path), "--stop-rank", "1",
+    )  # fmt: skip
+    elapsed = time.monotonic() - started  # start-up (about 3 s) included
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "collective timeout: rank 1 " in output and "rank 1 is not responding" in output
+    assert elapsed < timeout + 10, f"{elapsed:.1f} s\n{output}"
+
+
 @pytest.mark.parametrize(
     "args, fragments",
     [

@@ -108,6 +108,12 @@ def test_writes_the_run_directory(reference_run):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
     assert all(r["tokens"] == 16 * 32 for r in records if r["kind"] == "train")
+    # [Note: blame]: each rank's work time, in rank order; no rank to blame for a bad gradient.
+    assert all(
+        len(r["rank_step_s"]) == 2 and 0 < min(r["rank_step_s"]) and r["nonfinite_ranks"] == []
+        for r in records
+        if r["kind"] == "train"
+    )
     info = json.loads((run_dir / "run.json").read_text())
     assert info["corpus"]["sha256"] == load_corpus([str(CORPUS)]).sha256
     assert (info["world_size"], info["global_batch"], info["tokens_per_step"]) == (2, 16, 512)
@@ -372,3 +378,18 @@ def test_diloco_with_zero2_inside_synchronises_every_h_steps(reference_run, tmp_
         extra = records[step - 1]["bytes_sent"] - inner
         assert 2.8e6 < extra < 3.0e6, (step, extra)
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
+
+
+def test_a_global_batch_that_the_ranks_do_not_divide_trains(tmp_path):
+    """--global-batch 8 on 3 ranks: 3,3,2 windows per rank ([Note: uneven batches])."""
+    args = ["--nproc", "3", "--threads", "1", "--model", "gpt-tiny", "--block-size", "32"]
+    args += ["--global-batch", "8", "--steps", "3", "--eval-every", "0"]
+    result = train(args, tmp_path / "run")
+    assert result.returncode == 0, result.stderr
+    assert "global batch 8 = 3,3,2 windows per rank (uneven) = 256 tokens/step" in result.stdout
+    config = (tmp_path / "run" / "config.toml").read_text()
+    assert "global_batch = 8" in config and "batch = 3" in config
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    trained = [r for r in records if r["kind"] == "train"]
+    assert [r["tokens"] for r in trained] == [8 * 32] * 3
+    assert all(len(r["rank_step_s"]) == 3 for r in trained)

@@ -65,13 +65,13 @@ CASES = {
         ["--tp (launch.tp)", "do not run with tensor parallelism yet"],
     ),
     "tp below 1": (["--tp", "0"], None, ["--tp (launch.tp)", "0 is below 1"]),
-    "global batch does not divide": (
-        ["--global-batch", "10", "--accum", "2"],
+    "global batch leaves a micro-batch empty": (
+        ["--global-batch", "3", "--accum", "2"],
         None,
         [
             "--global-batch (train.global_batch)",
-            "accum 2 x 2 ranks = 4",
-            "multiple of 4, e.g. 8 or 12",
+            "3 windows leave some of the accum 2 x 2 ranks = 4 micro-batches empty",
+            "use at least 4 windows, or a smaller --accum",
         ],
     ),
     "more ranks than samples": (

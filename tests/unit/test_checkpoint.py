@@ -26,8 +26,8 @@ from dataparallel.checkpoint import (
 )
 from dataparallel.compression.feedback import keyed_tensors, load_keyed_tensors
 from dataparallel.data.sampler import DistributedSampler
-from dataparallel.data.stream import SampleStream
-from dataparallel.train.checks import keep_global_batch
+from dataparallel.data.stream import SampleStream, share, split_evenly
+from dataparallel.train.checks import keep_global_batch, resolve_batch
 from dataparallel.train.config import ConfigError, RunConfig
 
 
@@ -152,6 +152,26 @@ def test_a_resize_neither_skips_nor_repeats_a_sample():
         assert sorted(taken[72 * epoch : 72 * (epoch + 1)]) == list(range(72))
 
 
+def test_an_uneven_split_hands_out_every_sample_once():
+    """A global batch of 8 over 2, 3, 5, 1 and 7 ranks (shares 4,4 / 3,3,2 / 2,2,2,1,1 / 8 /
+    2,1,1,1,1,1,1): 5 steps each, 200 positions over an epoch of 40, each once per epoch."""
+    stream, taken = SampleStream(40, seed=2), []
+    for world in (2, 3, 5, 1, 7):
+        for _ in range(5):
+            position, parts = stream.consumed, []
+            for rank in range(world):
+                stream.consumed = position  # every rank reads the same step
+                parts.append(stream.take_share(8, rank, world))
+            assert sorted(len(p) for p in parts)[-1] - sorted(len(p) for p in parts)[0] <= 1
+            assert [len(p) for p in parts] == [share(8, r, world) for r in range(world)]
+            taken += [i for p in parts for i in p]
+    assert stream.consumed == 200 and len(taken) == 200
+    for epoch in range(5):
+        assert sorted(taken[40 * epoch : 40 * (epoch + 1)]) == list(range(40))
+    assert [len(p) for p in split_evenly(list(range(5)), 3)] == [2, 2, 1]
+    assert split_evenly(list(range(6)), 3) == [[0, 1], [2, 3], [4, 5]]
+
+
 def _run(batch, accum, nproc):
     return RunConfig().replace(train={"batch": batch, "accum": accum}, launch={"nproc": nproc})
 
@@ -161,8 +181,15 @@ def test_a_resize_keeps_the_global_batch_or_is_refused():
     assert keep_global_batch(base, _run(8, 1, 2), {}).train.accum == 2
     three = keep_global_batch(_run(6, 1, 2), _run(6, 1, 3), {})  # 12 = 4 x 1 x 3
     assert (three.train.batch, three.train.accum) == (4, 1)
-    with pytest.raises(ConfigError, match="--nproc .*3 ranks cannot share .* 32 windows"):
-        keep_global_batch(base, _run(8, 1, 3), {})
+    uneven = keep_global_batch(base, _run(8, 1, 3), {})  # 32 = 11,11,10: accum kept
+    assert (uneven.train.batch, uneven.train.accum, uneven.train.global_batch) == (11, 1, 32)
+    assert uneven.global_batch == 32
+    small = keep_global_batch(_run(1, 4, 2), _run(1, 4, 3), {})  # 8 on 3 ranks: accum 4 -> 2
+    assert (small.train.batch, small.train.accum, small.global_batch) == (2, 2, 8)
+    back = keep_global_batch(uneven, resolve_batch(uneven.replace(launch={"nproc": 4})), {})
+    assert (back.train.batch, back.train.accum, back.train.global_batch) == (8, 1, 0)
+    with pytest.raises(ConfigError, match="--nproc .*33 ranks cannot share .* 32 windows"):
+        keep_global_batch(base, _run(8, 1, 33), {})
     with pytest.raises(ConfigError, match="global batch of 32 windows, these flags give 64"):
         keep_global_batch(base, _run(16, 1, 4), {"batch": 16})
 

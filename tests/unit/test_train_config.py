@@ -76,8 +76,10 @@ def test_global_batch_derives_the_per_rank_batch():
     config = RunConfig().replace(train={"global_batch": 24, "accum": 3}, launch={"nproc": 2})
     resolved = resolve_batch(config)
     assert (resolved.train.batch, resolved.train.global_batch, resolved.global_batch) == (4, 0, 24)
-    with pytest.raises(ConfigError, match=r"multiple of 6, e.g. 24 or 30"):
-        resolve_batch(config.replace(train={"global_batch": 25}))
+    uneven = resolve_batch(config.replace(train={"global_batch": 25}))  # 9,8,8 in 3 micro-steps
+    assert (uneven.train.batch, uneven.train.global_batch, uneven.global_batch) == (5, 25, 25)
+    with pytest.raises(ConfigError, match=r"5 windows leave some .* = 6 micro-batches empty"):
+        resolve_batch(config.replace(train={"global_batch": 5}))
 
 
 def test_a_batch_flag_replaces_a_global_batch_from_the_file(tmp_path):
@@ -156,3 +158,11 @@ def test_the_watchdog_flags_read_from_the_command_line_and_toml(tmp_path):
         r"-1.0 is below 0; use 0 or more$",
     ):
         check_values(RunConfig().replace(launch={"collective_timeout": -1.0}))
+
+
+def test_the_header_shows_how_the_ranks_share_the_global_batch():
+    from dataparallel.train.progress import describe_split
+
+    assert describe_split(8, 1, 3) == "8 = 3,3,2 windows per rank"
+    assert describe_split(16, 2, 3) == "16 = 6,5,5 windows per rank in 2 micro-steps"
+    assert describe_split(8, 1, 2) == "8 = 4 windows per rank"

@@ -25,6 +25,7 @@ it doubles the number of messages and waits for every rank before each collectiv
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import torch
@@ -89,6 +90,8 @@ class Progress:
     members: group name -> the global ranks of the group, in group-rank order.
     waiting: token -> (collective, time.monotonic() when the wait began), one per blocked wait.
     check: exchange fingerprints before each collective ([Note: checked collectives]).
+    waited_s: thread id -> seconds that thread has spent blocked on collectives (the trainer
+        subtracts its own from a step's time: [Note: blame] in train/blame.py).
     """
 
     def __init__(self):
@@ -96,6 +99,7 @@ class Progress:
         self.members: dict[str, tuple[int, ...]] = {}
         self.waiting: dict[int, tuple[Collective, float]] = {}
         self.check = False
+        self.waited_s: dict[int, float] = {}
         self._tokens = itertools.count()
 
     def register(self, group: dist.ProcessGroup) -> str:
@@ -118,7 +122,15 @@ class Progress:
         return token
 
     def end_wait(self, token: int) -> None:
-        self.waiting.pop(token, None)
+        """The wait of `token` is over (called on the thread that began it)."""
+        entry = self.waiting.pop(token, None)
+        if entry is not None:
+            thread = threading.get_ident()
+            self.waited_s[thread] = self.waited_s.get(thread, 0.0) + time.monotonic() - entry[1]
+
+    def waited(self) -> float:
+        """Seconds the calling thread has spent blocked on collectives so far."""
+        return self.waited_s.get(threading.get_ident(), 0.0)
 
     def oldest_wait(self) -> tuple[Collective, float] | None:
         """The collective waited on longest now, and when its wait began; None if none."""

@@ -49,21 +49,24 @@ def _at_least(config: RunConfig, section: str, name: str, minimum: float) -> Non
 def resolve_batch(config: RunConfig) -> RunConfig:
     """Derive the per-rank batch from train.global_batch when it is set (> 0).
 
-    The result records the derived batch and global_batch = 0, so that a resumed run (or one
-    started from the written config.toml) with other flags derives nothing stale.
+    When accum x world size divides it, the result records the derived batch and
+    global_batch = 0, so that a resumed run (or one started from the written config.toml) with
+    other flags derives nothing stale. Otherwise the micro-batches differ by at most one window
+    ([Note: uneven batches] in trainer.py): batch records the largest and global_batch stays.
     """
     train, world = config.train, config.data_ranks  # tp peers read the same slice
     if train.global_batch <= 0:
         return config
     parts = train.accum * world
-    if train.global_batch % parts:
-        lower = max(parts, train.global_batch // parts * parts)
+    if train.global_batch < parts:
         raise ConfigError(
             field_label("train", "global_batch"),
-            f"{train.global_batch} windows do not split into accum {train.accum} x "
-            f"{world} ranks = {parts} equal micro-batches",
-            f"use a multiple of {parts}, e.g. {lower} or {lower + parts}",
+            f"{train.global_batch} windows leave some of the accum {train.accum} x {world} "
+            f"ranks = {parts} micro-batches empty",
+            f"use at least {parts} windows, or a smaller --accum",
         )
+    if train.global_batch % parts:
+        return config.replace(train={"batch": -(-train.global_batch // parts)})
     return config.replace(train={"batch": train.global_batch // parts, "global_batch": 0})
 
 
@@ -250,13 +253,15 @@ def check_run_dir(path: Path, *, resume: bool) -> None:
 def keep_global_batch(base: RunConfig, config: RunConfig, flags: dict) -> RunConfig:
     """A resumed run keeps the global batch it was trained with ([Note: resize]).
 
-    [Note: resize] A checkpoint resumes on any number of ranks, under any strategy, as long as
-    the global batch (windows per optimizer step, batch x accum x ranks) stays the same: the
-    learning rate (scaled by the global batch) and its schedule (a function of the step) then
-    continue unchanged, and the data continues at the same global sample
-    ([Note: global sample position] in data/stream.py). On a new number of ranks the micro-batch
-    is kept and `accum` absorbs the change when it divides; otherwise `accum` is kept and the
-    micro-batch changes; when neither divides, the resize is refused.
+    [Note: resize] A checkpoint resumes on any number of ranks, under any strategy, with the
+    global batch (windows per optimizer step) it was trained with: the learning rate (scaled
+    by the global batch) and its schedule (a function of the step) then continue unchanged, and
+    the data continues at the same global sample ([Note: global sample position] in
+    data/stream.py). On a new number of ranks the micro-batch is kept and `accum` absorbs the
+    change when it divides; otherwise `accum` is kept and the micro-batch changes; when neither
+    divides, the ranks share the global batch unevenly ([Note: uneven batches] in trainer.py),
+    with `accum` lowered if it would leave a micro-batch empty. Only more ranks than windows
+    is refused.
     """
     target, ranks = base.global_batch, config.data_ranks
     if config.global_batch == target:
@@ -268,17 +273,18 @@ def keep_global_batch(base: RunConfig, config: RunConfig, flags: dict) -> RunCon
             f"{config.global_batch}",
             f"keep batch x accum x ranks = {target}, or leave the flags out",
         )
+    if target < ranks:
+        raise ConfigError(
+            "--nproc (launch.nproc)",
+            f"{ranks} ranks cannot share the run's global batch of {target} windows (one "
+            "would get none)",
+            f"use at most {target} ranks",
+        )
     batch, accum = base.train.batch, base.train.accum
     if target % (batch * ranks) == 0:
-        return config.replace(train={"accum": target // (batch * ranks)})
-    if target % (accum * ranks) == 0:
-        return config.replace(train={"batch": target // (accum * ranks)})
-    raise ConfigError(
-        "--nproc (launch.nproc)",
-        f"{ranks} ranks cannot share the run's global batch of {target} windows in equal "
-        "micro-batches",
-        f"use a number of ranks that divides {target}",
-    )
+        return config.replace(train={"accum": target // (batch * ranks), "global_batch": 0})
+    accum = min(accum, target // ranks)
+    return resolve_batch(config.replace(train={"accum": accum, "global_batch": target}))
 
 
 def check_checkpoint(config: RunConfig, name: str = "") -> None:

@@ -115,8 +115,9 @@ class TrainConfig:
     steps: optimizer steps of the whole run (the LR schedule spans them).
     batch: windows per rank per micro-step (the micro-batch).
     global_batch: windows per optimizer step over all ranks; when set (> 0), batch is derived
-        as global_batch / (accum x world size), which must divide exactly, and the resolved
-        config records that batch (and 0 here). 0: batch decides.
+        as global_batch / (accum x world size). When that divides, the resolved config records
+        that batch (and 0 here); otherwise the ranks' micro-batches differ by at most one window,
+        batch records the largest and this field stays set. 0: batch decides.
     accum: micro-steps accumulated per optimizer step (gradient accumulation).
     precision: "fp32"; "bf16" for bfloat16 autocast (on CPU and CUDA; weights, gradients
         and optimizer state stay fp32); "bf16-params" for bf16 parameters, gradients and
@@ -268,8 +269,9 @@ class RunConfig:
 
     @property
     def global_batch(self) -> int:
-        """Windows per optimizer step: batch x accum x data ranks."""
-        return self.train.batch * self.train.accum * self.data_ranks
+        """Windows per optimizer step: train.global_batch when set, else batch x accum x data
+        ranks."""
+        return self.train.global_batch or self.train.batch * self.train.accum * self.data_ranks
 
     def replace(self, **changes: dict) -> RunConfig:
         """A copy with some fields of some sections changed: replace(train={"steps": 5})."""

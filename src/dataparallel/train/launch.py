@@ -21,6 +21,7 @@ import dataparallel as dp
 
 from ..runtime import ENV_CHECK_COLLECTIVES, ENV_COLLECTIVE_TIMEOUT
 from .config import LaunchConfig, RunConfig
+from .stopped_workers import StoppedWorkers
 from .worker import ENV_LAUNCHER, ENV_RUN, encode_run
 
 WORKER_MODULE = "dataparallel.train.worker"
@@ -86,6 +87,9 @@ def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | 
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)  # each sets its own level
     os.environ.update({**worker_environment(launch), **(env or {})})
+    # A stopped worker told to end is continued, so it ends now, not after the agent's 30 s
+    # grace ([Note: stopped workers] in stopped_workers.py).
+    stopped = StoppedWorkers().start()
     try:
         run(parse_args(torchrun_argv(launch, entry)))
     except ChildFailedError as failed:
@@ -98,6 +102,8 @@ def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | 
         # Ctrl-C: torch.distributed.run passed the signal on to the workers (rank 0 of
         # `dataparallel train` has said where the run stopped and how to resume it).
         return 130
+    finally:
+        stopped.stop()
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Records (one per line, flushed as written so a crash loses nothing):
     {"kind": "train", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s",
-     "step_time_s", "elapsed_s"}
+     "step_time_s", "elapsed_s", "loss_scale", "skipped_steps", "bytes_sent",
+     "rank_step_s": [each rank's work time, [Note: blame] in blame.py], "nonfinite_ranks"}
     {"kind": "val", "step", "val_loss", "tokens", "eval_time_s"}
 
 On --resume the lines after the checkpoint's step (written by the interrupted run after its

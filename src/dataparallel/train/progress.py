@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
+from ..data.stream import share
 from .tensor_parallel import mesh_text, parameter_count
 from .trainer import Callback, EvalRecord, StepRecord, TrainState
 
@@ -38,13 +39,22 @@ def format_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def describe_split(global_batch: int, accum: int, world_size: int) -> str:
+    """'8 = 3,3,2 windows per rank' ([Note: uneven batches] in trainer.py), or '8 = 4 windows
+    per rank' when the ranks share it equally; ' in N micro-steps' when accum N > 1."""
+    counts = [share(global_batch, rank, world_size) for rank in range(world_size)]
+    each = str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
+    steps = f" in {accum} micro-steps" if accum > 1 else ""
+    return f"{global_batch} = {each} windows per rank{steps}"
+
+
 def describe_run(state: TrainState, threads: int) -> list[str]:
     """The header lines: model, data, processes, global batch and LR schedule."""
     config, world, corpus = state.config, state.world, state.corpus
     train, optim = config.train, config.optim
     params = parameter_count(state.model, config)
     block = config.data.block_size
-    global_batch, ranks = config.global_batch, config.data_ranks  # ranks: dp under --tp
+    global_batch = state.global_batch
     source = "built-in corpus (stdlib .py)" if not config.data.paths else corpus.source
     scaling = (
         f"linear scaling {optim.lr:g} x {global_batch}/{optim.lr_base_batch}"
@@ -56,13 +66,26 @@ def describe_run(state: TrainState, threads: int) -> list[str]:
         f"data    {source}: {_tokens_text(corpus)}, "
         f"sha256 {corpus.sha256[:12]}; {len(state.train_windows)} train / "
         f"{len(state.val_windows)} val windows of {block} tokens",
-        f"world   {mesh_text(world.world_size, config.launch.tp)} ({config.launch.strategy}, {world.backend}, "
+        f"world   {mesh_text(world.world_size, config.launch.tp)} ({config.launch.strategy}, "
+        f"{world.backend}, "
         f"{world.device.type}, {plural(threads, 'thread')} each){_sync_text(config)}",
-        f"batch   global batch = {train.batch} per rank x {train.accum} accum x "
-        f"{ranks} {'ranks' if config.launch.tp == 1 else 'dp ranks'} = {global_batch} windows = {global_batch * block} tokens/step",
+        _batch_text(train, state.data.size, global_batch, block, config.launch.tp),
         f"lr      peak {state.peak_lr:.3g} ({scaling}), {optim.warmup_steps} warm-up steps, "
         f"cosine to {state.peak_lr * optim.min_lr_ratio:.3g} at step {train.steps}",
     ]
+
+
+def _batch_text(train, world_size: int, global_batch: int, block: int, tp: int = 1) -> str:
+    """world_size: the ranks that read different data (the dp ones under --tp)."""
+    tokens = f"{global_batch * block} tokens/step"
+    if global_batch == train.batch * train.accum * world_size:
+        ranks = "ranks" if tp == 1 else "dp ranks"
+        return (
+            f"batch   global batch = {train.batch} per rank x {train.accum} accum x "
+            f"{world_size} {ranks} = {global_batch} windows = {tokens}"
+        )
+    split = describe_split(global_batch, train.accum, world_size)
+    return f"batch   global batch {split} (uneven) = {tokens}"
 
 
 def _tokens_text(corpus) -> str:

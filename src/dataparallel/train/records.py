@@ -23,6 +23,10 @@ class StepRecord:
         step (payload sizes; compression shrinks them).
     wire_bytes: bytes this rank put on its links for them in this step, from each collective's
         algorithm ([Note: bytes on the wire] in comm/wire.py): what crosses the network.
+    rank_step_s: each rank's work time in this step (data, forward, backward, less the time it
+        waited in collectives), in rank order ([Note: blame] in blame.py).
+    nonfinite_ranks: for a step skipped for a non-finite loss or gradient, the ranks whose own
+        loss or gradients were not finite before the reduction; else ().
     """
 
     step: int
@@ -36,6 +40,8 @@ class StepRecord:
     skipped_steps: int = 0
     bytes_sent: int = 0
     wire_bytes: int = 0
+    rank_step_s: tuple[float, ...] = ()
+    nonfinite_ranks: tuple[int, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:

@@ -7,16 +7,15 @@ activation all-reduces (two per block and direction) stay inside a host. The ref
 split over mesh["tp"] first (PyTorch's `parallelize_module`, `split_gpt`), then `dp.compose`
 runs the strategy over mesh["dp"] only (its `mesh=`; [Note: tensor-parallel parameters] in
 strategies/parts/tensor_parallel.py). The data rank is the dp coordinate: the T peers of a row
-read the same windows and compute the same loss, so every sum the trainer makes (target
-tokens, the loss, validation) runs over the dp group, and [Note: loss normalisation] scales by
-the dp size. With T = 1 all of this is the plain 1-D world.
+read the same windows and compute the same loss: [Note: loss normalisation] scales by the dp
+size, and in the sums the trainer makes over every rank (target tokens, the loss, validation)
+only the first rank of each row counts them. With T = 1 all of this is the plain 1-D world.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -33,12 +32,18 @@ class DataRanks:
 
     rank: this rank's data coordinate (its dp coordinate; its rank without tensor parallelism).
     size: how many different data slices a step reads (the dp size).
-    group: the process group of this rank's dp peers, over which the trainer sums.
+    counts: whether this rank's token and loss sums count in the sums over every rank: only
+        the first rank of each tp row's do (its peers hold the same).
     """
 
     rank: int
     size: int
-    group: dist.ProcessGroup | None
+    counts: bool = True
+
+    @property
+    def weight(self) -> int:
+        """1 for a rank whose sums count, else 0."""
+        return int(self.counts)
 
 
 def check_tp(config: RunConfig) -> None:
@@ -81,11 +86,11 @@ def build_mesh(world: dp.World, tp: int) -> DeviceMesh | None:
 
 
 def data_ranks(world: dp.World, mesh: DeviceMesh | None) -> DataRanks:
-    """This rank's data coordinate, the number of data slices, and the group that sums them."""
+    """This rank's data coordinate, the number of data slices, and whether its sums count."""
     if mesh is None:
-        return DataRanks(world.rank, world.world_size, world.group)
+        return DataRanks(world.rank, world.world_size)
     rows = mesh["dp"]
-    return DataRanks(rows.get_local_rank(), rows.size(), rows.get_group())
+    return DataRanks(rows.get_local_rank(), rows.size(), mesh["tp"].get_local_rank() == 0)
 
 
 def split_gpt(model: nn.Module, tp_mesh: DeviceMesh) -> None:

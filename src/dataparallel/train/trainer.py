@@ -7,13 +7,14 @@
 global batch (every rank, every micro-step) divided by the number of target tokens in it, so the
 result does not depend on how the batch is split into ranks and micro-steps. The strategy
 *averages* gradients over ranks (DDP's "mean"), so each rank backpropagates
-    sum of its micro-batch's token losses x data ranks / global target tokens,
+    sum of its micro-batch's token losses x world_size / global target tokens,
 and after the averaging the gradient is exactly d(global sum / global tokens). Averaging each
 micro-batch's mean loss instead would weight tokens unequally as soon as micro-batches hold
 different numbers of targets. The global token count is one small all-reduce per step (with
-fixed-length windows it is also batch x block x accum x world size, which the header prints).
-Under --tp the data ranks are the dp size and the sums run over mesh["dp"] ([Note: the job's
-mesh] in train/tensor_parallel.py): tp peers hold the same tokens and the same loss.
+fixed-length windows it is also the global batch x block, which the header prints).
+Under --tp the ranks that read different data are the dp ones ([Note: the job's mesh] in
+train/tensor_parallel.py): the scale is dp size / global tokens, and since the T peers of a
+row hold the same tokens and loss, only the first of each row adds them to the sums.
 Only targets the loss counts are counted: for prompt/completion and chat data the masked ones
 (IGNORE, [Note: loss masking] in data/packing.py) are neither in the sum nor in the count.
 """
@@ -27,23 +28,24 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-from torch.nn import functional as F
 
 import dataparallel as dp
 
 from ..comm import Span
-from ..comm.progress import watched
+from ..comm.progress import PROGRESS
 from ..data.corpus import Corpus, TokenWindows, evenly_spaced
 from ..data.loading import DataInfo, load_datasets
 from ..data.packing import IGNORE, PackedWindows
-from ..data.stream import SampleStream
+from ..data.stream import SampleStream, split_evenly
 from .config import RunConfig
+from .gradient_watch import GradientWatch
+from .loss import all_reduce_sum, token_loss_sum
 from .model_source import BuiltModel, build_for_run, run_tokenizer
 from .records import EvalRecord, StepRecord
 from .schedule import WarmupCosine, scaled_lr
 from .sync import recipe_of
 from .tensor_parallel import DataRanks, split_for_run
+from .update import bytes_sent, clip_and_step
 
 
 @dataclass(kw_only=True)
@@ -70,8 +72,15 @@ class TrainState:
     step: int = 0
     skipped_steps: int = 0  # steps skipped on every rank (overflow or a non-finite loss/gradient)
     consecutive_skips: int = 0  # non-finite steps in a row ([Note: non-finite steps])
+    gradients: GradientWatch | None = None  # this rank's verdict before reduction ([Note: blame])
     history: list = field(default_factory=list)  # the StepRecords of this session
     evals: list = field(default_factory=list)  # the EvalRecords of this session
+
+    @property
+    def global_batch(self) -> int:
+        """Windows per optimizer step over all ranks ([Note: uneven batches])."""
+        train = self.config.train
+        return train.global_batch or train.batch * train.accum * self.data.size
 
     @property
     def last_step(self) -> int:
@@ -89,6 +98,9 @@ class Callback:
     def on_start(self, state: TrainState) -> None: ...
 
     def on_step(self, state: TrainState, record: StepRecord) -> None: ...
+
+    def on_skip(self, state: TrainState, record: StepRecord) -> None:
+        """A step skipped on every rank (overflow, or a non-finite loss or gradient)."""
 
     def on_eval(self, state: TrainState, record: EvalRecord) -> None: ...
 
@@ -140,9 +152,16 @@ def setup(
     dp_mesh, data = split_for_run(model, world, config.launch.tp)  # [Note: the job's mesh]
     recipe = recipe_of(config, built.strategy)  # the CLI's flags as a dp.Recipe
     optim = config.optim
+    train = config.train
+    global_batch = train.global_batch or train.batch * train.accum * data.size
+    if global_batch < train.accum * data.size:
+        raise ValueError(
+            f"a global batch of {global_batch} windows leaves a micro-batch of accum "
+            f"{train.accum} x {data.size} ranks empty"
+        )
     peak_lr = scaled_lr(
         optim.lr,
-        config.train.batch * config.train.accum * data.size,
+        global_batch,
         scaling=optim.lr_scaling,
         base_batch=optim.lr_base_batch,
     )
@@ -175,12 +194,13 @@ def setup(
         train_windows=train_windows,
         val_windows=val_windows,
         corpus=corpus,
+        data=data,
         scaler=composed.scaler,
         averager=composed.averager,
         tracer=composed.tracer,
         composed=composed,
         source=built.source,
-        data=data,
+        gradients=GradientWatch(model),
     )
 
 
@@ -190,50 +210,33 @@ def next_indices(state: TrainState, count: int) -> list[int]:
     return state.samples.take(count, state.data.rank, state.data.size)
 
 
-def _all_reduce_sum(values: list[float], state: TrainState, tracer=None) -> list[float]:
-    """Sum a few numbers over the data ranks (float64, so token counts stay exact)."""
-    world, data = state.world, state.data
-    tensor = torch.tensor(values, dtype=torch.float64, device=world.device)  # NCCL: on the GPU
-    if data.size > 1:
-        # Not the strategy's traffic (not in bytes_sent), but the training thread waits on it.
-        with tracer.span("wait", "blocked", kind="all_reduce") if tracer else _NO_SPAN:
-            with watched(data.group, "all_reduce", tensor, what="trainer sums"):  # watchdog
-                dist.all_reduce(tensor, group=data.group)
-    return tensor.tolist()
-
-
-_NO_SPAN = contextlib.nullcontext()
-
-
-def _autocast(state: TrainState):
-    return state.composed.autocast() if state.composed is not None else _NO_SPAN
-
-
-def _token_loss_sum(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor):
-    with _autocast(state):
-        logits = state.model(inputs)
-    logits = getattr(logits, "logits", logits)  # a Hugging Face model's output holds them
-    # The loss in fp32 even under bf16 autocast: a sum over thousands of tokens.
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
-    )
-
-
 def train_step(state: TrainState) -> StepRecord:
-    """One optimizer step over `accum` micro-batches of this rank's data."""
+    """One optimizer step over `accum` micro-batches of this rank's data.
+
+    [Note: uneven batches] A global batch that accum x world size does not divide is shared as
+    evenly as it goes: rank r takes its share of the step's samples (SampleStream.take_share:
+    the first B % W ranks one more) and cuts it into `accum` micro-batches that differ by at most
+    one (the longer first), so any two micro-batches of the step differ by at most one window.
+    Every rank still runs `accum` micro-steps, so the collectives pair. The gradient stays
+    exactly the global batch's ([Note: loss normalisation]: each rank's token-loss sum is scaled
+    by world_size / global tokens, whatever its own count), which tests/dist/test_uneven_batches.py
+    checks against one process on the whole batch. Under local SGD / DiLoCo each replica steps
+    on its own gradient, which an uneven split scales by the replica's share of the global
+    tokens (within a window of the others') until the replicas are averaged.
+    """
     started, started_ns = time.perf_counter(), time.perf_counter_ns()
+    waited = PROGRESS.waited()  # [Note: blame]: a rank's work time leaves out its waits
     config, world, model, trace = state.config, state.world, state.model, state.tracer
-    sent_before = _bytes_sent(state)
-    batch, accum = config.train.batch, config.train.accum
-    with trace.span("data"):
-        indices = next_indices(state, batch * accum)
-        micro = [
-            state.train_windows.batch(indices[k * batch : (k + 1) * batch]) for k in range(accum)
-        ]
+    sent_before = bytes_sent(state)
+    accum = config.train.accum
+    with trace.span("data"):  # [Note: uneven batches]
+        data = state.data  # the dp coordinate under --tp
+        indices = state.samples.take_share(state.global_batch, data.rank, data.size)
+        micro = [state.train_windows.batch(part) for part in split_evenly(indices, accum)]
         local_tokens = sum(int((targets != IGNORE).sum()) for _, targets in micro)
-        (global_tokens,) = _all_reduce_sum([local_tokens], state, trace)
+        (global_tokens,) = all_reduce_sum([local_tokens * data.weight], world, trace)
         # [Note: loss normalisation]; a step of prompts only counts 0 tokens: a zero gradient
-        scale = state.data.size / max(global_tokens, 1)
+        scale = data.size / max(global_tokens, 1)
         lr = state.peak_lr * state.schedule(state.step)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
@@ -244,15 +247,25 @@ def train_step(state: TrainState) -> StepRecord:
         sync = contextlib.nullcontext() if k == accum - 1 else dp.no_sync(model)
         with sync:
             with trace.span("forward", micro=k):
-                summed = _token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
+                summed = token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
                 loss = summed * scale
             with trace.span("backward", micro=k):
                 (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += summed.detach().double()
-    with trace.span("loss"):
-        (total_loss,) = _all_reduce_sum([float(loss_sum)], state, trace)
+    work_s = time.perf_counter() - started - (PROGRESS.waited() - waited)
+    bad = not math.isfinite(float(loss_sum))  # this rank's own verdict ([Note: blame])
+    if state.gradients is not None:
+        bad = state.gradients.nonfinite() or bad  # called every step: it starts the next
+    with trace.span("loss"):  # the loss, and each rank's time and verdict in its own slots
+        sums = all_reduce_sum(
+            [float(loss_sum) * data.weight, *_slot(work_s, world), *_slot(float(bad), world)],
+            world,
+            trace,
+        )
+    total_loss, size = sums[0], world.world_size
+    rank_step_s, bad_ranks = sums[1 : 1 + size], sums[1 + size :]
     with trace.span("optimizer"):
-        grad_norm, skipped, nonfinite = _clip_and_step(state, total_loss)
+        grad_norm, skipped, nonfinite = clip_and_step(state, total_loss)
     if state.averager is not None and not skipped:
         with trace.span("averager"):
             state.averager.step()  # every H steps: synchronise the replicas' parameters
@@ -263,7 +276,7 @@ def train_step(state: TrainState) -> StepRecord:
     state.consecutive_skips = state.consecutive_skips + 1 if nonfinite else 0
     if trace.enabled:
         trace.add(Span("step", "step", started_ns, time.perf_counter_ns(), {"step": state.step}))
-    sent = _bytes_sent(state)
+    sent = bytes_sent(state)
     return StepRecord(
         step=state.step,
         loss=total_loss / max(global_tokens, 1),
@@ -276,58 +289,23 @@ def train_step(state: TrainState) -> StepRecord:
         skipped_steps=state.skipped_steps,
         bytes_sent=sent[0] - sent_before[0],
         wire_bytes=sent[1] - sent_before[1],
+        rank_step_s=tuple(round(t, 6) for t in rank_step_s),
+        nonfinite_ranks=tuple(r for r, b in enumerate(bad_ranks) if b) if nonfinite else (),
     )
 
 
-def _clip_and_step(state: TrainState, total_loss: float) -> tuple[float, bool, bool]:
-    """Clip, step and zero the gradients; return the norm before clipping, whether the step
-    was skipped, and whether it was skipped for a non-finite loss or gradient.
-
-    [Note: non-finite steps] A step whose global loss or gradient norm is not finite is skipped
-    on every rank together: both numbers are all-reduced, so every rank sees the same verdict,
-    and no rank steps its optimizer (the gradients are dropped, the data moves on, the step
-    count and the schedule stay). Under fp16 the loss scaler's own overflow skip is the usual
-    case and is not counted as a fault unless the loss itself is not finite. After
-    `train.max_skips` faulty steps in a row, `fit` stops the run (FloatingPointError) without
-    writing a checkpoint, so the last complete one is the last good state.
-    """
-    config, model, scaler = state.config, state.model, state.scaler
-    max_norm = config.optim.grad_clip if config.optim.grad_clip > 0 else math.inf
-    if scaler is not None:
-        scaler.unscale_(state.optimizer)  # clip the true gradients
-    grad_norm = float(dp.clip_grad_norm_(model, max_norm))
-    bad_loss = not math.isfinite(total_loss)
-    if scaler is not None:
-        # Every rank agrees on an overflow ([Note: found inf]), so all skip or all step.
-        before = scaler.get_scale()
-        scaler.step(state.optimizer)
-        scaler.update()
-        skipped, nonfinite = scaler.get_scale() < before, bad_loss
-    elif bad_loss or not math.isfinite(grad_norm):
-        skipped = nonfinite = True
-    else:
-        state.optimizer.step()
-        skipped = nonfinite = False
-    state.optimizer.zero_grad(set_to_none=True)
-    return grad_norm, skipped, nonfinite
-
-
-def _bytes_sent(state: TrainState) -> tuple[int, int]:
-    """(bytes handed to, bytes put on the wire by) this rank's strategy and averager so far
-    ([Note: bytes on the wire] in comm/wire.py)."""
-    averager = state.averager
-    payload = averager.bytes_sent() if averager is not None else 0
-    wire = averager.wire_bytes() if averager is not None else 0
-    return dp.bytes_sent(state.model) + payload, dp.wire_bytes(state.model) + wire
+def _slot(value: float, world: dp.World) -> list[float]:
+    """`value` in this rank's place of a vector of world size zeros (summed: every rank's)."""
+    return [value if rank == world.rank else 0.0 for rank in range(world.world_size)]
 
 
 @torch.no_grad()
 def evaluate(state: TrainState) -> EvalRecord:
     """Mean token loss over the scored validation windows, exact for any world size.
 
-    Data rank r scores windows r, r + data ranks, ... of the chosen set (tp peers the same),
-    so shards may differ in length by one and no window is scored twice (a padded sampler
-    would count some twice).
+    Data rank r scores windows r, r + data ranks, ... of the chosen set (tp peers the same,
+    counted once: [Note: loss normalisation]), so shards may differ in
+    length by one and no window is scored twice (a padded sampler would count some twice).
     Each rank sums its token losses and counts its tokens; one all-reduce of the two sums gives
     the exact mean. Every rank runs the same number of forwards, though: a sharded strategy
     (ZeRO-3) gathers parameters collectively inside forward, so a rank that stopped early would
@@ -336,7 +314,7 @@ def evaluate(state: TrainState) -> EvalRecord:
     started = time.perf_counter()
     config, world, data = state.config, state.world, state.data
     chosen = evenly_spaced(config.data.eval_windows, len(state.val_windows))
-    mine = chosen[data.rank :: data.size]  # tp peers score the same windows
+    mine = chosen[data.rank :: data.size]
     longest = -(-len(chosen) // data.size)  # the longest rank's share
     state.model.eval()
     loss_sum, tokens = 0.0, 0
@@ -344,13 +322,14 @@ def evaluate(state: TrainState) -> EvalRecord:
         for first in range(0, longest, config.train.batch):
             part = mine[first : first + config.train.batch]
             inputs, targets = state.val_windows.batch(part or chosen[:1])
-            summed = _token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
+            summed = token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
             if part:
                 loss_sum += float(summed)
                 tokens += int((targets != IGNORE).sum())
     finally:
         state.model.train()
-    total_loss, total_tokens = _all_reduce_sum([loss_sum, tokens], state)
+    weight = data.weight
+    total_loss, total_tokens = all_reduce_sum([loss_sum * weight, tokens * weight], world)
     return EvalRecord(
         step=state.step,
         val_loss=total_loss / max(total_tokens, 1),
@@ -375,14 +354,12 @@ def fit(state: TrainState, callbacks: list[Callback]) -> TrainState:
     while state.step < state.last_step:
         before = state.step
         record = train_step(state)
-        if state.consecutive_skips >= state.config.train.max_skips:
-            raise FloatingPointError(
-                f"{state.consecutive_skips} steps in a row after step {state.step} had a "
-                f"non-finite loss or gradient (the last loss: {record.loss}); the run stops "
-                "with its last checkpoint kept: lower --lr, or use --precision fp32"
-            )
-        if state.step == before:
-            continue  # skipped on every rank: counted in the next record's skipped_steps
+        if state.step == before:  # skipped on every rank: counted in the next record too
+            for callback in callbacks:
+                callback.on_skip(state, record)
+            if state.consecutive_skips >= state.config.train.max_skips:
+                raise FloatingPointError(_too_many_skips(state, record))
+            continue
         record = dataclasses.replace(record, elapsed_s=time.perf_counter() - started)
         state.history.append(record)
         if should_evaluate(state.config, state.step):
@@ -393,6 +370,17 @@ def fit(state: TrainState, callbacks: list[Callback]) -> TrainState:
     for callback in callbacks:
         callback.on_end(state)
     return state
+
+
+def _too_many_skips(state: TrainState, record: StepRecord) -> str:
+    ranks = record.nonfinite_ranks
+    where = ", ".join(map(str, ranks))
+    blame = f"; before the reduction it was not finite on rank(s) {where}" if ranks else ""
+    return (
+        f"{state.consecutive_skips} steps in a row after step {state.step} had a non-finite "
+        f"loss or gradient (the last loss: {record.loss}){blame}; the run stops with its last "
+        "checkpoint kept: lower --lr, or use --precision fp32"
+    )
 
 
 def _evaluate_and_report(state: TrainState, callbacks: list[Callback]) -> None:

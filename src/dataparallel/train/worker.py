@@ -23,6 +23,7 @@ import dataparallel as dp
 from ..checkpoint import CheckpointError, latest_checkpoint
 from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
+from .blame import Blame
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
 from .config import RunConfig, apply_mapping, field_label, to_toml
 from .metrics import MetricsLogger
@@ -91,7 +92,7 @@ def run_info(state: TrainState, threads: int, previous: dict | None) -> dict:
     """run.json: what ran, on what data, with which software (and when it was resumed)."""
     config, corpus = state.config, state.corpus
     block = config.data.block_size
-    global_batch = config.global_batch
+    global_batch = state.global_batch
     now = datetime.datetime.now().isoformat(timespec="seconds")
     info = {
         "model": config.model.name,
@@ -170,6 +171,7 @@ def prepare(
         callbacks += [
             ProgressBar(log_every=config.train.log_every, threads=threads),
             MetricsLogger(run_dir),
+            Blame(),  # stragglers and non-finite gradients, by rank ([Note: blame])
         ]
     # Last, so that a checkpoint follows the metrics of its step.
     callbacks.append(

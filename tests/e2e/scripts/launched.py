@@ -1,12 +1,13 @@
 """A user's training script, run by tests/e2e/test_launch.py under `dataparallel launch`.
 
-    python launched.py OUT_DIR [--crash-rank R] [--hang-rank R]
+    python launched.py OUT_DIR [--crash-rank R] [--hang-rank R] [--stop-rank R]
 
 Each rank takes its half of a fixed batch, makes one DDP step of SGD on a linear model and
 writes OUT_DIR/rank<R>.json: what it saw of the launcher (rank, world size, threads, attempt,
 the watchdog's timeout) and the weights after the step. --crash-rank R: rank R dies on the
 first attempt, after the others wrote a "checkpoint"; a restarted attempt reads it (resumes).
 --hang-rank R: rank R never reaches the step's all-reduce (the watchdog must stop the run).
+--stop-rank R: rank R stops itself (SIGSTOP) before the step; nothing continues it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -38,6 +40,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--crash-rank", type=int, default=-1)
     parser.add_argument("--hang-rank", type=int, default=-1)
+    parser.add_argument("--stop-rank", type=int, default=-1)
     args = parser.parse_args()
     out = Path(args.out)
     world = dp.init()
@@ -52,6 +55,8 @@ def main() -> None:
         checkpoint.write_text(json.dumps({"step": 7}))
     if world.rank == args.hang_rank:
         time.sleep(600)
+    if world.rank == args.stop_rank:
+        os.kill(os.getpid(), signal.SIGSTOP)
     model = dp.parallelize(reference_model(), "ddp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     inputs, targets = batch()
