@@ -75,6 +75,8 @@ def test_an_uneven_split_keeps_the_global_batchs_gradient():
         assert abs(rank["loss"] - whole["loss"]) < 1e-6 * whole["loss"]
         assert abs(rank["norm"] - whole["norm"]) < 1e-5 * whole["norm"]
         for name, grad in whole["grads"].items():
+            if name.endswith("attn.k.bias"):  # an exactly zero true gradient (gpt.py): noise
+                continue
             ours, reference = torch.tensor(rank["grads"][name]), torch.tensor(grad)
             scale = reference.abs().max().item()
             worst = max(worst, (ours - reference).abs().max().item() / scale)
