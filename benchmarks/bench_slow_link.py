@@ -54,6 +54,28 @@ CONFIGS = {  # name -> dataparallel train flags
         "int4",
     ],
     "streaming-h20-fp32": ["--diloco", "20", "--fragments", "4", "--overlap", "1"],
+    "streaming-h20-w30": [
+        "--diloco",
+        "20",
+        "--fragments",
+        "4",
+        "--overlap",
+        "1",
+        "--outer-compress",
+        "int4",
+        "--outer-warmup",
+        "30",
+    ],
+    "streaming-h10": [
+        "--diloco",
+        "10",
+        "--fragments",
+        "2",
+        "--overlap",
+        "1",
+        "--outer-compress",
+        "int4",
+    ],
     "streaming": [
         "--diloco",
         "50",
@@ -76,6 +98,8 @@ EXTRA = (
     "diloco-h20",
     "streaming-h20",
     "streaming-h20-fp32",
+    "streaming-h20-w30",
+    "streaming-h10",
 )  # run only when named in --only
 MODEL = ["gpt-small"]  # --model
 COMMON = ["--eval-every", "0", "--threads", "1", "--warmup-steps", "30"]
