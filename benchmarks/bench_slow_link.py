@@ -66,6 +66,18 @@ CONFIGS = {  # name -> dataparallel train flags
         "--outer-warmup",
         "30",
     ],
+    "streaming-h10-w15": [
+        "--diloco",
+        "10",
+        "--fragments",
+        "2",
+        "--overlap",
+        "1",
+        "--outer-compress",
+        "int4",
+        "--outer-warmup",
+        "15",
+    ],
     "streaming-h10": [
         "--diloco",
         "10",
@@ -100,6 +112,7 @@ EXTRA = (
     "streaming-h20-fp32",
     "streaming-h20-w30",
     "streaming-h10",
+    "streaming-h10-w15",
 )  # run only when named in --only
 MODEL = ["gpt-small"]  # --model
 COMMON = ["--eval-every", "0", "--threads", "1", "--warmup-steps", "30"]
