@@ -142,6 +142,9 @@ class DiLoCo(LocalSGD):
     mix: alpha, with overlap > 0: the fragment continues from alpha x its local values +
         (1 - alpha) x the outer step's result (the inner steps taken meanwhile are kept in
         part); with overlap 0 it takes the outer result (there are no such steps).
+    warmup: the first `warmup` steps average the replicas' parameters after every step (fp32,
+        as local SGD every step); the anchors start from the average, and the fragments'
+        schedule counts from the end of the warm-up.
     """
 
     name = "diloco"
@@ -159,14 +162,18 @@ class DiLoCo(LocalSGD):
         fragments: int = 1,
         overlap: int = 0,
         mix: float = 0.5,
+        warmup: int = 0,
     ):
         if compress not in OUTER_FORMATS:
             raise ValueError(
                 f"diloco: compress={compress!r} must be None, 'bf16', 'int8', 'fp8' or 'int4'"
             )
         check_streaming(every, fragments, overlap, mix)
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"diloco: warmup={warmup!r} must be an integer >= 0 (steps)")
         super().__init__(model, optimizer, every, group, tracer)
         self.compress, self.fragments, self.overlap, self.mix = compress, fragments, overlap, mix
+        self.warmup = warmup
         self.quantize = Quantize(compress) if compress in ("int8", "fp8", "int4") else None
         # The anchors are fp32 copies of what this rank holds (sharded where that is).
         self.anchors = [t.detach().float().clone().requires_grad_(True) for t in self.tensors]
@@ -179,8 +186,10 @@ class DiLoCo(LocalSGD):
         """Call after each optimizer step; True when a fragment started or finished its outer
         step here ([Note: streaming DiLoCo])."""
         self.steps += 1
+        if self.steps <= self.warmup:
+            return self._warm_up()
         due = self.pending is not None and self.pending[1] == self.steps
-        starting = [p for p in range(self.fragments) if self._starts(p, self.steps)]
+        starting = [p for p in range(self.fragments) if self._starts(p, self.steps - self.warmup)]
         if not due and not starting:
             return False
         finish_param_gather(self.model)
@@ -191,6 +200,16 @@ class DiLoCo(LocalSGD):
                 self._start(fragment)
                 if self.overlap == 0:
                     self._finish()
+        refresh_params(self.model)
+        return True
+
+    def _warm_up(self) -> bool:
+        """A warm-up step: the replicas' parameters averaged, the anchors set to the average."""
+        finish_param_gather(self.model)
+        with torch.no_grad():
+            LocalSGD._synchronise(self)
+            for anchor, tensor in zip(self.anchors, self.tensors, strict=True):
+                anchor.detach().copy_(tensor)
         refresh_params(self.model)
         return True
 
@@ -282,7 +301,11 @@ class DiLoCo(LocalSGD):
         self.pending = None
         if pending:  # the fragment whose reduction was in flight, due `overlap` after its start
             fragment = next(p for p, part in enumerate(self.parts) if part and part[0] in pending)
-            started = max(s for s in range(steps + 1) if s and self._starts(fragment, s))
+            started = max(
+                s
+                for s in range(self.warmup + 1, steps + 1)
+                if self._starts(fragment, s - self.warmup)
+            )
             flat = _flatten([pending[i] for i in self.parts[fragment]])
             self.pending = (fragment, started + self.overlap, flat)
         if self.quantize is not None:

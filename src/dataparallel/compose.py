@@ -76,6 +76,7 @@ class Recipe:
     fragments, overlap, mix: Streaming DiLoCo ([Note: streaming DiLoCo] in averaging.py): F
         fragments synchronised in turn, each outer all-reduce applied `overlap` inner steps
         later, the fragment then mixed as mix x local + (1 - mix) x the outer result.
+    outer_warmup: DiLoCo's first steps that average the replicas after every step.
     """
 
     strategy: object = "ddp"
@@ -90,6 +91,7 @@ class Recipe:
     fragments: int = 1
     overlap: int = 0
     mix: float = 0.5
+    outer_warmup: int = 0
 
     def __post_init__(self):
         if isinstance(self.strategy, str) and self.strategy not in POLICIES:
@@ -114,7 +116,7 @@ class Recipe:
             _bad("outer_compress", f"{self.outer_compress!r} is unknown", f"choose one of {OUTER_COMPRESS}")  # fmt: skip
         if self.outer_compress and not self.diloco:
             _bad("outer_compress", "only DiLoCo has outer gradients", "set diloco, or drop it")
-        if (self.fragments != 1 or self.overlap) and not self.diloco:
+        if (self.fragments != 1 or self.overlap or self.outer_warmup) and not self.diloco:
             _bad("fragments", "only DiLoCo streams fragments", "set diloco, or drop them")
         if self.diloco:
             try:
@@ -262,4 +264,5 @@ def _averager(recipe: Recipe, model, optimizer, group, tracer):
         fragments=recipe.fragments,
         overlap=recipe.overlap,
         mix=recipe.mix,
+        warmup=recipe.outer_warmup,
     )

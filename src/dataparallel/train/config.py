@@ -226,6 +226,8 @@ class SyncConfig:
         it is applied (below H / fragments); 0: at once.
     mix: Streaming DiLoCo with --overlap: the fragment continues from mix x its local values
         + (1 - mix) x the outer step's result (0.5 in the paper).
+    outer_warmup: DiLoCo: the first this many steps average the replicas after every step
+        (synchronous warm-up); the outer steps start after it.
     """
 
     compress: str = ""
@@ -237,6 +239,7 @@ class SyncConfig:
     fragments: int = 1
     overlap: int = 0
     mix: float = 0.5
+    outer_warmup: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

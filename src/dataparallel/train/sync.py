@@ -94,14 +94,18 @@ def averaging(config: RunConfig) -> bool:
 def _check_streaming(sync) -> None:
     """--fragments, --overlap and --mix against --diloco ([Note: streaming DiLoCo])."""
     if not sync.diloco:
-        for name, off in (("fragments", 1), ("overlap", 0)):
+        for name, off in (("fragments", 1), ("overlap", 0), ("outer_warmup", 0)):
             if getattr(sync, name) != off:
                 raise ConfigError(
                     field_label("sync", name),
                     "only DiLoCo streams fragments",
-                    f"add --diloco H, or drop --{name}",
+                    f"add --diloco H, or drop --{name.replace('_', '-')}",
                 )
         return
+    if sync.outer_warmup < 0:
+        raise ConfigError(
+            field_label("sync", "outer_warmup"), f"{sync.outer_warmup} is below 0", "give N >= 0"
+        )
     try:
         check_streaming(sync.diloco, sync.fragments, sync.overlap, sync.mix)
     except ValueError as error:
@@ -127,4 +131,5 @@ def recipe_of(config: RunConfig, strategy) -> dp.Recipe:
         fragments=sync.fragments,
         overlap=sync.overlap,
         mix=sync.mix,
+        outer_warmup=sync.outer_warmup,
     )
