@@ -59,11 +59,6 @@ CASES = {
         None,
         ["--tp (launch.tp)", "mlp has no tensor-parallel plan", "use a reference GPT"],
     ),
-    "tp with an averager": (
-        ["--nproc", "4", "--tp", "2", "--diloco", "4"],
-        None,
-        ["--tp (launch.tp)", "do not run with tensor parallelism yet"],
-    ),
     "tp below 1": (["--tp", "0"], None, ["--tp (launch.tp)", "0 is below 1"]),
     "global batch leaves a micro-batch empty": (
         ["--global-batch", "3", "--accum", "2"],

@@ -77,8 +77,8 @@ def replica_of(state: TrainState) -> tuple[int, int]:
     and optimizer state; otherwise one replica (checkpoint/state.py)."""
     if state.averager is None:
         return 0, 1
-    size = state.config.launch.shard_group or 1
-    return state.world.rank // size, state.world.world_size // size
+    size = state.config.launch.shard_group or 1  # replicas of dp ranks under --tp
+    return state.data.rank // size, state.data.size // size
 
 
 def replica_prefix(state: TrainState) -> str:

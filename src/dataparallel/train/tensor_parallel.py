@@ -71,10 +71,6 @@ def check_tp(config: RunConfig) -> None:
                 f"{tp} does not divide {config.model.name}'s {size} {what}",
                 f"use a divisor of {size}",
             )
-    if config.sync.local_sgd or config.sync.diloco:
-        raise ConfigError(
-            label, "local SGD and DiLoCo do not run with tensor parallelism yet", "use --tp 1"
-        )
 
 
 def build_mesh(world: dp.World, tp: int) -> DeviceMesh | None:
