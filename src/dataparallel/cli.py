@@ -34,9 +34,8 @@ from .train.config import (
     RunConfig,
     field_docs,
     flag_name,
-    load_toml,
-    to_toml,
 )
+from .train.config_toml import load_toml, to_toml
 from .train.launch_flags import add_launcher_flags, launcher_config
 
 TYPES = {"int": int, "float": float, "str": str}

@@ -12,11 +12,9 @@ from dataparallel.train.config import (
     SECTIONS,
     ConfigError,
     RunConfig,
-    apply_mapping,
     field_docs,
-    load_toml,
-    to_toml,
 )
+from dataparallel.train.config_toml import apply_mapping, load_toml, to_toml
 
 
 def test_every_field_is_documented_and_has_a_unique_flag():

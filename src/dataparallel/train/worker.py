@@ -25,7 +25,8 @@ from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
 from .blame import Blame
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
-from .config import RunConfig, apply_mapping, field_label, to_toml
+from .config import RunConfig, field_label
+from .config_toml import apply_mapping, to_toml
 from .metrics import MetricsLogger
 from .progress import ProgressBar
 from .report import RUN_INFO, make_report
