@@ -13,6 +13,7 @@ first attempt, after the others wrote a "checkpoint"; a restarted attempt reads 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -77,7 +78,10 @@ def main() -> None:
         "weights": {k: v.tolist() for k, v in dp.full_state_dict(model).items()},
     }
     (out / f"rank{world.rank}.json").write_text(json.dumps(result))
-    del model, optimizer
+    # [Note: teardown] in train/worker.py: the model and optimizer (which hold the process
+    # group through the strategy) go before the group, or the exit may abort.
+    del model, optimizer, result
+    gc.collect()
     dp.destroy()
 
 
