@@ -230,7 +230,7 @@ class DiLoCo(LocalSGD):
         the fragment continues from the result (mixed with its local values under overlap)."""
         fragment, _, reduction = self.pending
         self.pending = None
-        flat = reduction.wait() if hasattr(reduction, "wait") else reduction
+        flat = reduction.wait()
         part = self.parts[fragment]
         grads = [torch.empty_like(self.anchors[i]) for i in part]
         _unflatten(flat, grads)
@@ -246,9 +246,9 @@ class DiLoCo(LocalSGD):
                 tensor.copy_(anchor)
 
     def _all_reduce(self, flat: torch.Tensor, key: str):
-        """The sum of `flat` over the replicas: a tensor, or a future of one (in flight)."""
+        """The sum of `flat` over the replicas, as a future (`wait()` gives it)."""
         if self.comm.world_size == 1:
-            return flat
+            return _Reduced(None, lambda: flat)
         if self.quantize is not None:
             return self.quantize.reduce(self.comm, key, flat, None)
         if self.compress == "bf16":
@@ -270,8 +270,8 @@ class DiLoCo(LocalSGD):
         pending = {}
         if self.pending is not None:
             fragment, due, reduction = self.pending
-            flat = reduction.wait() if hasattr(reduction, "wait") else reduction
-            self.pending = (fragment, due, flat)
+            flat = reduction.wait()
+            self.pending = (fragment, due, _Reduced(None, lambda: flat))
             values = [torch.empty_like(self.anchors[i]) for i in self.parts[fragment]]
             _unflatten(flat, values)
             pending = dict(zip(self.parts[fragment], values, strict=True))
@@ -307,7 +307,7 @@ class DiLoCo(LocalSGD):
                 if self._starts(fragment, s - self.warmup)
             )
             flat = _flatten([pending[i] for i in self.parts[fragment]])
-            self.pending = (fragment, started + self.overlap, flat)
+            self.pending = (fragment, started + self.overlap, _Reduced(None, lambda: flat))
         if self.quantize is not None:
             load_keyed_tensors(self.quantize.stores(), local)
 
@@ -348,13 +348,14 @@ def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
 
 
 class _Reduced:
-    """An async collective and what its result is once waited for."""
+    """An async collective (None: done already) and what its result is once waited for."""
 
     def __init__(self, work, result: Callable[[], torch.Tensor]):
         self.work, self.result = work, result
 
     def wait(self) -> torch.Tensor:
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         return self.result()
 
 

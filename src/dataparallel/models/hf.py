@@ -85,7 +85,7 @@ class HFSource:
         try:
             config = AutoConfig.from_pretrained(path)
         except Exception as error:  # an unknown model_type, a broken JSON
-            raise ValueError(f"{path}/config.json cannot be read ({_first_line(error)})") from None
+            raise ValueError(f"{path}/config.json cannot be read ({first_line(error)})") from None
         if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise ValueError(
                 f"{path} is a {config.model_type!r} model, not a causal language model; give a "
@@ -233,5 +233,6 @@ def _stand_in(module: nn.Module, p: nn.Parameter, value: torch.Tensor) -> nn.Mod
     return clone
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
+    """An error's first line (its type's name when it says nothing), for one-line errors."""
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

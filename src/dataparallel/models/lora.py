@@ -131,16 +131,26 @@ def merged_state_dict(full: dict[str, torch.Tensor], spec: LoraSpec | None) -> d
     for name, tensor in full.items():
         if is_lora_param(name):
             continue
-        if ".base_layer." in name and name.endswith(".weight"):
-            layer = name[: -len(".base_layer.weight")]
-            a = full[f"{layer}.lora_A.{ADAPTER}.weight"].float()
-            b = full[f"{layer}.lora_B.{ADAPTER}.weight"].float()
-            update = spec.scale * (b @ a)
-            if update.shape != tensor.shape:  # GPT-2's Conv1D stores the weight transposed
-                update = update.T
-            tensor = (tensor.float() + update).to(tensor.dtype)
+        layer = adapted_layer(name)
+        if layer is not None:
+            a, b = (full[f"{layer}.lora_{x}.{ADAPTER}.weight"] for x in "AB")
+            tensor = merge_weight(tensor, a, b, spec.scale)
         merged[checkpoint_name(name)] = tensor
     return merged
+
+
+def adapted_layer(name: str) -> str | None:
+    """The layer whose frozen weight `name` is, when LoRA adapts it ([Note: LoRA names])."""
+    suffix = ".base_layer.weight"
+    return name[: -len(suffix)] if name.endswith(suffix) else None
+
+
+def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float):
+    """W + scale x B @ A, in W's dtype (GPT-2's Conv1D stores W transposed)."""
+    update = scale * (b.float() @ a.float())
+    if update.shape != weight.shape:
+        update = update.T
+    return (weight.float() + update).to(weight.dtype)
 
 
 def adapter_state_dict(full: dict[str, torch.Tensor]) -> dict:

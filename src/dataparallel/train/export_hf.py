@@ -14,6 +14,7 @@ half directory.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -23,7 +24,7 @@ from torch import nn
 
 from ..checkpoint import write_safetensors
 from ..models.hf import HFSource
-from ..models.lora import ADAPTER, checkpoint_name, is_lora_param
+from ..models.lora import ADAPTER, adapted_layer, checkpoint_name, is_lora_param, merge_weight
 
 HF_EXPORT = "hf"
 
@@ -43,16 +44,11 @@ def export_hf(entries, read, out: Path, source: HFSource, model: nn.Module) -> N
         return read(name).reshape(shapes[name])
 
     def merged(name: str) -> torch.Tensor:
-        tensor = shaped(name)
-        if ".base_layer." in name and name.endswith(".weight"):
-            layer = name[: -len(".base_layer.weight")]
-            a = shaped(f"{layer}.lora_A.{ADAPTER}.weight").float()
-            b = shaped(f"{layer}.lora_B.{ADAPTER}.weight").float()
-            update = scale * (b @ a)
-            if update.shape != tensor.shape:  # GPT-2's Conv1D stores the weight transposed
-                update = update.T
-            tensor = (tensor.float() + update).to(tensor.dtype)
-        return tensor
+        layer = adapted_layer(name) if peft_config is not None else None
+        if layer is None:
+            return shaped(name)
+        a, b = (shaped(f"{layer}.lora_{x}.{ADAPTER}.weight") for x in "AB")
+        return merge_weight(shaped(name), a, b, scale)
 
     base = [(n, s, d) for n, s, d in entries if not is_lora_param(n)]
     by_base = {checkpoint_name(n): n for n, _, _ in base}
@@ -62,7 +58,7 @@ def export_hf(entries, read, out: Path, source: HFSource, model: nn.Module) -> N
         lambda name: merged(by_base[name]),
         {},
     )
-    config = source.config
+    config = copy.deepcopy(source.config)
     config.use_cache = True  # training turned it off; generation wants it
     config.save_pretrained(tmp)
     generation = source.path / "generation_config.json"

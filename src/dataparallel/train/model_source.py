@@ -22,7 +22,7 @@ import dataparallel as dp
 
 from ..data.tokenizer import ByteTokenizer, HFTokenizer
 from ..models import MODEL_CONFIGS, build_model
-from ..models.hf import HFSource, hf_path
+from ..models.hf import HFSource, first_line, hf_path
 from .config import ConfigError, RunConfig, field_label
 
 
@@ -110,7 +110,7 @@ def check_tokenizer(source: HFSource) -> None:
     except Exception as error:  # no tokenizer files, or unreadable ones
         raise ConfigError(
             label,
-            f"{source.path} holds no tokenizer that AutoTokenizer loads ({_first_line(error)})",
+            f"{source.path} holds no tokenizer that AutoTokenizer loads ({first_line(error)})",
             "save the model's tokenizer there with tokenizer.save_pretrained(DIR)",
         ) from None
     vocab = getattr(source.config, "vocab_size", None)
@@ -121,11 +121,6 @@ def check_tokenizer(source: HFSource) -> None:
             f"vocabulary only {vocab}",
             "save the tokenizer the model was trained with beside it",
         )
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def meta_model(config: RunConfig) -> nn.Module:
