@@ -18,8 +18,10 @@ names the units, in two modes:
   and at the end of the forward one all-gather per step tells every rank: all raise, before
   any backward or step. That all-gather is started at the end of the forward and waited for
   before the first backward collective (or the next forward), so the loss computation hides
-  its latency instead of a barrier exposing the ranks' skew. An order that changes the same way on every rank is then an error
-  too; `check_order="always"` accepts it (and pays one small collective per unit).
+  its latency instead of a barrier exposing the ranks' skew; an eval forward (no backward)
+  waits for it at its end, so that no collective is in flight when the caller ends the run.
+  An order that changes the same way on every rank is then an error too;
+  `check_order="always"` accepts it (and pays one small collective per unit).
 Measured in BENCHMARKS.md.
 """
 

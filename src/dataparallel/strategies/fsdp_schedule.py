@@ -82,8 +82,9 @@ class Schedule:
             self.order.end(self.forward_order)
             self.previous_forward = list(self.forward_order)
             self.backward_order = list(reversed(self.post_forward_order))
-            if not training:
-                for u in self.units:
+            if not training:  # no backward to hide the end check behind: verify it now, so
+                self.order.settle()  # that no collective is left in flight when the caller
+                for u in self.units:  # tears the group down ([Note: same units on every rank])
                     u.free()
             return False
         target = self.order.target(position, unit.index)
