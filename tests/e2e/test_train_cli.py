@@ -82,7 +82,9 @@ def test_prints_the_batch_and_a_summary_on_rank_0_only(reference_run):
     assert out.count("global batch = 4 per rank x 2 accum x 2 ranks = 16 windows = 512 tokens") == 1
     assert out.count("dataparallel train: done") == 1
     assert "step 12/12 | loss " in out and "ETA" in out and "tok/s" in out
-    assert result.stderr.strip() == ""
+    # Nothing on stderr but, on a busy machine, blame's straggler warning (a true statement there).
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert [line for line in lines if "is a straggler" not in line] == []
 
 
 def test_writes_the_run_directory(reference_run):

@@ -49,7 +49,8 @@ def test_prompt_completion_jsonl_trains_on_completion_tokens_only(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     result = train(ARGS, tmp_path / "run", data=data)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.strip() == ""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]  # a busy machine may
+    assert [line for line in lines if "is a straggler" not in line] == []  # name a straggler
     losses = curve(tmp_path / "run")
     assert losses["val_loss"][0] > math.log(256) - 0.5  # untrained: ~ln 256 per byte
     assert losses["val_loss"][12] < losses["val_loss"][0] - 1.0  # and it learned
