@@ -204,21 +204,26 @@ class SyncConfig:
     local_sgd: average the replicas' parameters every this many steps instead of reducing
         gradients each step (local SGD); 0: off.
     diloco: DiLoCo every this many steps: all-reduce the replicas' movement since the last
-        synchronisation and apply it with an outer Nesterov SGD; 0: off. With local_sgd or
-        diloco a replica is one rank, or --shard-group ranks that train together with the
-        chosen strategy.
+        synchronisation and apply it with an outer Nesterov SGD; 0: off. Streamed as the
+        measured recipe says (docs/compression.md: 4 fragments, overlap 1, int4, 8 warm-up
+        steps, the run ending on the replicas' average) unless the fields below are given;
+        --fragments 1 --overlap 0 --outer-warmup 0 --outer-compress fp32 is the paper's
+        DiLoCo. With local_sgd or diloco a replica is one rank, or --shard-group ranks that
+        train together with the chosen strategy.
     outer_lr: DiLoCo's outer learning rate (0.7 in the DiLoCo paper).
     outer_momentum: DiLoCo's outer Nesterov momentum (0.9 in the paper); 0: plain SGD.
-    outer_compress: how DiLoCo's outer gradients travel: "" (fp32), "bf16", or "int8" / "fp8"
-        / "int4" (with error feedback).
+    outer_compress: how DiLoCo's outer gradients travel: "recipe" (int4), "fp32" (or ""),
+        "bf16", or "int8" / "fp8" / "int4" (with error feedback).
     fragments: Streaming DiLoCo: the model in this many fragments, each synchronised every
-        --diloco H steps, staggered by H / fragments steps (it must divide H); 1: DiLoCo.
+        --diloco H steps, staggered by H / fragments steps (it must divide H); 1: DiLoCo;
+        -1: the recipe's (4, else 2 or 1, whichever divides H with 2 steps between).
     overlap: Streaming DiLoCo: inner steps a fragment's outer all-reduce runs behind before
-        it is applied (below H / fragments); 0: at once.
+        it is applied (below H / fragments); 0: at once; -1: the recipe's (1 where allowed).
     mix: Streaming DiLoCo with --overlap: the fragment continues from mix x its local values
         + (1 - mix) x the outer step's result (0.5 in the paper).
     outer_warmup: DiLoCo: the first this many steps average the replicas after every step
-        (synchronous warm-up); the outer steps start after it.
+        (synchronous warm-up, sent as --outer-compress says); the outer steps start after
+        it; -1: the recipe's (8).
     """
 
     compress: str = ""
@@ -226,11 +231,11 @@ class SyncConfig:
     diloco: int = 0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    outer_compress: str = ""
-    fragments: int = 1
-    overlap: int = 0
+    outer_compress: str = "recipe"
+    fragments: int = -1
+    overlap: int = -1
     mix: float = 0.5
-    outer_warmup: int = 0
+    outer_warmup: int = -1
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,8 +10,8 @@ import torch
 
 import dataparallel as dp
 
-from ..averaging import check_streaming
 from ..compression import SPEC_HELP, PowerSGD, build_hook, parse_spec
+from ..streaming import RECIPE, check_streaming, short_run_recipe
 from .config import ConfigError, RunConfig, field_label
 
 OUTER_COMPRESS = dp.OUTER_COMPRESS
@@ -46,9 +46,9 @@ def check_sync(config: RunConfig, model_shapes: list[torch.Size] | None = None) 
         raise ConfigError(
             field_label("sync", "outer_compress"),
             f"unknown value {sync.outer_compress!r}",
-            "choose bf16, int8, fp8, int4 or leave it empty",
+            "choose recipe, fp32, bf16, int8, fp8 or int4",
         )
-    if sync.outer_compress and not sync.diloco:
+    if sync.outer_compress not in ("recipe", "") and not sync.diloco:
         raise ConfigError(
             field_label("sync", "outer_compress"),
             "only DiLoCo has outer gradients",
@@ -95,19 +95,22 @@ def _check_streaming(sync) -> None:
     """--fragments, --overlap and --mix against --diloco ([Note: streaming DiLoCo])."""
     if not sync.diloco:
         for name, off in (("fragments", 1), ("overlap", 0), ("outer_warmup", 0)):
-            if getattr(sync, name) != off:
+            if getattr(sync, name) not in (RECIPE, off):
                 raise ConfigError(
                     field_label("sync", name),
                     "only DiLoCo streams fragments",
                     f"add --diloco H, or drop --{name.replace('_', '-')}",
                 )
         return
-    if sync.outer_warmup < 0:
+    if sync.outer_warmup < RECIPE:
         raise ConfigError(
-            field_label("sync", "outer_warmup"), f"{sync.outer_warmup} is below 0", "give N >= 0"
+            field_label("sync", "outer_warmup"),
+            f"{sync.outer_warmup} is below 0",
+            "give N >= 0, or -1 for the recipe's",
         )
+    streaming = short_run_recipe(sync.diloco, sync.fragments, sync.overlap)
     try:
-        check_streaming(sync.diloco, sync.fragments, sync.overlap, sync.mix)
+        check_streaming(sync.diloco, streaming.fragments, streaming.overlap, sync.mix)
     except ValueError as error:
         text = str(error).removeprefix("diloco: ")
         name = text.split("=", 1)[0]  # the field the message starts with
