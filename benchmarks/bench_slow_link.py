@@ -63,6 +63,8 @@ CONFIGS = {  # name -> dataparallel train flags
     "streaming-h40-w15": "--diloco 40 --fragments 4 --overlap 1 --outer-compress int4 "
     "--outer-warmup 15".split(),
     "streaming-h20-m5": [*STREAMING_H20, "--outer-warmup", "0", "--outer-momentum", "0.5"],
+    "streaming-h20-lr1": [*STREAMING_H20, "--outer-warmup", "0", "--outer-lr", "1.0"],
+    "streaming-h20-mix0": [*STREAMING_H20, "--outer-warmup", "0", "--mix", "0"],
     "recipe-h20": ["--diloco", "20"],  # the default: [Note: the DiLoCo recipe]
     # Compression under AdamW (docs/compression.md): exact steps first, a higher rank.
     "powersgd-s30": "--compress powersgd:rank=4,start=30".split(),
@@ -90,6 +92,8 @@ EXTRA = (
     "streaming-h20-w15",
     "streaming-h40-w15",
     "streaming-h20-m5",
+    "streaming-h20-lr1",
+    "streaming-h20-mix0",
     "recipe-h20",
     "powersgd-s30",
     "powersgd-s60",

@@ -76,8 +76,9 @@ def check_sync(config: RunConfig, model_shapes: list[torch.Size] | None = None) 
             f"{precision}",
             "drop --compress, or compress further with int8, topk or powersgd",
         )
-    if name == "powersgd" and model_shapes is not None:
-        rank, largest = options.get("rank", 1), PowerSGD.largest_rank(model_shapes)
+    if name == "powersgd" and "rank" in options and model_shapes is not None:
+        # the default rank is cut to each matrix's smaller side; a rank asked for is checked
+        rank, largest = options["rank"], PowerSGD.largest_rank(model_shapes)
         if rank > largest:
             raise ConfigError(
                 label,
