@@ -42,17 +42,17 @@ def test_streaming_errors_name_the_field(fields, message):
 
 def test_diloco_h_streams_as_the_recipe_says_and_the_paper_stays_reachable():
     """[Note: the DiLoCo recipe]: 4 fragments (else 2, else 1, with 2 steps between them),
-    overlap 1 where there is room, int4 outer gradients, 8 warm-up steps."""
+    overlap 1 where there is room, int4 outer gradients, no warm-up."""
     got = {h: dp.Recipe(diloco=h).streaming for h in (1, 2, 4, 10, 20, 50)}
     assert {h: (s.fragments, s.overlap) for h, s in got.items()} == {
         1: (1, 0), 2: (1, 1), 4: (2, 1), 10: (2, 1), 20: (4, 1), 50: (2, 1),
     }  # fmt: skip
-    assert {(s.compress, s.warmup) for s in got.values()} == {("int4", 8)}
+    assert {(s.compress, s.warmup) for s in got.values()} == {("int4", 0)}
     plain = dp.Recipe(diloco=20, fragments=1, overlap=0, outer_warmup=0, outer_compress="fp32")
     assert plain.streaming == Streaming(fragments=1, overlap=0, compress=None, warmup=0)
     # each field given keeps its value, the others still the recipe's for that H
     assert dp.Recipe(diloco=20, fragments=2).streaming == Streaming(
-        fragments=2, overlap=1, compress="int4", warmup=8
+        fragments=2, overlap=1, compress="int4", warmup=0
     )
     assert dp.Recipe(diloco=20, outer_compress="").streaming.compress is None  # fp32, as before
     # an old config's "off" values stay accepted without DiLoCo
