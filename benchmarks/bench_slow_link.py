@@ -65,6 +65,8 @@ CONFIGS = {  # name -> dataparallel train flags
     "streaming-h20-m5": [*STREAMING_H20, "--outer-warmup", "0", "--outer-momentum", "0.5"],
     "streaming-h20-lr1": [*STREAMING_H20, "--outer-warmup", "0", "--outer-lr", "1.0"],
     "streaming-h20-mix0": [*STREAMING_H20, "--outer-warmup", "0", "--mix", "0"],
+    "streaming-h20-mix75": [*STREAMING_H20, "--outer-warmup", "0", "--mix", "0.75"],
+    "streaming-h20-mix9": [*STREAMING_H20, "--outer-warmup", "0", "--mix", "0.9"],
     "recipe-h20": ["--diloco", "20"],  # the default: [Note: the DiLoCo recipe]
     # Compression under AdamW (docs/compression.md): exact steps first, a higher rank.
     "powersgd-s30": "--compress powersgd:rank=4,start=30".split(),
@@ -94,6 +96,8 @@ EXTRA = (
     "streaming-h20-m5",
     "streaming-h20-lr1",
     "streaming-h20-mix0",
+    "streaming-h20-mix75",
+    "streaming-h20-mix9",
     "recipe-h20",
     "powersgd-s30",
     "powersgd-s60",

@@ -27,8 +27,11 @@ steps: the link carries 1/F of the model at a time, and the peak bandwidth falls
 steps later, hidden behind their compute; the fragment then continues from alpha x its local
 values (which moved during those steps) + (1 - alpha) x the outer step's result (`mix`). The
 outer optimizer keeps one state per anchor, and a fragment's step moves only its anchors. Outer
-gradients may travel in 4 bits with error feedback (`compress="int4"`). Exactness anchor
-(tests/dist/test_streaming.py): F = 1, tau = 0 is DiLoCo, bit for bit.
+gradients may travel in 4 bits with error feedback (`compress="int4"`). Since the replicas
+are apart between a fragment's outer steps (and, mixed, after them), `finish()` ends a run on
+their average. Settings and the measured recipe that `--diloco H` uses: streaming.py ([Note:
+the DiLoCo recipe]). Exactness anchor (tests/dist/test_streaming.py): F = 1, tau = 0 is
+DiLoCo, bit for bit.
 
     mesh = dp.init_mesh(ranks_per_host)                     # replicas = hosts
     dp.parallelize(model, "zero2", group=mesh.shard_group)  # exact inside a host
@@ -150,9 +153,10 @@ class DiLoCo(LocalSGD):
     mix: alpha, with overlap > 0: the fragment continues from alpha x its local values +
         (1 - alpha) x the outer step's result (the inner steps taken meanwhile are kept in
         part); with overlap 0 it takes the outer result (there are no such steps).
-    warmup: the first `warmup` steps average the replicas' parameters after every step (fp32,
-        as local SGD every step); the anchors start from the average, and the fragments'
-        schedule counts from the end of the warm-up.
+    warmup: the first `warmup` steps average the replicas' parameters after every step (in
+        fp32 as local SGD every step; compressed, their movement in the outer format); the
+        anchors start from the average, and the fragments' schedule counts from the end of
+        the warm-up.
     """
 
     name = "diloco"

@@ -80,8 +80,10 @@ class Recipe:
         later, the fragment then mixed as mix x local + (1 - mix) x the outer result;
         fragments and overlap RECIPE (-1): the recipe's for H.
     outer_warmup: DiLoCo's first steps that average the replicas after every step; RECIPE
-        (-1): the recipe's. Fragments 1, overlap 0, outer_warmup 0 and "fp32" are DiLoCo as
-        in the paper.
+        (-1): the recipe's, as long as the learning rate's warm-up (`lr_warmup`). Fragments 1,
+        overlap 0, outer_warmup 0 and "fp32" are DiLoCo as in the paper.
+    lr_warmup: the learning rate's warm-up steps (what the recipe's DiLoCo warm-up lasts;
+        `dataparallel train` gives its --warmup-steps).
     """
 
     strategy: object = "ddp"
@@ -97,6 +99,7 @@ class Recipe:
     overlap: int = RECIPE
     mix: float = 0.5
     outer_warmup: int = RECIPE
+    lr_warmup: int = 30
 
     def __post_init__(self):
         if isinstance(self.strategy, str) and self.strategy not in POLICIES:
@@ -124,6 +127,12 @@ class Recipe:
         for name, off in (("fragments", 1), ("overlap", 0), ("outer_warmup", 0)):
             if getattr(self, name) not in (RECIPE, off) and not self.diloco:
                 _bad(name, "only DiLoCo streams fragments", "set diloco, or drop it")
+        if (
+            isinstance(self.lr_warmup, bool)
+            or not isinstance(self.lr_warmup, int)
+            or self.lr_warmup < 0
+        ):
+            _bad("lr_warmup", f"{self.lr_warmup!r} is not an integer >= 0", "give the LR's warm-up steps")  # fmt: skip
         if self.outer_warmup < RECIPE:
             _bad("outer_warmup", f"{self.outer_warmup} is negative", "give N >= 0, or -1")
         if self.diloco:
@@ -139,7 +148,12 @@ class Recipe:
         """DiLoCo's streaming settings, the recipe's where not given ([Note: the DiLoCo
         recipe])."""
         return short_run_recipe(
-            self.diloco, self.fragments, self.overlap, self.outer_compress, self.outer_warmup
+            self.diloco,
+            self.fragments,
+            self.overlap,
+            self.outer_compress,
+            self.outer_warmup,
+            self.lr_warmup,
         )
 
     @property

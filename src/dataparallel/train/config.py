@@ -207,8 +207,9 @@ class SyncConfig:
         gradients each step (local SGD); 0: off.
     diloco: DiLoCo every this many steps: all-reduce the replicas' movement since the last
         synchronisation and apply it with an outer Nesterov SGD; 0: off. Streamed as the
-        measured recipe says (docs/compression.md: 4 fragments, overlap 1, int4, no warm-up,
-        the run ending on the replicas' average) unless the fields below are given;
+        measured recipe says (docs/compression.md: 4 fragments, overlap 1, int4, a warm-up
+        as long as the learning rate's, the run ending on the replicas' average) unless the
+        fields below are given;
         --fragments 1 --overlap 0 --outer-warmup 0 --outer-compress fp32 is the paper's
         DiLoCo. With local_sgd or diloco a replica is one rank, or --shard-group ranks that
         train together with the chosen strategy.
@@ -225,7 +226,7 @@ class SyncConfig:
         + (1 - mix) x the outer step's result (0.5 in the paper).
     outer_warmup: DiLoCo: the first this many steps average the replicas after every step
         (synchronous warm-up, sent as --outer-compress says); the outer steps start after
-        it; -1: the recipe's (0 on a short run: docs/compression.md).
+        it; -1: the recipe's (--warmup-steps, the learning rate's warm-up).
     """
 
     compress: str = ""

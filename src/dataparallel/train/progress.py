@@ -10,7 +10,7 @@ import sys
 import time
 
 from ..data.stream import share
-from ..streaming import short_run_recipe
+from .sync import recipe_of
 from .tensor_parallel import mesh_text, parameter_count
 from .trainer import Callback, EvalRecord, StepRecord, TrainState
 
@@ -107,9 +107,7 @@ def _sync_text(config) -> str:
     if sync.local_sgd:
         return f"; local SGD every {sync.local_sgd} steps"
     if sync.diloco:  # [Note: the DiLoCo recipe]
-        s = short_run_recipe(
-            sync.diloco, sync.fragments, sync.overlap, sync.outer_compress, sync.outer_warmup
-        )
+        s = recipe_of(config, config.launch.strategy).streaming
         return (
             f"; DiLoCo every {sync.diloco} steps (outer lr {sync.outer_lr:g}, momentum "
             f"{sync.outer_momentum:g}, {s.compress or 'fp32'} outer gradients, {s.fragments} "

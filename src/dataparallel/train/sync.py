@@ -136,4 +136,5 @@ def recipe_of(config: RunConfig, strategy) -> dp.Recipe:
         overlap=sync.overlap,
         mix=sync.mix,
         outer_warmup=sync.outer_warmup,
+        lr_warmup=config.optim.warmup_steps,  # the recipe's DiLoCo warm-up
     )
