@@ -62,6 +62,7 @@ CONFIGS = {  # name -> dataparallel train flags
     "streaming-h20-w15": [*STREAMING_H20, "--outer-warmup", "15"],
     "streaming-h40-w15": "--diloco 40 --fragments 4 --overlap 1 --outer-compress int4 "
     "--outer-warmup 15".split(),
+    "streaming-h20-w40": [*STREAMING_H20, "--outer-warmup", "40"],
     "streaming-h20-m5": [*STREAMING_H20, "--outer-warmup", "0", "--outer-momentum", "0.5"],
     "streaming-h20-lr1": [*STREAMING_H20, "--outer-warmup", "0", "--outer-lr", "1.0"],
     "streaming-h20-mix0": [*STREAMING_H20, "--outer-warmup", "0", "--mix", "0"],
@@ -93,6 +94,7 @@ EXTRA = (
     "streaming-h20-w8",
     "streaming-h20-w15",
     "streaming-h40-w15",
+    "streaming-h20-w40",
     "streaming-h20-m5",
     "streaming-h20-lr1",
     "streaming-h20-mix0",

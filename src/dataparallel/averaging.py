@@ -153,10 +153,10 @@ class DiLoCo(LocalSGD):
     mix: alpha, with overlap > 0: the fragment continues from alpha x its local values +
         (1 - alpha) x the outer step's result (the inner steps taken meanwhile are kept in
         part); with overlap 0 it takes the outer result (there are no such steps).
-    warmup: the first `warmup` steps average the replicas' parameters after every step (in
-        fp32 as local SGD every step; compressed, their movement in the outer format); the
-        anchors start from the average, and the fragments' schedule counts from the end of
-        the warm-up.
+    warmup: the first `warmup` steps average the replicas after every step, one fragment a
+        step in turn (F = 1: all of it; in fp32 the parameters, compressed their movement in
+        the outer format); the anchors start from the average, and the fragments' schedule
+        counts from the end of the warm-up.
     """
 
     name = "diloco"
@@ -217,10 +217,12 @@ class DiLoCo(LocalSGD):
         return True
 
     def _warm_up(self) -> bool:
-        """A warm-up step: the replicas' parameters averaged, the anchors set to the average."""
+        """A warm-up step: one fragment in turn (with F = 1, every tensor) averaged over the
+        replicas, its anchors set to the average."""
         finish_param_gather(self.model)
+        fragment = (self.steps - 1) % self.fragments
         with torch.no_grad():
-            self._average("warmup")
+            self._average(f"warmup{fragment}" if self.fragments > 1 else "warmup", fragment)
         refresh_params(self.model)
         return True
 
@@ -238,24 +240,29 @@ class DiLoCo(LocalSGD):
         refresh_params(self.model)
         return True
 
-    def _average(self, key: str) -> None:
-        """The replicas' mean, anchors and tensors set to it: in fp32 the parameters are
-        averaged; compressed, the movement since the anchors travels (with its own error
-        feedback under `key`) and the anchors move by its mean."""
+    def _average(self, key: str, fragment: int | None = None) -> None:
+        """The replicas' mean of a fragment (None: of every tensor), its anchors and tensors set
+        to it: in fp32 the parameters are averaged; compressed, the movement since the anchors
+        travels (with its own error feedback under `key`) and the anchors move by its mean."""
+        part = range(len(self.tensors)) if fragment is None else self.parts[fragment]
+        anchors = [self.anchors[i].detach() for i in part]
+        tensors = [self.tensors[i] for i in part]
         if self.compress is None:
-            LocalSGD._synchronise(self)
-            for anchor, tensor in zip(self.anchors, self.tensors, strict=True):
-                anchor.detach().copy_(tensor)
+            flat = _flatten(tensors).div_(self.comm.world_size)
+            if self.comm.world_size > 1:
+                self.comm.all_reduce(flat)
+            _unflatten(flat, tensors)
+            for anchor, tensor in zip(anchors, tensors, strict=True):
+                anchor.copy_(tensor)
         else:
-            moved = [
-                a.detach() - t.float() for a, t in zip(self.anchors, self.tensors, strict=True)
-            ]
+            moved = [a - t.float() for a, t in zip(anchors, tensors, strict=True)]
             flat = self._all_reduce(_flatten(moved).div_(self.comm.world_size), key).wait()
             _unflatten(flat, moved)
-            for anchor, step, tensor in zip(self.anchors, moved, self.tensors, strict=True):
-                anchor.detach().sub_(step)
-                tensor.copy_(anchor.detach())
-        self.synced = [self.steps] * self.fragments
+            for anchor, step, tensor in zip(anchors, moved, tensors, strict=True):
+                anchor.sub_(step)
+                tensor.copy_(anchor)
+        for p in range(self.fragments) if fragment is None else (fragment,):
+            self.synced[p] = self.steps
 
     def _starts(self, fragment: int, step: int) -> bool:
         return (step + fragment * (self.every // self.fragments)) % self.every == 0

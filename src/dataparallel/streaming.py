@@ -14,10 +14,9 @@ on gpt-tiny, 2 ranks, 300 steps of AdamW, validation loss against DDP's at the s
 - the run ends on the replicas' average (`DiLoCo.finish`, called by the trainer): +3.8%, at
   150x fewer bytes on the wire than DDP;
 - a synchronous warm-up as long as the learning rate's (30 steps there; the CLI takes its
-  --warmup-steps), the replicas' movement averaged after every step in the same 4 bits:
-  +1.8%, at 54x fewer bytes (its averages are whole models; on 2,000 steps they would be
-  about a fifth of the bytes, 120x fewer than DDP's). Shorter ones did not pay: 8 steps
-  +4.4%, 15 +3.6%.
+  --warmup-steps), one fragment averaged after every step, in turn, in the same 4 bits: +2.8%
+  at 108x fewer bytes. Averaging the whole model each step gave +1.8% at 54x (a 300-step run
+  cannot amortise whole models); shorter warm-ups did not pay (8 steps +4.4%, 15 +3.6%).
 Left out, measured: an outer momentum of 0.5 (+4.6%), an outer lr of 1.0 (+3.7%, within
 noise of 0.7), mix 0 (+9.3%) or 0.75 (+4.5%), H = 10 (+3.6% at twice the bytes).
 The exactness anchor stays reachable by explicit settings: fragments 1, overlap 0, warm-up 0,

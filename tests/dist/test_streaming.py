@@ -132,8 +132,9 @@ def test_one_fragment_is_diloco_and_fragments_take_turns():
     for step, (spread,) in enumerate(warmed, start=1):
         # averaged after each of the 3 warm-up steps, then every EVERY steps counted from them
         assert (spread == 0.0) == (step <= 3 or (step - 3) % EVERY == 0), (step, spread)
-    # The recipe: the 4-bit warm-up keeps the replicas together too (one all-reduced movement)
-    assert [max(s) for s in recipe[:2]] == [0.0, 0.0]
+    # The recipe: the 4-bit warm-up averages one fragment a step, in turn (fragment 0 after
+    # step 1, fragment 1 after step 2), the other apart by its inner step
+    assert recipe[0][0] == 0.0 < recipe[0][1] and recipe[1][1] == 0.0 < recipe[1][0]
     assert all(max(s) > 0 for s in recipe[2:-1])  # mix 0.5 keeps the local values in part
     *spread, finished, sent, again = recipe[-1]
     # after step 12 fragment 1's reduction (started at 12) is in flight: finish applies it,

@@ -207,9 +207,9 @@ class SyncConfig:
         gradients each step (local SGD); 0: off.
     diloco: DiLoCo every this many steps: all-reduce the replicas' movement since the last
         synchronisation and apply it with an outer Nesterov SGD; 0: off. Streamed as the
-        measured recipe says (docs/compression.md: 4 fragments, overlap 1, int4, a warm-up
-        as long as the learning rate's, the run ending on the replicas' average) unless the
-        fields below are given;
+        measured recipe says (docs/compression.md: 4 fragments, overlap 1, int4, a streamed
+        warm-up as long as the learning rate's, the run ending on the replicas' average)
+        unless the fields below are given;
         --fragments 1 --overlap 0 --outer-warmup 0 --outer-compress fp32 is the paper's
         DiLoCo. With local_sgd or diloco a replica is one rank, or --shard-group ranks that
         train together with the chosen strategy.
@@ -225,8 +225,9 @@ class SyncConfig:
     mix: Streaming DiLoCo with --overlap: the fragment continues from mix x its local values
         + (1 - mix) x the outer step's result (0.5 in the paper).
     outer_warmup: DiLoCo: the first this many steps average the replicas after every step
-        (synchronous warm-up, sent as --outer-compress says); the outer steps start after
-        it; -1: the recipe's (--warmup-steps, the learning rate's warm-up).
+        (synchronous warm-up: one fragment a step, in turn, sent as --outer-compress says);
+        the outer steps start after it; -1: the recipe's (--warmup-steps, the learning
+        rate's warm-up).
     """
 
     compress: str = ""
