@@ -27,77 +27,55 @@ from pathlib import Path
 
 import two_hosts
 
+# [Note: the DiLoCo recipe]: `--diloco H` alone now streams as the recipe says; the rows
+# measured before it spell the paper's DiLoCo (or their streaming settings) in full.
+PLAIN = "--fragments 1 --overlap 0 --outer-warmup 0".split()
+STREAMING_H20 = "--diloco 20 --fragments 4 --overlap 1 --outer-compress int4".split()
 CONFIGS = {  # name -> dataparallel train flags
     "bound": ["--local-sgd", "1000000"],
     "ddp": [],
     "ddp-bf16": ["--compress", "bf16"],
-    "powersgd": ["--compress", "powersgd:rank=4,start=10"],
-    "powersgd-r16": ["--compress", "powersgd:rank=16,start=10"],
+    "powersgd": "--compress powersgd:rank=4,start=10".split(),
+    "powersgd-r16": "--compress powersgd:rank=16,start=10".split(),
     "topk": ["--compress", "topk:ratio=0.01"],
     "int8": ["--compress", "int8"],
     "local-sgd": ["--local-sgd", "50"],
-    "diloco-int8": ["--diloco", "50", "--outer-compress", "int8"],
-    "diloco": ["--diloco", "50"],  # fp32 outer gradients, as the torchft peer sends them
+    "diloco-int8": ["--diloco", "50", *PLAIN, "--outer-compress", "int8"],
+    "diloco": ["--diloco", "50", *PLAIN, "--outer-compress", "fp32"],  # as torchft sends
     "local-sgd-h10": ["--local-sgd", "10"],
-    "diloco-int8-h10": ["--diloco", "10", "--outer-compress", "int8"],
-    "diloco-h20": ["--diloco", "20"],
+    "diloco-int8-h10": ["--diloco", "10", *PLAIN, "--outer-compress", "int8"],
+    "diloco-h20": ["--diloco", "20", *PLAIN, "--outer-compress", "fp32"],
     # Streaming DiLoCo ([Note: streaming DiLoCo]): 4 fragments in turn, each all-reduce
     # behind one inner step, 4-bit outer gradients with error feedback.
-    "streaming-h20": [
-        "--diloco",
-        "20",
-        "--fragments",
-        "4",
-        "--overlap",
-        "1",
-        "--outer-compress",
-        "int4",
-    ],
-    "streaming-h20-fp32": ["--diloco", "20", "--fragments", "4", "--overlap", "1"],
-    "streaming-h20-w30": [
-        "--diloco",
-        "20",
-        "--fragments",
-        "4",
-        "--overlap",
-        "1",
-        "--outer-compress",
-        "int4",
-        "--outer-warmup",
-        "30",
-    ],
-    "streaming-h10-w15": [
-        "--diloco",
-        "10",
-        "--fragments",
-        "2",
-        "--overlap",
-        "1",
-        "--outer-compress",
-        "int4",
-        "--outer-warmup",
-        "15",
-    ],
-    "streaming-h10": [
-        "--diloco",
-        "10",
-        "--fragments",
-        "2",
-        "--overlap",
-        "1",
-        "--outer-compress",
-        "int4",
-    ],
-    "streaming": [
-        "--diloco",
-        "50",
-        "--fragments",
-        "5",
-        "--overlap",
-        "1",
-        "--outer-compress",
-        "int4",
-    ],
+    "streaming-h20": [*STREAMING_H20, "--outer-warmup", "0"],
+    "streaming-h20-fp32": [*STREAMING_H20[:-1], "fp32", "--outer-warmup", "0"],
+    "streaming-h20-w30": [*STREAMING_H20, "--outer-warmup", "30"],
+    "streaming-h10-w15": "--diloco 10 --fragments 2 --overlap 1 --outer-compress int4 "
+    "--outer-warmup 15".split(),
+    "streaming-h10": "--diloco 10 --fragments 2 --overlap 1 --outer-compress int4 "
+    "--outer-warmup 0".split(),
+    "streaming": "--diloco 50 --fragments 5 --overlap 1 --outer-compress int4 "
+    "--outer-warmup 0".split(),
+    # The recipe's ingredients (docs/compression.md), on top of streaming-h20; since the
+    # final average landed, every DiLoCo row ends on the replicas' average.
+    "streaming-h20-w8": [*STREAMING_H20, "--outer-warmup", "8"],
+    "streaming-h20-w15": [*STREAMING_H20, "--outer-warmup", "15"],
+    "streaming-h40-w15": "--diloco 40 --fragments 4 --overlap 1 --outer-compress int4 "
+    "--outer-warmup 15".split(),
+    "streaming-h20-w40": [*STREAMING_H20, "--outer-warmup", "40"],
+    "streaming-h20-m5": [*STREAMING_H20, "--outer-warmup", "0", "--outer-momentum", "0.5"],
+    "streaming-h20-lr1": [*STREAMING_H20, "--outer-warmup", "0", "--outer-lr", "1.0"],
+    "streaming-h20-mix0": [*STREAMING_H20, "--outer-warmup", "0", "--mix", "0"],
+    "streaming-h20-mix75": [*STREAMING_H20, "--outer-warmup", "0", "--mix", "0.75"],
+    "streaming-h20-mix9": [*STREAMING_H20, "--outer-warmup", "0", "--mix", "0.9"],
+    "recipe-h20": ["--diloco", "20"],  # the default: [Note: the DiLoCo recipe]
+    # Compression under AdamW (docs/compression.md): exact steps first, a higher rank.
+    "powersgd-s30": "--compress powersgd:rank=4,start=30".split(),
+    "powersgd-s60": "--compress powersgd:rank=4,start=60".split(),
+    "powersgd-r16-s10": "--compress powersgd:rank=16,start=10".split(),
+    "powersgd-r8-s30": "--compress powersgd:rank=8,start=30".split(),
+    "powersgd-r8-s10": "--compress powersgd:rank=8,start=10".split(),
+    "powersgd-r16-s0": "--compress powersgd:rank=16".split(),
     "peer-powersgd": None,  # PyTorch DDP + powerSGD_hook
     "peer-torchft-diloco": None,  # torchft's DiLoCo, H = 50, fp32 outer gradients
 }
@@ -113,6 +91,22 @@ EXTRA = (
     "streaming-h20-w30",
     "streaming-h10",
     "streaming-h10-w15",
+    "streaming-h20-w8",
+    "streaming-h20-w15",
+    "streaming-h40-w15",
+    "streaming-h20-w40",
+    "streaming-h20-m5",
+    "streaming-h20-lr1",
+    "streaming-h20-mix0",
+    "streaming-h20-mix75",
+    "streaming-h20-mix9",
+    "recipe-h20",
+    "powersgd-s30",
+    "powersgd-s60",
+    "powersgd-r16-s10",
+    "powersgd-r8-s30",
+    "powersgd-r8-s10",
+    "powersgd-r16-s0",
 )  # run only when named in --only
 MODEL = ["gpt-small"]  # --model
 COMMON = ["--eval-every", "0", "--threads", "1", "--warmup-steps", "30"]

@@ -27,8 +27,11 @@ steps: the link carries 1/F of the model at a time, and the peak bandwidth falls
 steps later, hidden behind their compute; the fragment then continues from alpha x its local
 values (which moved during those steps) + (1 - alpha) x the outer step's result (`mix`). The
 outer optimizer keeps one state per anchor, and a fragment's step moves only its anchors. Outer
-gradients may travel in 4 bits with error feedback (`compress="int4"`). Exactness anchor
-(tests/dist/test_streaming.py): F = 1, tau = 0 is DiLoCo, bit for bit.
+gradients may travel in 4 bits with error feedback (`compress="int4"`). Since the replicas
+are apart between a fragment's outer steps (and, mixed, after them), `finish()` ends a run on
+their average. Settings and the measured recipe that `--diloco H` uses: streaming.py ([Note:
+the DiLoCo recipe]). Exactness anchor (tests/dist/test_streaming.py): F = 1, tau = 0 is
+DiLoCo, bit for bit.
 
     mesh = dp.init_mesh(ranks_per_host)                     # replicas = hosts
     dp.parallelize(model, "zero2", group=mesh.shard_group)  # exact inside a host
@@ -52,6 +55,9 @@ from .api import finish_param_gather, refresh_params
 from .comm import Comm
 from .compression.feedback import keyed_tensors, load_keyed_tensors
 from .compression.quantize import Quantize
+from .streaming import OUTER_FORMATS, check_streaming, split_fragments
+
+__all__ = ["DiLoCo", "LocalSGD", "check_streaming", "held_tensors", "split_fragments"]
 
 
 def held_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -100,6 +106,11 @@ class LocalSGD:
         refresh_params(self.model)
         return True
 
+    def finish(self) -> bool:
+        """Call once after the last step. Local SGD ends as it stands (its "never" setting is
+        the benchmarks' compute-only bound); DiLoCo ends on the replicas' average."""
+        return False
+
     def _synchronise(self) -> None:
         flat = _flatten(self.tensors).div_(self.comm.world_size)
         if self.comm.world_size > 1:
@@ -142,9 +153,10 @@ class DiLoCo(LocalSGD):
     mix: alpha, with overlap > 0: the fragment continues from alpha x its local values +
         (1 - alpha) x the outer step's result (the inner steps taken meanwhile are kept in
         part); with overlap 0 it takes the outer result (there are no such steps).
-    warmup: the first `warmup` steps average the replicas' parameters after every step (fp32,
-        as local SGD every step); the anchors start from the average, and the fragments'
-        schedule counts from the end of the warm-up.
+    warmup: the first `warmup` steps average the replicas after every step, one fragment a
+        step in turn (F = 1: all of it; in fp32 the parameters, compressed their movement in
+        the outer format); the anchors start from the average, and the fragments' schedule
+        counts from the end of the warm-up.
     """
 
     name = "diloco"
@@ -181,6 +193,7 @@ class DiLoCo(LocalSGD):
         self.outer = build(self.anchors)
         self.parts = split_fragments([t.numel() for t in self.tensors], fragments)
         self.pending: tuple[int, int, object] | None = None  # (fragment, due step, reduction)
+        self.synced = [0] * fragments  # the step each fragment was last synchronised at
 
     def step(self) -> bool:
         """Call after each optimizer step; True when a fragment started or finished its outer
@@ -204,14 +217,52 @@ class DiLoCo(LocalSGD):
         return True
 
     def _warm_up(self) -> bool:
-        """A warm-up step: the replicas' parameters averaged, the anchors set to the average."""
+        """A warm-up step: one fragment in turn (with F = 1, every tensor) averaged over the
+        replicas, its anchors set to the average."""
         finish_param_gather(self.model)
+        fragment = (self.steps - 1) % self.fragments
         with torch.no_grad():
-            LocalSGD._synchronise(self)
-            for anchor, tensor in zip(self.anchors, self.tensors, strict=True):
-                anchor.detach().copy_(tensor)
+            self._average(f"warmup{fragment}" if self.fragments > 1 else "warmup", fragment)
         refresh_params(self.model)
         return True
+
+    def finish(self) -> bool:
+        """Call once after the last step: the run ends on one model, the replicas' average
+        ([Note: streaming DiLoCo]); a reduction in flight is applied first. Nothing is sent
+        when every fragment was synchronised at this very step. True when it averaged."""
+        if self.pending is None and all(s == self.steps for s in self.synced):
+            return False
+        finish_param_gather(self.model)
+        with torch.no_grad():
+            if self.pending is not None:
+                self._finish()
+            self._average("final")
+        refresh_params(self.model)
+        return True
+
+    def _average(self, key: str, fragment: int | None = None) -> None:
+        """The replicas' mean of a fragment (None: of every tensor), its anchors and tensors set
+        to it: in fp32 the parameters are averaged; compressed, the movement since the anchors
+        travels (with its own error feedback under `key`) and the anchors move by its mean."""
+        part = range(len(self.tensors)) if fragment is None else self.parts[fragment]
+        anchors = [self.anchors[i].detach() for i in part]
+        tensors = [self.tensors[i] for i in part]
+        if self.compress is None:
+            flat = _flatten(tensors).div_(self.comm.world_size)
+            if self.comm.world_size > 1:
+                self.comm.all_reduce(flat)
+            _unflatten(flat, tensors)
+            for anchor, tensor in zip(anchors, tensors, strict=True):
+                anchor.copy_(tensor)
+        else:
+            moved = [a - t.float() for a, t in zip(anchors, tensors, strict=True)]
+            flat = self._all_reduce(_flatten(moved).div_(self.comm.world_size), key).wait()
+            _unflatten(flat, moved)
+            for anchor, step, tensor in zip(anchors, moved, tensors, strict=True):
+                anchor.sub_(step)
+                tensor.copy_(anchor)
+        for p in range(self.fragments) if fragment is None else (fragment,):
+            self.synced[p] = self.steps
 
     def _starts(self, fragment: int, step: int) -> bool:
         return (step + fragment * (self.every // self.fragments)) % self.every == 0
@@ -238,6 +289,8 @@ class DiLoCo(LocalSGD):
             self.anchors[i].grad = grad
         self.outer.step()  # only the fragment's anchors have a gradient: only they move
         self.outer.zero_grad(set_to_none=True)
+        if not self.overlap or self.mix == 0.0:  # mixed with local values: still apart
+            self.synced[fragment] = self.steps
         for i in part:
             anchor, tensor = self.anchors[i].detach(), self.tensors[i]
             if self.overlap:
@@ -310,41 +363,6 @@ class DiLoCo(LocalSGD):
             self.pending = (fragment, started + self.overlap, _Reduced(None, lambda: flat))
         if self.quantize is not None:
             load_keyed_tensors(self.quantize.stores(), local)
-
-
-OUTER_FORMATS = (None, "bf16", "int8", "fp8", "int4")
-
-
-def check_streaming(every: int, fragments: int, overlap: int, mix: float) -> None:
-    """The streaming fields, against each other (ValueError naming the field)."""
-    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
-        raise ValueError(f"diloco: fragments={fragments!r} must be an integer >= 1")
-    if isinstance(every, int) and every % fragments:
-        raise ValueError(
-            f"diloco: fragments={fragments} must divide every={every} (each fragment is "
-            "synchronised every `every` steps, staggered by every / fragments)"
-        )
-    if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
-        raise ValueError(f"diloco: overlap={overlap!r} must be an integer >= 0")
-    if isinstance(every, int) and overlap and overlap >= every // fragments:
-        raise ValueError(
-            f"diloco: overlap={overlap} must be below every / fragments = "
-            f"{every // fragments} (one outer reduction in flight at a time)"
-        )
-    if not 0.0 <= mix <= 1.0:
-        raise ValueError(f"diloco: mix={mix} must be in [0, 1]")
-
-
-def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
-    """Positions of `sizes` in `fragments` consecutive runs of about equal total size (each
-    tensor whole, in order; a fragment may be empty when there are fewer tensors)."""
-    total, parts, acc = sum(sizes), [[] for _ in range(fragments)], 0
-    for i, size in enumerate(sizes):
-        # the fragment in whose equal share of the total this tensor's middle falls
-        fragment = min(fragments - 1, int((acc + size / 2) * fragments / max(total, 1)))
-        parts[fragment].append(i)
-        acc += size
-    return parts
 
 
 class _Reduced:

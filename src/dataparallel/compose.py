@@ -39,10 +39,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .api import build_optimizer, parallelize
-from .averaging import DiLoCo, LocalSGD, check_streaming
+from .averaging import DiLoCo, LocalSGD
 from .comm import Tracer
 from .compression import build_hook
 from .strategies import POLICIES, Mesh, MixedPrecision, init_mesh, resolve_policy
+from .streaming import OUTER_COMPRESS, RECIPE, Streaming, check_streaming, short_run_recipe
 
 # --precision name -> (the strategy's MixedPrecision or None, autocast dtype or None, scaling)
 PRECISIONS: dict[str, tuple] = {
@@ -51,7 +52,6 @@ PRECISIONS: dict[str, tuple] = {
     "bf16-params": (MixedPrecision(param_dtype=torch.bfloat16), None, False),
     "fp16": (MixedPrecision(param_dtype=torch.float16), None, True),
 }
-OUTER_COMPRESS = ("", "bf16", "int8", "fp8", "int4")
 STRATEGIES = tuple(POLICIES)
 
 
@@ -71,12 +71,19 @@ class Recipe:
         "topk:ratio=0.01", "int8", "fp8", "bf16"); "" for none.
     local_sgd: average the replicas' parameters every H optimizer steps (0: off).
     diloco: DiLoCo every H optimizer steps (0: off), with an outer Nesterov SGD of
-        `outer_lr` and `outer_momentum` (0: plain SGD).
-    outer_compress: DiLoCo's outer gradients on the wire: "", "bf16", "int8", "fp8" or "int4".
+        `outer_lr` and `outer_momentum` (0: plain SGD), streamed as the recipe says unless
+        the fields below are given ([Note: the DiLoCo recipe] in streaming.py).
+    outer_compress: DiLoCo's outer gradients on the wire: "recipe" (the recipe's: "int4"),
+        "" or "fp32", "bf16", "int8", "fp8" or "int4".
     fragments, overlap, mix: Streaming DiLoCo ([Note: streaming DiLoCo] in averaging.py): F
         fragments synchronised in turn, each outer all-reduce applied `overlap` inner steps
-        later, the fragment then mixed as mix x local + (1 - mix) x the outer result.
-    outer_warmup: DiLoCo's first steps that average the replicas after every step.
+        later, the fragment then mixed as mix x local + (1 - mix) x the outer result;
+        fragments and overlap RECIPE (-1): the recipe's for H.
+    outer_warmup: DiLoCo's first steps that average the replicas after every step; RECIPE
+        (-1): the recipe's, as long as the learning rate's warm-up (`lr_warmup`). Fragments 1,
+        overlap 0, outer_warmup 0 and "fp32" are DiLoCo as in the paper.
+    lr_warmup: the learning rate's warm-up steps (what the recipe's DiLoCo warm-up lasts;
+        `dataparallel train` gives its --warmup-steps).
     """
 
     strategy: object = "ddp"
@@ -87,11 +94,12 @@ class Recipe:
     diloco: int = 0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    outer_compress: str = ""
-    fragments: int = 1
-    overlap: int = 0
+    outer_compress: str = "recipe"
+    fragments: int = RECIPE
+    overlap: int = RECIPE
     mix: float = 0.5
-    outer_warmup: int = 0
+    outer_warmup: int = RECIPE
+    lr_warmup: int = 30
 
     def __post_init__(self):
         if isinstance(self.strategy, str) and self.strategy not in POLICIES:
@@ -114,15 +122,39 @@ class Recipe:
             _bad("outer_momentum", f"{self.outer_momentum} is outside [0, 1)", "use e.g. 0.9")
         if self.outer_compress not in OUTER_COMPRESS:
             _bad("outer_compress", f"{self.outer_compress!r} is unknown", f"choose one of {OUTER_COMPRESS}")  # fmt: skip
-        if self.outer_compress and not self.diloco:
+        if self.outer_compress not in ("recipe", "") and not self.diloco:
             _bad("outer_compress", "only DiLoCo has outer gradients", "set diloco, or drop it")
-        if (self.fragments != 1 or self.overlap or self.outer_warmup) and not self.diloco:
-            _bad("fragments", "only DiLoCo streams fragments", "set diloco, or drop them")
+        for name, off in (("fragments", 1), ("overlap", 0), ("outer_warmup", 0)):
+            if getattr(self, name) not in (RECIPE, off) and not self.diloco:
+                _bad(name, "only DiLoCo streams fragments", "set diloco, or drop it")
+        if (
+            isinstance(self.lr_warmup, bool)
+            or not isinstance(self.lr_warmup, int)
+            or self.lr_warmup < 0
+        ):
+            _bad("lr_warmup", f"{self.lr_warmup!r} is not an integer >= 0", "give the LR's warm-up steps")  # fmt: skip
+        if self.outer_warmup < RECIPE:
+            _bad("outer_warmup", f"{self.outer_warmup} is negative", "give N >= 0, or -1")
         if self.diloco:
+            streaming = self.streaming
             try:
-                check_streaming(self.diloco, self.fragments, self.overlap, self.mix)
+                check_streaming(self.diloco, streaming.fragments, streaming.overlap, self.mix)
             except ValueError as error:
-                _bad("fragments", str(error).removeprefix("diloco: "), "see docs/compression.md")
+                text = str(error).removeprefix("diloco: ")
+                _bad(text.split("=", 1)[0], text, "see docs/compression.md")
+
+    @property
+    def streaming(self) -> Streaming:
+        """DiLoCo's streaming settings, the recipe's where not given ([Note: the DiLoCo
+        recipe])."""
+        return short_run_recipe(
+            self.diloco,
+            self.fragments,
+            self.overlap,
+            self.outer_compress,
+            self.outer_warmup,
+            self.lr_warmup,
+        )
 
     @property
     def averaging(self) -> bool:
@@ -252,17 +284,17 @@ def _averager(recipe: Recipe, model, optimizer, group, tracer):
         momentum=recipe.outer_momentum,
         nesterov=recipe.outer_momentum > 0,
     )
-    compress = recipe.outer_compress or None
+    streaming = recipe.streaming  # [Note: the DiLoCo recipe]
     return DiLoCo(
         model,
         optimizer,
         recipe.diloco,
         group=group,
         outer_optimizer=outer,
-        compress=compress,
+        compress=streaming.compress,
         tracer=tracer,
-        fragments=recipe.fragments,
-        overlap=recipe.overlap,
+        fragments=streaming.fragments,
+        overlap=streaming.overlap,
         mix=recipe.mix,
-        warmup=recipe.outer_warmup,
+        warmup=streaming.warmup,
     )

@@ -45,9 +45,12 @@ def _by_hand(name: str, model):
     return dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2), None
 
 
+PLAIN_DILOCO = {"fragments": 1, "overlap": 0, "outer_warmup": 0}  # not the streaming recipe
 RECIPES = {
     "zero2-hsdp-int8": dp.Recipe(strategy="zero2", shard_size=2, compress="int8"),
-    "ddp-diloco-int8": dp.Recipe(strategy="ddp", shard_size=2, diloco=2, outer_compress="int8"),
+    "ddp-diloco-int8": dp.Recipe(
+        strategy="ddp", shard_size=2, diloco=2, outer_compress="int8", **PLAIN_DILOCO
+    ),
     "zero1-local-sgd": dp.Recipe(strategy="zero1", shard_size=2, local_sgd=2),
     "zero3-bf16": dp.Recipe(strategy="zero3", precision="bf16-params"),
 }

@@ -59,27 +59,36 @@ def _by_hand(world, steps):
     return _params(model)
 
 
-def _streamed(world, steps, trace=False, **kwargs):
+def _streamed(world, steps, trace=False, finish=False, **kwargs):
     """Our DiLoCo; with `trace`, after each step: per fragment, the largest difference between
-    the replicas' values."""
+    the replicas' values; with `finish`, `averager.finish()` after the last step (traced as a
+    step of its own, with what it returned and the bytes it put on the wire)."""
     model, opt, mesh = _model_and_opt()
     averager = dp.DiLoCo(
         model, opt, EVERY, group=mesh.replicate_group, outer_optimizer=kwargs.pop("outer", None),
         **kwargs,
     )  # fmt: skip
     spread = []
+
+    def trace_spread():
+        everyone = world_gather([p.detach().clone() for p in averager.tensors])
+        spread.append(
+            [
+                max((everyone[0][i] - everyone[1][i]).abs().max().item() for i in part)
+                for part in averager.parts
+            ]
+        )
+
     for step in range(1, steps + 1):
         _inner_step(model, opt, step, world.rank)
         averager.step()
         if trace:
-            mine = [p.detach().clone() for p in averager.tensors]
-            everyone = world_gather(mine)
-            spread.append(
-                [
-                    max((everyone[0][i] - everyone[1][i]).abs().max().item() for i in part)
-                    for part in averager.parts
-                ]
-            )
+            trace_spread()
+    if finish:
+        before = averager.wire_bytes()
+        finished = [averager.finish(), averager.wire_bytes() - before, averager.finish()]
+        trace_spread()
+        spread[-1] += finished
     return _params(model), spread, averager.wire_bytes()
 
 
@@ -99,11 +108,18 @@ def _anchor_and_schedule(world):
     _, staggered, _ = _streamed(world, steps, trace=True, fragments=2, outer=plain)
     _, overlapped, _ = _streamed(world, steps, trace=True, fragments=2, overlap=1, mix=0.0)
     _, warmed, _ = _streamed(world, steps, trace=True, warmup=3, outer=plain)
-    return exact, staggered, overlapped, warmed
+    # the recipe's pieces: a 4-bit warm-up, an overlapped fragment in flight at the end
+    _, recipe, _ = _streamed(
+        world, steps, trace=True, finish=True, fragments=2, overlap=1, warmup=2,
+        compress="int4",
+    )  # fmt: skip
+    return exact, staggered, overlapped, warmed, recipe
 
 
 def test_one_fragment_is_diloco_and_fragments_take_turns():
-    exact, staggered, overlapped, warmed = run_world(2, _anchor_and_schedule, timeout=300)[0]
+    exact, staggered, overlapped, warmed, recipe = run_world(2, _anchor_and_schedule, timeout=300)[
+        0
+    ]
     assert exact == 0.0  # F = 1, tau = 0: DiLoCo, bit for bit
     for step, (first, second) in enumerate(staggered, start=1):
         # fragment 0 at steps 4, 8, 12; fragment 1 staggered by EVERY / 2: at 2, 6, 10
@@ -116,6 +132,24 @@ def test_one_fragment_is_diloco_and_fragments_take_turns():
     for step, (spread,) in enumerate(warmed, start=1):
         # averaged after each of the 3 warm-up steps, then every EVERY steps counted from them
         assert (spread == 0.0) == (step <= 3 or (step - 3) % EVERY == 0), (step, spread)
+    # The recipe: the 4-bit warm-up averages one fragment a step, in turn (fragment 0 after
+    # step 1, fragment 1 after step 2), the other apart by its inner step
+    assert recipe[0][0] == 0.0 < recipe[0][1] and recipe[1][1] == 0.0 < recipe[1][0]
+    assert all(max(s) > 0 for s in recipe[2:-1])  # mix 0.5 keeps the local values in part
+    *spread, finished, sent, again = recipe[-1]
+    # after step 12 fragment 1's reduction (started at 12) is in flight: finish applies it,
+    # then averages every fragment in 4 bits: one model from then on, and once only
+    assert spread == [0.0, 0.0] and finished is True and again is False
+    # on the wire: the pending reduction's all-gather (its row of P1 entries), then the
+    # average's all-to-all and all-gather of the whole model (P entries each), half a byte
+    # an entry and a fp32 scale per 1024 (fp32 would send 4 x 5,768 bytes)
+    sizes = [p.numel() for p in build().parameters()]
+
+    def row(n: int) -> int:  # a rank's chunk of n entries, padded to whole blocks
+        return math.ceil(math.ceil(n / 2) / 1024) * 1024
+
+    second = sum(sizes[i] for i in split_fragments(sizes, 2)[1])
+    assert sent == (row(second) + 2 * row(sum(sizes))) * (0.5 + 4 / 1024) == 4644
 
 
 def _wire_and_resume(world):

@@ -368,6 +368,7 @@ def test_diloco_with_zero2_inside_synchronises_every_h_steps(reference_run, tmp_
     run_dir, _ = reference_run
     args = _override(REFERENCE_ARGS, nproc="4", batch="2", strategy="zero2", stop_after="6")
     flags = ["--shard-group", "2", "--diloco", "3", "--outer-compress", "int8"]
+    flags += ["--fragments", "1", "--overlap", "0", "--outer-warmup", "0"]  # the paper's
     result = train([*args, *flags], tmp_path / "run")
     _check_ok(result)
     assert "DiLoCo every 3 steps" in result.stdout

@@ -3,6 +3,7 @@
 import pytest
 
 import dataparallel as dp
+from dataparallel.streaming import Streaming
 
 
 @pytest.mark.parametrize(
@@ -21,3 +22,41 @@ import dataparallel as dp
 def test_recipe_errors_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         dp.Recipe(**fields)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"diloco": 20, "fragments": 3}, "Recipe.fragments: fragments=3 must divide every=20"),
+        ({"diloco": 20, "overlap": 5}, "Recipe.overlap: overlap=5 must be below every / frag"),
+        ({"fragments": 2}, "Recipe.fragments: only DiLoCo streams fragments"),
+        ({"outer_warmup": 8}, "Recipe.outer_warmup: only DiLoCo streams fragments"),
+        ({"diloco": 20, "outer_warmup": -2}, "Recipe.outer_warmup: -2 is negative"),
+        ({"diloco": 20, "outer_compress": "int2"}, "Recipe.outer_compress: 'int2' is unknown"),
+        ({"diloco": 20, "lr_warmup": -1}, "Recipe.lr_warmup: -1 is not an integer >= 0"),
+    ],
+)
+def test_streaming_errors_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        dp.Recipe(**fields)
+
+
+def test_diloco_h_streams_as_the_recipe_says_and_the_paper_stays_reachable():
+    """[Note: the DiLoCo recipe]: 4 fragments (else 2, else 1, with 2 steps between them),
+    overlap 1 where there is room, int4 outer gradients, a warm-up as long as the learning
+    rate's (30 steps unless lr_warmup says)."""
+    got = {h: dp.Recipe(diloco=h).streaming for h in (1, 2, 4, 10, 20, 50)}
+    assert {h: (s.fragments, s.overlap) for h, s in got.items()} == {
+        1: (1, 0), 2: (1, 1), 4: (2, 1), 10: (2, 1), 20: (4, 1), 50: (2, 1),
+    }  # fmt: skip
+    assert {(s.compress, s.warmup) for s in got.values()} == {("int4", 30)}
+    plain = dp.Recipe(diloco=20, fragments=1, overlap=0, outer_warmup=0, outer_compress="fp32")
+    assert plain.streaming == Streaming(fragments=1, overlap=0, compress=None, warmup=0)
+    # each field given keeps its value, the others still the recipe's for that H
+    assert dp.Recipe(diloco=20, fragments=2).streaming == Streaming(
+        fragments=2, overlap=1, compress="int4", warmup=30
+    )
+    assert dp.Recipe(diloco=20, outer_compress="").streaming.compress is None  # fp32, as before
+    assert dp.Recipe(diloco=20, lr_warmup=50).streaming.warmup == 50
+    # an old config's "off" values stay accepted without DiLoCo
+    dp.Recipe(fragments=1, overlap=0, outer_warmup=0, outer_compress="")

@@ -3,10 +3,13 @@ PowerSGD's plan of what to compress, the --compress spec, and bad input."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import dataparallel as dp
+from dataparallel.comm.hooks import HookState, Ready
 from dataparallel.compression import (
     CompressedHook,
     ErrorFeedback,
@@ -133,6 +136,37 @@ def test_bad_input_is_one_clear_line(make, message):
         make()
     assert str(error.value).startswith(message), str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_a_spec_without_options_gets_the_measured_defaults():
+    """`powersgd` alone is rank 16, compressed from the first step (docs/compression.md,
+    "Compression under Adam"); what a spec gives wins; the class keeps PyTorch's rank 1."""
+    hook = build_hook("powersgd")
+    assert (hook.compressor.rank, hook.start) == (16, 0)
+    hook = build_hook("powersgd:rank=4,start=0")
+    assert (hook.compressor.rank, hook.start) == (4, 0)
+    assert PowerSGD().rank == 1 and build_hook("topk:ratio=0.1").start == 0
+
+
+def test_exact_rounds_first_then_compressed():
+    """`start` (PyTorch's start_powerSGD_iter): the first `start` rounds take the exact
+    reduction, every later one the compressor."""
+    compressed = []
+
+    class Recording:
+        name = "recording"
+
+        def reduce(self, comm, key, buffer, keep, shapes):
+            compressed.append((hook.rounds, key))
+            return Ready(buffer)
+
+    hook = CompressedHook(Recording(), start=3)
+    state = HookState(SimpleNamespace(world_size=1))  # one rank: the exact path sends nothing
+    for _ in range(5):  # five optimizer steps of two buckets
+        for index in (1, 0):
+            bucket = SimpleNamespace(index=index, buffer=torch.ones(4), shard=None, shapes=[])
+            assert hook(state, bucket).wait().tolist() == [1.0] * 4
+    assert compressed == [(4, (1, "all")), (4, (0, "all")), (5, (1, "all")), (5, (0, "all"))]
 
 
 def test_hook_counts_rounds_in_any_bucket_order():

@@ -160,6 +160,7 @@ def parse_compress(text: str) -> tuple[str, float]:
     "int8", "fp8", "bf16"; compression/hook.py parses it), or the short "powersgd:4" /
     "topk:0.01", or "none" -> (kind, PowerSGD's rank or top-k's ratio, else 0)."""
     from ..compression import SPEC_HELP, parse_spec
+    from ..compression.hook import SPEC_DEFAULTS
 
     kind, _, rest = text.partition(":")
     if kind == "none" and not rest:
@@ -177,4 +178,5 @@ def parse_compress(text: str) -> tuple[str, float]:
         raise PlanError("--compress", str(error), f"write {SPEC_HELP}") from None
     if kind == "fp16":
         kind = "bf16"  # the same two bytes a value
+    options = {**SPEC_DEFAULTS.get(kind, {}), **options}  # what the train run would use
     return kind, float(options.get("rank", 1) if kind == "powersgd" else options.get("ratio", 0))

@@ -195,8 +195,10 @@ class SyncConfig:
     """How the ranks synchronise: exact by default; compressed, or every few steps, over slow
     links (docs/compression.md says when each pays).
 
-    compress: send gradients compressed: "powersgd:rank=4,start=10" (low-rank, for matrix-heavy
-        models, the most bytes saved for the least CPU), "topk:ratio=0.01" (the largest 1%,
+    compress: send gradients compressed: "powersgd" (low-rank, for matrix-heavy models, the
+        most bytes saved for the least CPU; rank 16 unless given, e.g. "powersgd:rank=4,
+        start=10": under AdamW rank 4 lost 8% of DDP's loss on a short run, rank 16 1%),
+        "topk:ratio=0.01" (the largest 1%,
         with error feedback), "int8" or "fp8" (a quarter of the bytes, nearly exact), "bf16"
         or "fp16" (half, no state); "start" is the step before which gradients travel
         uncompressed. Works with every strategy; on a 2-D mesh only the cross-replica stage
@@ -204,21 +206,28 @@ class SyncConfig:
     local_sgd: average the replicas' parameters every this many steps instead of reducing
         gradients each step (local SGD); 0: off.
     diloco: DiLoCo every this many steps: all-reduce the replicas' movement since the last
-        synchronisation and apply it with an outer Nesterov SGD; 0: off. With local_sgd or
-        diloco a replica is one rank, or --shard-group ranks that train together with the
-        chosen strategy.
+        synchronisation and apply it with an outer Nesterov SGD; 0: off. Streamed as the
+        measured recipe says (docs/compression.md: 4 fragments, overlap 1, int4, a streamed
+        warm-up as long as the learning rate's, the run ending on the replicas' average)
+        unless the fields below are given;
+        --fragments 1 --overlap 0 --outer-warmup 0 --outer-compress fp32 is the paper's
+        DiLoCo. With local_sgd or diloco a replica is one rank, or --shard-group ranks that
+        train together with the chosen strategy.
     outer_lr: DiLoCo's outer learning rate (0.7 in the DiLoCo paper).
     outer_momentum: DiLoCo's outer Nesterov momentum (0.9 in the paper); 0: plain SGD.
-    outer_compress: how DiLoCo's outer gradients travel: "" (fp32), "bf16", or "int8" / "fp8"
-        / "int4" (with error feedback).
+    outer_compress: how DiLoCo's outer gradients travel: "recipe" (int4), "fp32" (or ""),
+        "bf16", or "int8" / "fp8" / "int4" (with error feedback).
     fragments: Streaming DiLoCo: the model in this many fragments, each synchronised every
-        --diloco H steps, staggered by H / fragments steps (it must divide H); 1: DiLoCo.
+        --diloco H steps, staggered by H / fragments steps (it must divide H); 1: DiLoCo;
+        -1: the recipe's (4, else 2 or 1, whichever divides H with 2 steps between).
     overlap: Streaming DiLoCo: inner steps a fragment's outer all-reduce runs behind before
-        it is applied (below H / fragments); 0: at once.
+        it is applied (below H / fragments); 0: at once; -1: the recipe's (1 where allowed).
     mix: Streaming DiLoCo with --overlap: the fragment continues from mix x its local values
         + (1 - mix) x the outer step's result (0.5 in the paper).
     outer_warmup: DiLoCo: the first this many steps average the replicas after every step
-        (synchronous warm-up); the outer steps start after it.
+        (synchronous warm-up: one fragment a step, in turn, sent as --outer-compress says);
+        the outer steps start after it; -1: the recipe's (--warmup-steps, the learning
+        rate's warm-up).
     """
 
     compress: str = ""
@@ -226,11 +235,11 @@ class SyncConfig:
     diloco: int = 0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    outer_compress: str = ""
-    fragments: int = 1
-    overlap: int = 0
+    outer_compress: str = "recipe"
+    fragments: int = -1
+    overlap: int = -1
     mix: float = 0.5
-    outer_warmup: int = 0
+    outer_warmup: int = -1
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ import sys
 import time
 
 from ..data.stream import share
+from .sync import recipe_of
 from .tensor_parallel import mesh_text, parameter_count
 from .trainer import Callback, EvalRecord, StepRecord, TrainState
 
@@ -105,11 +106,12 @@ def _sync_text(config) -> str:
     sync = config.sync
     if sync.local_sgd:
         return f"; local SGD every {sync.local_sgd} steps"
-    if sync.diloco:
-        wire = f", {sync.outer_compress} outer gradients" if sync.outer_compress else ""
+    if sync.diloco:  # [Note: the DiLoCo recipe]
+        s = recipe_of(config, config.launch.strategy).streaming
         return (
             f"; DiLoCo every {sync.diloco} steps (outer lr {sync.outer_lr:g}, momentum "
-            f"{sync.outer_momentum:g}{wire})"
+            f"{sync.outer_momentum:g}, {s.compress or 'fp32'} outer gradients, {s.fragments} "
+            f"fragments, overlap {s.overlap}, {s.warmup} warm-up steps)"
         )
     return f"; gradients compressed: {sync.compress}" if sync.compress else ""
 

@@ -10,8 +10,8 @@ import torch
 
 import dataparallel as dp
 
-from ..averaging import check_streaming
 from ..compression import SPEC_HELP, PowerSGD, build_hook, parse_spec
+from ..streaming import RECIPE, check_streaming, short_run_recipe
 from .config import ConfigError, RunConfig, field_label
 
 OUTER_COMPRESS = dp.OUTER_COMPRESS
@@ -46,9 +46,9 @@ def check_sync(config: RunConfig, model_shapes: list[torch.Size] | None = None) 
         raise ConfigError(
             field_label("sync", "outer_compress"),
             f"unknown value {sync.outer_compress!r}",
-            "choose bf16, int8, fp8, int4 or leave it empty",
+            "choose recipe, fp32, bf16, int8, fp8 or int4",
         )
-    if sync.outer_compress and not sync.diloco:
+    if sync.outer_compress not in ("recipe", "") and not sync.diloco:
         raise ConfigError(
             field_label("sync", "outer_compress"),
             "only DiLoCo has outer gradients",
@@ -76,8 +76,9 @@ def check_sync(config: RunConfig, model_shapes: list[torch.Size] | None = None) 
             f"{precision}",
             "drop --compress, or compress further with int8, topk or powersgd",
         )
-    if name == "powersgd" and model_shapes is not None:
-        rank, largest = options.get("rank", 1), PowerSGD.largest_rank(model_shapes)
+    if name == "powersgd" and "rank" in options and model_shapes is not None:
+        # the default rank is cut to each matrix's smaller side; a rank asked for is checked
+        rank, largest = options["rank"], PowerSGD.largest_rank(model_shapes)
         if rank > largest:
             raise ConfigError(
                 label,
@@ -95,19 +96,22 @@ def _check_streaming(sync) -> None:
     """--fragments, --overlap and --mix against --diloco ([Note: streaming DiLoCo])."""
     if not sync.diloco:
         for name, off in (("fragments", 1), ("overlap", 0), ("outer_warmup", 0)):
-            if getattr(sync, name) != off:
+            if getattr(sync, name) not in (RECIPE, off):
                 raise ConfigError(
                     field_label("sync", name),
                     "only DiLoCo streams fragments",
                     f"add --diloco H, or drop --{name.replace('_', '-')}",
                 )
         return
-    if sync.outer_warmup < 0:
+    if sync.outer_warmup < RECIPE:
         raise ConfigError(
-            field_label("sync", "outer_warmup"), f"{sync.outer_warmup} is below 0", "give N >= 0"
+            field_label("sync", "outer_warmup"),
+            f"{sync.outer_warmup} is below 0",
+            "give N >= 0, or -1 for the recipe's",
         )
+    streaming = short_run_recipe(sync.diloco, sync.fragments, sync.overlap)
     try:
-        check_streaming(sync.diloco, sync.fragments, sync.overlap, sync.mix)
+        check_streaming(sync.diloco, streaming.fragments, streaming.overlap, sync.mix)
     except ValueError as error:
         text = str(error).removeprefix("diloco: ")
         name = text.split("=", 1)[0]  # the field the message starts with
@@ -132,4 +136,5 @@ def recipe_of(config: RunConfig, strategy) -> dp.Recipe:
         overlap=sync.overlap,
         mix=sync.mix,
         outer_warmup=sync.outer_warmup,
+        lr_warmup=config.optim.warmup_steps,  # the recipe's DiLoCo warm-up
     )

@@ -269,6 +269,8 @@ def train_step(state: TrainState) -> StepRecord:
     if state.averager is not None and not skipped:
         with trace.span("averager"):
             state.averager.step()  # every H steps: synchronise the replicas' parameters
+            if state.step + 1 == state.config.train.steps:
+                state.averager.finish()  # DiLoCo: the run ends on one model
     if skipped:
         state.skipped_steps += 1
     else:
