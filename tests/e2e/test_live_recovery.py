@@ -73,7 +73,7 @@ def test_a_killed_worker_is_replaced_while_the_others_go_on(tmp_path):
     out = tmp_path / "live"
     command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *ARGS]
     command += ["--nproc", "3", "--batch", "4"]
-    command += ["--recovery", "live", "--collective-timeout", "30", "--out", str(out)]
+    command += ["--recovery", "live", "--collective-timeout", "10", "--out", str(out)]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -88,15 +88,17 @@ def test_a_killed_worker_is_replaced_while_the_others_go_on(tmp_path):
             launcher.kill()
     _ok(subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr))
     generations = [m.groups() for m in GENERATION.finditer(stderr)]
-    assert len(generations) == 2, stderr
-    (_, members, pids, _, healed), (_, members2, pids2, joined_at, healed2) = generations
-    # The survivors go on as the same processes, without the killed one...
-    assert _numbers(members) == [0, 2] and healed is None
-    assert _numbers(pids) == [first[0], first[2]]
-    # ...and a new process in slot 1 joins them, healed from them at a step boundary.
-    assert _numbers(members2) == [0, 1, 2] and _numbers(healed2) == [1]
-    new = _numbers(pids2)
-    assert [new[0], new[2]] == [first[0], first[2]] and new[1] not in first.values()
+    assert generations, stderr
+    survivors = [first[0], first[2]]
+    for _, members, pids, _, _ in generations:  # the survivors go on as the same processes
+        slots = dict(zip(_numbers(members), _numbers(pids), strict=True))
+        assert [slots[0], slots[2]] == survivors, stderr
+    # A new process in slot 1 joins them at a step boundary, healed from them. (Usually the
+    # survivors first train alone: generation 1 is [0, 2]; if one of them is blocked on the
+    # other until the collective timeout, the replacement may arrive in time for generation 1.)
+    _, members, pids, joined_at, healed = next(g for g in generations if g[4])
+    assert _numbers(members) == [0, 1, 2] and _numbers(healed) == [1], stderr
+    assert _numbers(pids)[1] not in first.values()
     assert 3 <= int(joined_at) < STEPS
     assert _train_steps(out) == list(range(1, STEPS + 1))  # every step once
     # The same samples in the same steps: equal up to summation order (3 then 2 then 3 ranks

@@ -19,8 +19,8 @@ The rule:
   does not count a replacement as a member before it is let in), and whoever reported.
   The decision waits until all of them have reported, or until `join_timeout_s` has passed
   since the first report; then the silent ones are left out (stalled: the launcher kills them).
-  A peer stuck in a collective with the dead one notices within the collective timeout, so
-  that is the timeout to give.
+  A peer stuck in a collective notices within the collective timeout, so the timeout to give
+  is a little more than that.
 - Replacements (`JOIN`) are let in only when no member reports from inside an evaluation:
   a replacement enters the training loop at a step, and everyone must do the same next thing.
 - The members are the reporters in slot order; ranks are their positions. Everyone stands at
@@ -119,8 +119,8 @@ class QuorumPolicy:
 
     join_timeout_s: seconds after the first report of a generation before the members of the
         last generation that have not reported are left out (and killed as stalled). Give it
-        the collective timeout: a member blocked on a collective with a stalled peer reports
-        once that collective times out.
+        more than the collective timeout: a member blocked on a collective with a stalled (or
+        another blocked) peer reports once that collective times out.
     """
 
     join_timeout_s: float = 300.0

@@ -9,8 +9,8 @@ comm/membership.py). Each worker is a slot 0..N-1; the loop, every `poll_s`:
   together), anything else is a loss: the slot gets a replacement (up to --max-restarts in
   all), which builds its state alone and asks to join;
 - reads the reports for the next generation and applies `decide`; a member that never
-  reports within --collective-timeout of the first report is stalled (one stopped, state T in
-  /proc, at once): it is killed (SIGKILL also ends a stopped process) and replaced like a dead
+  reports within --collective-timeout + 10 s of the first report is stalled (one stopped,
+  state T in /proc, at once): it is killed (SIGKILL also ends a stopped process) and replaced like a dead
   one;
 - when a replacement waits, asks the members to regroup at their next step boundary.
 Slot 0 writes the run's records (metrics, run.json, the report, the final weights): its loss
@@ -49,6 +49,7 @@ from .stopped_workers import is_stopped
 
 WORKER_MODULE = "dataparallel.train.worker"
 STOP_GRACE_S = 30.0  # what a worker told to stop has to finish (a checkpoint write)
+REPORT_GRACE_S = 10.0  # beyond the collective timeout, for a member's rewind and report
 
 
 class Life(enum.Enum):
@@ -89,7 +90,9 @@ class LiveLauncher:
     def __init__(self, config: RunConfig, env: dict[str, str], poll_s: float = 0.02):
         self.config, self.env, self.poll_s = config, env, poll_s
         self.slots = config.launch.nproc
-        self.policy = QuorumPolicy(join_timeout_s=config.launch.collective_timeout)
+        # A member blocked on another member reports once its collective times out.
+        timeout = config.launch.collective_timeout + REPORT_GRACE_S
+        self.policy = QuorumPolicy(join_timeout_s=timeout)
         self.port = dp.free_port()
         self.store = host_store(self.port)
         self.host = QuorumHost(dist.PrefixStore(STORE_PREFIX, self.store), self.slots)

@@ -13,7 +13,10 @@ once; or a peer stalled: the group's timeout is --collective-timeout, so the col
 instead of waiting forever), this replica
 1. rewinds the step: it applied no update (under DDP every collective of a step comes before
    the optimizer's), so it drops the gradients and puts the data position back;
-2. reports for the next generation and waits for the launcher's decision;
+2. leaves the broken group for a world of its own ([Note: abandoned groups]), reports for the
+   next generation and waits for the launcher's decision. A survivor blocked on another
+   survivor rather than on the lost peer fails only at the collective timeout (gloo gives no
+   way to cancel a wait), so the launcher waits that long, plus a grace, for every member;
 3. forms the generation's process group (a new default gloo group on the store under
    gen/<g>/pg, [Note: quorum keys] in comm/quorum.py) and moves the model to it
    (`dataparallel.rebind`: same state, new rank, new size, the mean's new divisor);
@@ -136,6 +139,7 @@ class LiveRecovery(Steps):
         self.membership: Membership | None = None
         self.phase = Phase.STARTING
         self.healed_record: StepRecord | None = None
+        self.abandoned: list[dist.ProcessGroup] = []  # [Note: abandoned groups]
 
     @classmethod
     def from_environment(cls, launch: LaunchConfig) -> LiveRecovery | None:
@@ -201,6 +205,8 @@ class LiveRecovery(Steps):
 
     def _regroup(self, state: TrainState, where: str) -> None:
         self.phase = Phase.REGROUPING
+        if where != JOIN:
+            self._leave(state)
         generation = self.membership.generation + 1 if self.membership else self.quorum.latest() + 1
         membership = self._meet(
             generation,
@@ -211,6 +217,20 @@ class LiveRecovery(Steps):
         dp.rebind(state.model, state.world.group)
         self._heal(state, membership)
         self.phase = Phase.TRAINING
+
+    def _leave(self, state: TrainState) -> None:
+        """Leave the broken group for a world of one, without waiting for it.
+
+        [Note: abandoned groups] A DDP step has several bucket all-reduces in flight; when one
+        fails, the others are still pending on the gloo group's threads, and its destructor
+        waits for them to time out (up to --collective-timeout). Freed here, that wait held
+        this replica's report back until the launcher left it out as stalled (1 trial in 4).
+        So the old group is kept in `abandoned`, unregistered and shut down but not freed;
+        its pending work times out on its own threads while the run goes on.
+        """
+        self.abandoned.append(state.world.group)
+        state.world = dp.join_group(dist.HashStore(), 0, 1, self.timeout, state.world)
+        dp.rebind(state.model, state.world.group)
 
     def _meet(self, generation: int, report: Report) -> Membership:
         """Report for `generation` and wait for its decision; a replacement left out (the

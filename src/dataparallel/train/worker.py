@@ -253,7 +253,7 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
         # *before* destroying the group. Left to the interpreter's exit, the group's C++ object was
         # destroyed during finalisation and aborted about one rank exit in 25 ("terminate called
         # without an active exception"): 2 of 48 before this, 0 of 60 after.
-        state = callbacks = None
+        state = callbacks = live = None  # live: its abandoned groups ([Note: abandoned groups])
         gc.collect()
         dp.destroy()
 
