@@ -1,0 +1,117 @@
+"""Live recovery trials: kill (or stop) a worker of a `--recovery live` run and measure.
+
+    python benchmarks/live_trials.py                          # SIGKILL worker 1 at step 10
+    python benchmarks/live_trials.py --signal STOP --collective-timeout 8 --worker 2
+
+Runs gpt-tiny on 3 workers twice with the same flags: uninterrupted, then live with the signal
+sent to one worker once the metrics show step --at. Prints whether the survivors kept their
+process ids, when the replacement joined, whether every step is in the metrics once, the
+max |difference| of the final weights, the longest step of the live run (from one step's
+end to the next's: the survivors' pause and the redone step) against the median step, and the step efficiency: the uninterrupted run's training
+time over the live run's (metrics.jsonl's elapsed_s at the last step). docs/faults.md, "Live
+recovery", has the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+CORPUS = Path(__file__).resolve().parents[1] / "tests" / "e2e" / "data" / "corpus"
+GENERATION = re.compile(r"generation (\d+): workers \[([\d, ]+)\] \(pids ([\d, ]+)\) at step (\d+)")
+
+
+def flags(steps: int) -> list[str]:
+    return [
+        "--data", str(CORPUS), "--nproc", "3", "--threads", "1", "--model", "gpt-tiny",
+        "--block-size", "32", "--batch", "4", "--accum", "1", "--steps", str(steps),
+        "--lr", "3e-4", "--warmup-steps", "3", "--val-fraction", "0.1", "--eval-every", "50",
+        "--eval-windows", "7", "--checkpoint-every", "0", "--log-every", "50", "--seed", "1",
+    ]  # fmt: skip
+
+
+def records(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def workers(launcher: int) -> dict[int, int]:
+    """{slot: pid} of the live launcher's workers."""
+    found = {}
+    for pid in map(int, Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        live = [e for e in environ if e.startswith(b"DATAPARALLEL_LIVE=")]
+        if live:
+            found[json.loads(live[0].split(b"=", 1)[1])["replica"]] = pid
+    return found
+
+
+def trial(args, folder: Path) -> dict:
+    command = [sys.executable, "-m", "dataparallel.cli", "train", *flags(args.steps)]
+    reference = folder / "reference"
+    subprocess.run([*command, "--out", str(reference)], check=True, capture_output=True)
+    out = folder / "live"
+    live = [*command, "--recovery", "live", "--collective-timeout", str(args.collective_timeout)]
+    launcher = subprocess.Popen(
+        [*live, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    while not any(r["step"] >= args.at for r in records(out)):
+        if launcher.poll() is not None:
+            raise SystemExit(f"the live run ended before step {args.at}")
+        time.sleep(0.02)
+    first = workers(launcher.pid)
+    os.kill(first[args.worker], getattr(signal, f"SIG{args.signal}"))
+    _, stderr = launcher.communicate(timeout=600)
+    generations = [m.groups() for m in GENERATION.finditer(stderr)]
+    survivors = {s: p for s, p in first.items() if s != args.worker}
+    kept = all(
+        str(p) in pids.split(", ") for _, _, pids, _ in generations for p in survivors.values()
+    )
+    ours, theirs = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(reference / "model.safetensors")),
+    )
+    elapsed_at = [r["elapsed_s"] for r in records(out)]
+    gaps = [b - a for a, b in zip(elapsed_at[:-1], elapsed_at[1:], strict=True)]  # and pauses
+    elapsed = {
+        name: records(run)[-1]["elapsed_s"] for name, run in (("ref", reference), ("live", out))
+    }
+    return {
+        "status": launcher.returncode,
+        "survivors kept their pids": kept,
+        "generations": [(int(g), m, int(s)) for g, m, _, s in generations],
+        "every step once": [r["step"] for r in records(out)] == list(range(1, args.steps + 1)),
+        "max |difference|": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
+        "longest step s": round(max(gaps), 3),
+        "median step s": round(statistics.median(gaps), 3),
+        "efficiency": round(elapsed["ref"] / elapsed["live"], 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--at", type=int, default=10, help="signal the worker after this step")
+    parser.add_argument("--worker", type=int, default=1, help="its slot (1 or 2; 0 writes)")
+    parser.add_argument("--signal", default="KILL", choices=["KILL", "STOP"])
+    parser.add_argument("--collective-timeout", type=float, default=20.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        for key, value in trial(args, Path(folder)).items():
+            print(f"{key:28} {value}")
+
+
+if __name__ == "__main__":
+    main()
