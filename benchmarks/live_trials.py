@@ -2,6 +2,7 @@
 
     python benchmarks/live_trials.py                          # SIGKILL worker 1 at step 10
     python benchmarks/live_trials.py --signal STOP --collective-timeout 8 --worker 2
+    python benchmarks/live_trials.py --pairs 2     # no failure: live mode's cost per step
 
 Runs gpt-tiny on 3 workers twice with the same flags: uninterrupted, then live with the signal
 sent to one worker once the metrics show step --at. Prints whether the survivors kept their
@@ -100,6 +101,27 @@ def trial(args, folder: Path) -> dict:
     }
 
 
+def overhead(args, folder: Path) -> dict:
+    """Median step time of `--pairs` interleaved runs without failures: restart, then live."""
+    command = [sys.executable, "-m", "dataparallel.cli", "train", *flags(args.steps)]
+    medians: dict[str, list[float]] = {"restart": [], "live": []}
+    for pair in range(args.pairs):
+        for mode in medians:
+            out = folder / f"{mode}-{pair}"
+            subprocess.run([*command, "--recovery", mode, "--out", str(out)], check=True,
+                           capture_output=True)  # fmt: skip
+            medians[mode].append(statistics.median(r["step_time_s"] for r in records(out)[5:]))
+    restart, live = (statistics.median(medians[m]) for m in ("restart", "live"))
+    return {
+        "median step s, restart": round(restart, 4),
+        "median step s, live": round(live, 4),
+        "live / restart": round(live / restart, 3),
+        "per pair": [
+            round(b / a, 3) for a, b in zip(medians["restart"], medians["live"], strict=True)
+        ],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=150)
@@ -107,9 +129,12 @@ def main() -> None:
     parser.add_argument("--worker", type=int, default=1, help="its slot (1 or 2; 0 writes)")
     parser.add_argument("--signal", default="KILL", choices=["KILL", "STOP"])
     parser.add_argument("--collective-timeout", type=float, default=20.0)
+    parser.add_argument("--pairs", type=int, default=0, help="no failure: this many interleaved "
+                        "restart/live runs, and the cost of live mode per step")  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        for key, value in trial(args, Path(folder)).items():
+        measure = overhead if args.pairs else trial
+        for key, value in measure(args, Path(folder)).items():
             print(f"{key:28} {value}")
 
 
