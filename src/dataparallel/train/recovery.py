@@ -159,7 +159,9 @@ class LiveRecovery(Steps):
         """One of the workers started together: meet the others in generation 0 and return the
         world of its group (the model is then built and broadcast as in any run)."""
         membership = self._meet(0, Report(replica=self.replica, step=0, pid=os.getpid()))
-        return self._form(world, membership)
+        world = self._form(world, membership)
+        self.phase = Phase.TRAINING
+        return world
 
     def join(self, state: TrainState) -> None:
         """A replacement with its state built alone: wait to be let in at a step boundary,
@@ -168,6 +170,7 @@ class LiveRecovery(Steps):
 
     # -- the guarded work (Steps) -------------------------------------------------------------
     def step(self, state: TrainState) -> StepRecord:
+        self._check_training()
         while True:
             mark = Mark.of(state)
             try:
@@ -184,6 +187,7 @@ class LiveRecovery(Steps):
                 return self.healed_record  # a member had finished the step: it is done
 
     def evaluate(self, state: TrainState) -> EvalRecord:
+        self._check_training()
         while True:
             try:
                 return evaluate(state)
@@ -191,6 +195,12 @@ class LiveRecovery(Steps):
                 if not lost_peer(error):
                     raise
             self._regroup(state, EVAL)
+
+    def _check_training(self) -> None:
+        if self.phase is not Phase.TRAINING:
+            raise RuntimeError(
+                f"LiveRecovery: a step while {self.phase.value}; call enter() or join() first"
+            )
 
     # -- the regroup --------------------------------------------------------------------------
     def _replacement_waits(self, state: TrainState) -> bool:
@@ -204,8 +214,20 @@ class LiveRecovery(Steps):
         return bool(flag.item())
 
     def _regroup(self, state: TrainState, where: str) -> None:
+        """Regroup until a generation has formed and healed: a member lost while this one
+        regroups (the group's formation or the heal fails) makes it regroup again."""
         self.phase = Phase.REGROUPING
-        if where != JOIN:
+        while True:
+            try:
+                self._regroup_once(state, where)
+                break
+            except Exception as error:
+                if not lost_peer(error):
+                    raise
+        self.phase = Phase.TRAINING
+
+    def _regroup_once(self, state: TrainState, where: str) -> None:
+        if state.world.world_size > 1:  # a replacement starts alone: nothing to leave
             self._leave(state)
         generation = self.membership.generation + 1 if self.membership else self.quorum.latest() + 1
         membership = self._meet(
@@ -216,7 +238,6 @@ class LiveRecovery(Steps):
         state.data = DataRanks(rank=state.world.rank, size=state.world.world_size)
         dp.rebind(state.model, state.world.group)
         self._heal(state, membership)
-        self.phase = Phase.TRAINING
 
     def _leave(self, state: TrainState) -> None:
         """Leave the broken group for a world of one, without waiting for it.
