@@ -2,10 +2,12 @@
 
     python benchmarks/live_trials.py                          # SIGKILL worker 1 at step 10
     python benchmarks/live_trials.py --signal STOP --collective-timeout 8 --worker 2
+    python benchmarks/live_trials.py --steps 250 --at 10 120 180 --worker 1 2 1   # three kills
     python benchmarks/live_trials.py --pairs 2     # no failure: live mode's cost per step
 
 Runs gpt-tiny on 3 workers twice with the same flags: uninterrupted, then live with the signal
-sent to one worker once the metrics show step --at. Prints whether the survivors kept their
+sent to worker --worker once the metrics show step --at (several: one after the other; the
+workers never signalled are the survivors). Prints whether the survivors kept their
 process ids, when the replacement joined, whether every step is in the metrics once, the
 max |difference| of the final weights, the longest step of the live run (from one step's
 end to the next's: the survivors' pause and the redone step) against the median step, and the step efficiency: the uninterrupted run's training
@@ -68,15 +70,20 @@ def trial(args, folder: Path) -> dict:
     launcher = subprocess.Popen(
         [*live, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    while not any(r["step"] >= args.at for r in records(out)):
-        if launcher.poll() is not None:
-            raise SystemExit(f"the live run ended before step {args.at}")
-        time.sleep(0.02)
-    first = workers(launcher.pid)
-    os.kill(first[args.worker], getattr(signal, f"SIG{args.signal}"))
+    if len(args.worker) != len(args.at):
+        raise SystemExit("give one --worker per --at")
+    first = None
+    for at, slot in zip(args.at, args.worker, strict=True):
+        while not any(r["step"] >= at for r in records(out)):
+            if launcher.poll() is not None:
+                raise SystemExit(f"the live run ended before step {at}")
+            time.sleep(0.02)
+        now = workers(launcher.pid)
+        first = first or now
+        os.kill(now[slot], getattr(signal, f"SIG{args.signal}"))
     _, stderr = launcher.communicate(timeout=600)
     generations = [m.groups() for m in GENERATION.finditer(stderr)]
-    survivors = {s: p for s, p in first.items() if s != args.worker}
+    survivors = {s: p for s, p in first.items() if s not in args.worker}
     kept = all(
         str(p) in pids.split(", ") for _, _, pids, _ in generations for p in survivors.values()
     )
@@ -125,8 +132,10 @@ def overhead(args, folder: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--at", type=int, default=10, help="signal the worker after this step")
-    parser.add_argument("--worker", type=int, default=1, help="its slot (1 or 2; 0 writes)")
+    parser.add_argument("--at", type=int, nargs="+", default=[10], help="signal a worker "
+                        "after each of these steps")  # fmt: skip
+    parser.add_argument("--worker", type=int, nargs="+", default=[1],
+                        help="their slots (1 or 2; 0 writes the records)")  # fmt: skip
     parser.add_argument("--signal", default="KILL", choices=["KILL", "STOP"])
     parser.add_argument("--collective-timeout", type=float, default=20.0)
     parser.add_argument("--pairs", type=int, default=0, help="no failure: this many interleaved "
