@@ -111,6 +111,7 @@ def snapshot(state: TrainState) -> dict:
         "skipped_steps": state.skipped_steps,
         "consecutive_skips": state.consecutive_skips,
         "last_record": last,
+        "evals": state.evals[-1:],  # a replacement healed at step 0 skips the first evaluation
     }
 
 
@@ -121,6 +122,7 @@ def load_snapshot(state: TrainState, payload: dict) -> None:
     state.step = payload["step"]
     state.skipped_steps = payload["skipped_steps"]
     state.consecutive_skips = payload["consecutive_skips"]
+    state.evals = state.evals or payload["evals"]
 
 
 class LiveRecovery(Steps):

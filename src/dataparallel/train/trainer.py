@@ -366,7 +366,7 @@ def fit(state: TrainState, callbacks: list[Callback], steps: Steps | None = None
     steps = steps or Steps()
     for callback in callbacks:
         callback.on_start(state)
-    if state.step == 0:
+    if state.step == 0 and not state.evals:  # a live run's replacement healed at step 0 has one
         _evaluate_and_report(state, callbacks, steps)
     started = time.perf_counter()
     while state.step < state.last_step:
