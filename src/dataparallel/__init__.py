@@ -24,6 +24,7 @@ from .api import (
     no_sync,
     optimizer_state_dict,
     parallelize,
+    rebind,
     refresh_params,
     strategy_of,
     wire_bytes,
@@ -33,7 +34,7 @@ from .comm import Tracer
 from .compose import OUTER_COMPRESS, PRECISIONS, STRATEGIES, Composed, Recipe, compose
 from .data import DistributedSampler
 from .plan import plan
-from .runtime import World, destroy, free_port, init
+from .runtime import World, destroy, free_port, init, join_group
 from .strategies import DDP, Mesh, MixedPrecision, ZeRO1, ZeRO2, ZeRO3, init_mesh
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
@@ -71,6 +72,7 @@ __all__ = [
     "init",
     "init_mesh",
     "join",
+    "join_group",
     "load_full_state_dict",
     "load_optimizer_state_dict",
     "memory_report",
@@ -78,6 +80,7 @@ __all__ = [
     "optimizer_state_dict",
     "parallelize",
     "plan",
+    "rebind",
     "refresh_params",
     "strategy_of",
 ]

@@ -105,6 +105,13 @@ def strategy_of(model: nn.Module) -> Strategy:
     return instance
 
 
+def rebind(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Train `model` over `group` from now on, its state kept as it is: a live run's next
+    generation after a rank was lost or joined (dataparallel train --recovery live). DDP only
+    (every rank holds the same state); drop the gradients of a step interrupted half-way."""
+    strategy_of(model).rebind(group)
+
+
 def build_optimizer(model: nn.Module, optimizer, params=None, **kwargs) -> torch.optim.Optimizer:
     """Build the optimizer for a parallelized model.
 

@@ -248,6 +248,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     if torchrun:  # started by torchrun: this process is a worker
         from .train.worker import run_worker
 
+        if config.launch.recovery == "live":
+            label = "--recovery (launch.recovery)"
+            print(
+                f"dataparallel train: error: {label}: live needs dataparallel's own launcher, "
+                "not torchrun; run dataparallel train --recovery live",
+                file=sys.stderr,
+            )
+            return 2
+
         run_worker(config, resume=resume, checkpoint=checkpoint)
         return 0
     from .train.launch import launch

@@ -7,6 +7,7 @@ private in-memory store, so every code path is the same with one rank or many.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -140,6 +141,29 @@ def init(
         backend=dist.get_backend(group),
         group=group,
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )
+
+
+def join_group(
+    store: dist.Store, rank: int, world_size: int, timeout: timedelta, world: World
+) -> World:
+    """Leave the current process group and form a new default one (gloo) of `world_size`
+    ranks that meet in `store` (a live run's next generation: train/recovery.py, [Note: quorum
+    keys] in comm/quorum.py); return `world` with the new rank, size and group.
+
+    A collective of the new group that waits longer than `timeout` raises (no watchdog: a
+    live run drops a stalled rank instead of ending). Nothing may still use the old group:
+    parallelized models move with `dataparallel.rebind(model, world.group)`.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    PROGRESS.reset()
+    dist.init_process_group(
+        backend="gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+    )
+    group = dist.group.WORLD
+    return dataclasses.replace(
+        world, rank=rank, world_size=world_size, group=group, backend=dist.get_backend(group)
     )
 
 

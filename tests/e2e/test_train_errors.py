@@ -39,6 +39,16 @@ def _folder(path: Path) -> Path:
 
 CASES = {
     # name: (extra args, a setup function of tmp_path returning more args, expected fragments)
+    "an unknown recovery": (
+        ["--recovery", "later"],
+        None,
+        ["--recovery (launch.recovery)", "unknown value 'later'", "choose one of restart, live"],
+    ),
+    "live recovery of a sharded strategy": (
+        ["--recovery", "live", "--strategy", "zero3"],
+        None,
+        ["--recovery (launch.recovery)", "does not cover strategy yet", "use --strategy ddp"],
+    ),
     "tp does not divide the ranks": (
         ["--nproc", "3", "--tp", "2"],
         None,

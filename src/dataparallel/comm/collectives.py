@@ -46,12 +46,8 @@ class Comm:
         pairwise: bool | None = None,
         progress: Progress | None = None,
     ):
-        self.group = group if group is not None else dist.group.WORLD
         self.progress = progress if progress is not None else PROGRESS
-        self.group_name = self.progress.register(self.group)
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        self.backend = dist.get_backend(self.group)
+        self._bind(group if group is not None else dist.group.WORLD)
         # Small control tensors (flags, counts) live where the backend can send them.
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -60,11 +56,28 @@ class Comm:
         )
         self.tracer = tracer if tracer is not None else Tracer()
         self.pairwise = self.backend == "gloo" if pairwise is None else pairwise
-        self._tag = 0  # exchanges so far, for the next tag ([Note: pairwise collectives])
-        self._ranks: list[int] | None = None  # group rank -> global rank, for isend/irecv
         self.bytes_sent: Counter[str] = Counter()
         self.wire_sent: Counter[str] = Counter()  # [Note: bytes on the wire] in wire.py
         self.calls: Counter[str] = Counter()
+
+    def _bind(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.group_name = self.progress.register(group)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+        self._tag = 0  # exchanges so far, for the next tag ([Note: pairwise collectives])
+        self._ranks: list[int] | None = None  # group rank -> global rank, for isend/irecv
+
+    def rebind(self, group: dist.ProcessGroup) -> None:
+        """Talk through `group` from now on (a live run's next generation, train/recovery.py):
+        its rank and size replace the old group's; the byte counts go on. Nothing may be in
+        flight on the old group."""
+        if dist.get_backend(group) != self.backend:
+            raise ValueError(
+                f"Comm.rebind: a {dist.get_backend(group)} group for a {self.backend} one"
+            )
+        self._bind(group)
 
     def _run(self, kind: str, tensor: torch.Tensor, async_op: bool, call, how=None):
         """Count the payload, number it, run `call`, and trace it ([Note: trace spans] in

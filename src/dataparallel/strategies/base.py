@@ -160,6 +160,14 @@ class Strategy:
         load): bring the model's parameters up to date. Nothing to do where the model's
         parameters are the ones the optimizer updates (DDP)."""
 
+    def rebind(self, group) -> None:
+        """Train over `group` from now on, with the state held as it is (a live run's next
+        generation, train/recovery.py). Only strategies whose ranks hold the same state can:
+        a sharded one would have to move its shards."""
+        raise ValueError(
+            f"strategy {self.name!r} cannot move to another group; live recovery covers ddp"
+        )
+
     def comms(self) -> list[Comm]:
         """Every Comm the strategy sends through, each once (for byte counts)."""
         return self.groups.comms() if self.groups is not None else [self.comm]

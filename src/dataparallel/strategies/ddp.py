@@ -158,6 +158,13 @@ class DDPStrategy(Strategy):
     def build_optimizer(self, optimizer_cls, params=None, **kwargs) -> torch.optim.Optimizer:
         return optimizer_cls(normalize_param_groups(self.model, params), **kwargs)
 
+    def rebind(self, group) -> None:
+        """Every rank holds the whole model: only the group, and the mean's divisor, change. A
+        reduction that failed half-way is dropped (the caller drops the gradients too)."""
+        self.comm.rebind(group)
+        mean = self.policy.reduce_op == "mean"
+        self.reducer.rebind(divisor=self.comm.world_size if mean else 1)
+
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         check_optimizer_params(self.model, optimizer.param_groups)
         return optimizer

@@ -71,6 +71,9 @@ class Stragglers:
         """Take one step's per-rank work times; return the ranks newly named stragglers."""
         if len(times) < 2:
             return []
+        if self.scores and len(self.scores[-1]) != len(times):  # a live run regrouped
+            self.scores.clear()
+            self.named = set()
         self.scores.append(step_scores(times))
         if len(self.scores) < self.rule.window:
             return []

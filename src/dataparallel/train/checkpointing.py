@@ -128,14 +128,32 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, state: TrainState, mode: str = "async"):
         self.folder = Path(run_dir) / CHECKPOINTS
-        self.world = state.world
-        self.group = dist.new_group(backend="gloo") if state.world.world_size > 1 else None
+        # The world and the checkpoint group are those of the first save (`_follow`): a live
+        # run's replacement starts its loop in a world the others reach at that save.
+        self.world = None
+        self.group: dist.ProcessGroup | None = None
         self.executor = ThreadPoolExecutor(1, "checkpoint") if mode == "async" else None
         self.pending: Future | None = None
         self.staging: dict[str, torch.Tensor] = {}  # host buffers of async saves, reused
 
+    @staticmethod
+    def _new_group(world) -> dist.ProcessGroup | None:
+        return dist.new_group(backend="gloo") if world.world_size > 1 else None
+
+    def _follow(self, state: TrainState) -> None:
+        """The first save, or a live run regrouped since the last one ([Note: live recovery] in
+        recovery.py): a save in flight then is dropped (its folder stays .tmp, the previous
+        checkpoint the latest) and the checkpoint group is made (again) in the new world."""
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - its group lost a member: that save is abandoned
+            pass
+        self.world, self.group = state.world, self._new_group(state.world)
+
     def save(self, state: TrainState) -> None:
         """Checkpoint `state` now (collective: every rank calls it at the same step)."""
+        if state.world is not self.world:
+            self._follow(state)
         self.wait()
         chunks = state_chunks(
             state.model,

@@ -93,9 +93,35 @@ def check_launch(config: RunConfig) -> None:
         )
 
 
+RECOVERY = ("restart", "live")
+
+
+def check_recovery(config: RunConfig) -> None:
+    """--recovery live covers one machine, DDP and the precisions that keep DDP's plain
+    replicas (docs/faults.md, "Live recovery"); say which flag stands in its way."""
+    launch, sync, label = config.launch, config.sync, field_label("launch", "recovery")
+    _choose(label, launch.recovery, RECOVERY)
+    if launch.recovery != "live":
+        return
+    blockers = [
+        ("strategy", launch.strategy != "ddp", "--strategy ddp"),
+        ("precision", config.train.precision not in ("fp32", "bf16"), "--precision fp32 or bf16"),
+        ("nnodes", launch.nnodes != 1, "one machine (--nnodes 1)"),
+        ("tp", launch.tp != 1, "--tp 1"),
+        ("shard_group", launch.shard_group > 1, "no --shard-group"),
+        ("compress", bool(sync.compress), "no --compress"),
+        ("local_sgd", sync.local_sgd > 0 or sync.diloco > 0, "no --local-sgd or --diloco"),
+        ("collective_timeout", launch.collective_timeout <= 0, "a --collective-timeout above 0"),
+    ]
+    for name, blocked, needs in blockers:
+        if blocked:
+            raise ConfigError(label, f"live recovery does not cover {name} yet", f"use {needs}")
+
+
 def check_values(config: RunConfig) -> None:
     """Check every value on its own and against the others (no I/O)."""
     _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(dp.STRATEGIES))
+    check_recovery(config)
     _choose(field_label("train", "precision"), config.train.precision, sorted(dp.PRECISIONS))
     _choose(field_label("optim", "lr_scaling"), config.optim.lr_scaling, ["none", "linear"])
     _choose(field_label("data", "token_dtype"), config.data.token_dtype, TOKEN_DTYPES)

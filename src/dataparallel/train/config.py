@@ -174,6 +174,12 @@ class LaunchConfig:
     check_collectives: before every collective, check that all ranks call the same kind,
         shape and dtype, and stop at the first that differs, naming the rank (a slow debug mode;
         docs/watchdog.md).
+    recovery: what a lost worker costs the others. "restart": every worker restarts and
+        resumes from the latest checkpoint (torchrun's agent, up to max_restarts times).
+        "live": the others go on without stopping; they regroup at the step, redo it with the
+        whole global batch, and a replacement (up to max_restarts in all) receives the state
+        from them over the network and joins (one machine, ddp, fp32 or bf16;
+        docs/faults.md, "Live recovery").
     """
 
     nproc: int = 2
@@ -188,6 +194,7 @@ class LaunchConfig:
     rdzv_endpoint: str = ""
     collective_timeout: float = 300.0
     check_collectives: bool = False
+    recovery: str = "restart"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,6 +39,18 @@ def child_pids() -> list[int]:
     return pids
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T: SIGSTOP, SIGTSTP, a debugger)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return any(
+        line.startswith("State:") and line.split(":", 1)[1].strip().startswith("T")
+        for line in status.splitlines()
+    )
+
+
 def stopped_with_ending_signal(pid: int) -> bool:
     """Whether process `pid` is stopped (T) with a termination signal pending."""
     try:

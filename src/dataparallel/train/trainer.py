@@ -346,16 +346,34 @@ def should_evaluate(config: RunConfig, step: int) -> bool:
     return step == config.train.steps or bool(every and step % every == 0)
 
 
-def fit(state: TrainState, callbacks: list[Callback]) -> TrainState:
-    """Train from `state.step` to `state.last_step`, evaluating and calling back on the way."""
+class Steps:
+    """How `fit` runs one training step and one evaluation: `train_step` and `evaluate`.
+
+    Live recovery (train/recovery.py) is a subclass that redoes either after the ranks regroup;
+    the loop itself does not change.
+    """
+
+    def step(self, state: TrainState) -> StepRecord:
+        return train_step(state)
+
+    def evaluate(self, state: TrainState) -> EvalRecord:
+        return evaluate(state)
+
+
+def fit(state: TrainState, callbacks: list[Callback], steps: Steps | None = None) -> TrainState:
+    """Train from `state.step` to `state.last_step`, evaluating and calling back on the way.
+
+    steps: how a step and an evaluation run (default `Steps()`: as they are).
+    """
+    steps = steps or Steps()
     for callback in callbacks:
         callback.on_start(state)
-    if state.step == 0:
-        _evaluate_and_report(state, callbacks)
+    if state.step == 0 and not state.evals:  # a live run's replacement healed at step 0 has one
+        _evaluate_and_report(state, callbacks, steps)
     started = time.perf_counter()
     while state.step < state.last_step:
         before = state.step
-        record = train_step(state)
+        record = steps.step(state)
         if state.step == before:  # skipped on every rank: counted in the next record too
             for callback in callbacks:
                 callback.on_skip(state, record)
@@ -365,7 +383,7 @@ def fit(state: TrainState, callbacks: list[Callback]) -> TrainState:
         record = dataclasses.replace(record, elapsed_s=time.perf_counter() - started)
         state.history.append(record)
         if should_evaluate(state.config, state.step):
-            _evaluate_and_report(state, callbacks)
+            _evaluate_and_report(state, callbacks, steps)
         # After the evaluation, so that a checkpoint written here follows the step's metrics.
         for callback in callbacks:
             callback.on_step(state, record)
@@ -385,8 +403,8 @@ def _too_many_skips(state: TrainState, record: StepRecord) -> str:
     )
 
 
-def _evaluate_and_report(state: TrainState, callbacks: list[Callback]) -> None:
-    evaluation = evaluate(state)
+def _evaluate_and_report(state: TrainState, callbacks: list[Callback], steps: Steps) -> None:
+    evaluation = steps.evaluate(state)
     state.evals.append(evaluation)
     for callback in callbacks:
         callback.on_eval(state, evaluation)

@@ -29,6 +29,7 @@ from .config import RunConfig, field_label
 from .config_toml import apply_mapping, to_toml
 from .metrics import MetricsLogger
 from .progress import ProgressBar
+from .recovery import LeftOut, LiveRecovery
 from .report import RUN_INFO, make_report
 from .tensor_parallel import parameter_count
 from .tracing import TraceWriter, parse_steps
@@ -138,10 +139,16 @@ def run_info(state: TrainState, threads: int, previous: dict | None) -> dict:
 
 
 def prepare(
-    config: RunConfig, world: dp.World, *, resume: bool, checkpoint: str = ""
+    config: RunConfig,
+    world: dp.World,
+    *,
+    resume: bool,
+    checkpoint: str = "",
+    records: bool | None = None,
 ) -> tuple[TrainState, list]:
     """Build (or restore) the run's state and this rank's callbacks; rank 0 writes config.toml
-    and run.json.
+    and run.json. records: whether this process writes the run's records (default: rank 0;
+    a live run's replacement, built in a world of its own, does not).
 
     [Note: restarts] When a worker dies, torchrun's agent stops the others and starts them all
     again (up to launch.max_restarts times). A restarted worker resumes by itself from the
@@ -153,7 +160,8 @@ def prepare(
     if restarted() and not resume:
         resume = latest_checkpoint(run_dir / CHECKPOINTS) is not None
     threads = torch.get_num_threads()
-    if world.is_main:
+    records = world.is_main if records is None else records
+    if records:
         run_dir.mkdir(parents=True, exist_ok=True)
         header = "The resolved configuration of this run (dataparallel train --resume reads it)."
         (run_dir / CONFIG_FILE).write_text(to_toml(config, header=header))
@@ -161,7 +169,7 @@ def prepare(
     if resume:
         restore(state, run_dir, checkpoint)
     callbacks: list[Callback] = []
-    if world.is_main:
+    if records:
         previous = None
         if resume and (run_dir / RUN_INFO).exists():
             previous = json.loads((run_dir / RUN_INFO).read_text())
@@ -192,22 +200,30 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
     the process from the watchdog's thread (docs/watchdog.md).
     """
     launch = config.launch
+    live = LiveRecovery.from_environment(launch)  # [Note: live recovery] in recovery.py
     world = dp.init(
         threads=launch.threads or None,
-        collective_timeout=launch.collective_timeout,
+        collective_timeout=0 if live else launch.collective_timeout,
         check_collectives=launch.check_collectives,
     )
     state = callbacks = None
     try:
+        if live is not None and not live.joining:
+            world = live.enter(world)  # generation 0 with the workers started together
         config = agree_on_config(config, world)
         run_dir = Path(config.launch.out)
-        state, callbacks = prepare(config, world, resume=resume, checkpoint=checkpoint)
-        fit(state, callbacks)
+        if live is not None and live.joining:  # built alone, then healed by a member
+            state, callbacks = prepare(config, world, resume=False, records=False)
+            live.join(state)
+        else:
+            state, callbacks = prepare(config, world, resume=resume, checkpoint=checkpoint)
+        fit(state, callbacks, live)
+        world = state.world  # a live run's replacement ends in the run's world, not its own
         if world.is_main:
             print(make_report(run_dir), flush=True)
     except KeyboardInterrupt:
         _finish_saving(callbacks)
-        if world.is_main:
+        if _is_main(state, world):
             latest = latest_checkpoint(Path(config.launch.out) / CHECKPOINTS)
             where = f"the last checkpoint is {latest.name}" if latest else "no checkpoint yet"
             step = state.step if state else 0
@@ -215,17 +231,20 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
             if latest:
                 print(f"continue with: dataparallel train --resume {config.launch.out}", flush=True)
         raise SystemExit(130) from None
+    except LeftOut as error:  # the others went on without this stalled replica
+        print(f"dataparallel train: live: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except (FloatingPointError, CollectiveMismatch) as error:  # the user's to fix, not a bug
         _finish_saving(callbacks)
-        if world.is_main:
+        if _is_main(state, world):
             print(f"dataparallel train: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except CheckpointError as error:  # every rank raises it together (restore broadcasts)
-        if world.is_main:
+        if _is_main(state, world):
             print(f"dataparallel train: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     except DataError as error:  # every rank raises it together (data/loading.py)
-        if world.is_main:
+        if _is_main(state, world):
             label = field_label("data", "paths")
             print(f"dataparallel train: error: {label}: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -234,9 +253,15 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
         # *before* destroying the group. Left to the interpreter's exit, the group's C++ object was
         # destroyed during finalisation and aborted about one rank exit in 25 ("terminate called
         # without an active exception"): 2 of 48 before this, 0 of 60 after.
-        state = callbacks = None
+        state = callbacks = live = None  # live: its abandoned groups ([Note: abandoned groups])
         gc.collect()
         dp.destroy()
+
+
+def _is_main(state, world: dp.World) -> bool:
+    """Whether this process speaks for the run: rank 0 of the run's world (a live run's
+    replacement is built in a world of its own before it joins)."""
+    return (state.world if state is not None else world).is_main
 
 
 def _finish_saving(callbacks) -> None:

@@ -35,7 +35,7 @@ from functools import partial
 import torch
 
 from ...comm import Comm, HookState
-from .buckets import Bucket, BucketSpec
+from .buckets import EMPTY, Bucket, BucketSpec
 from .round import BackwardRound
 
 
@@ -178,6 +178,14 @@ class GradientReducer:
         self._reset()
         if self.on_round_end is not None:
             self.on_round_end(used)
+
+    def rebind(self, divisor: int) -> None:
+        """After the Comm moved to another group: forget any round in flight on the old one
+        (its collectives failed; nothing is waited for) and divide by the new size."""
+        for bucket in self.buckets:
+            bucket.divisor = divisor
+            bucket.held = [EMPTY] * len(bucket.params)
+        self._reset()
 
     def _reset(self) -> None:
         for bucket in self.buckets:

@@ -1,0 +1,125 @@
+"""The quorum of a live run in the launcher's store: reports in, one decision out.
+
+    quorum = Quorum(store, replica=1)                  # a worker
+    quorum.report(generation, Report(replica=1, step=40))
+    membership = quorum.wait(generation, timeout_s)     # published by the launcher
+
+    host = QuorumHost(store, slots=3)                   # the launcher
+    reports = host.reports(generation)
+    host.publish(membership)
+
+[Note: quorum keys] Under the store's prefix, generation g has
+    gen/g/report/<slot>   a Report (JSON), written by the replica that asks to be in g;
+    gen/g/decision        the Membership (JSON), written once, by the launcher;
+    gen/g/regroup         set by the launcher when a replacement waits: the members of g
+                          regroup at their next step boundary to let it in;
+    gen/g/pg/...          the keys of generation g's process group (runtime.join_group).
+and `latest` holds the last decided generation's number (where a replacement reports next).
+Keys of a generation are never rewritten, so a late reader sees what was decided.
+The rule that turns reports into a decision is pure ([Note: membership] in membership.py).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .membership import Membership, Report
+
+LATEST = "latest"
+
+
+def report_key(generation: int, replica: int) -> str:
+    return f"gen/{generation}/report/{replica}"
+
+
+def decision_key(generation: int) -> str:
+    return f"gen/{generation}/decision"
+
+
+def regroup_key(generation: int) -> str:
+    return f"gen/{generation}/regroup"
+
+
+def group_prefix(generation: int) -> str:
+    return f"gen/{generation}/pg"
+
+
+class Quorum:
+    """A worker's side of the quorum ([Note: quorum keys]).
+
+    store: the launcher's store (under the run's prefix).
+    replica: this worker's slot.
+    poll_s: how often a wait looks at the store.
+    """
+
+    def __init__(self, store: dist.Store, replica: int, poll_s: float = 0.01):
+        self.store, self.replica, self.poll_s = store, replica, poll_s
+
+    def latest(self) -> int:
+        """The last decided generation (-1 before the first)."""
+        if not self.store.check([LATEST]):
+            return -1
+        return int(self.store.get(LATEST))
+
+    def report(self, generation: int, report: Report) -> None:
+        self.store.set(report_key(generation, self.replica), report.to_json())
+
+    def wait(self, generation: int, timeout_s: float) -> Membership:
+        """The decision for `generation`, once published (TimeoutError after `timeout_s`)."""
+        key, deadline = decision_key(generation), time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no decision for generation {generation} within {timeout_s:g} s"
+                )
+            time.sleep(self.poll_s)
+        return Membership.from_json(self.store.get(key))
+
+    def regroup_asked(self, generation: int) -> bool:
+        """Whether the launcher asked the members of `generation` to regroup (a replacement
+        waits to join)."""
+        return self.store.check([regroup_key(generation)])
+
+
+class QuorumHost:
+    """The launcher's side: reads the reports of a generation, publishes its decision.
+
+    store: the store the launcher hosts (under the run's prefix).
+    slots: how many replica slots the run has (the workers started together).
+    """
+
+    def __init__(self, store: dist.Store, slots: int):
+        self.store, self.slots = store, slots
+
+    def reports(self, generation: int) -> dict[int, Report]:
+        """The reports written so far for `generation`, by slot."""
+        keys = [report_key(generation, r) for r in range(self.slots)]
+        return {
+            r: Report.from_json(self.store.get(key))
+            for r, key in enumerate(keys)
+            if self.store.check([key])
+        }
+
+    def publish(self, membership: Membership) -> None:
+        self.store.set(decision_key(membership.generation), membership.to_json())
+        self.store.set(LATEST, str(membership.generation))
+
+    def ask_regroup(self, generation: int) -> None:
+        self.store.set(regroup_key(generation), "1")
+
+
+def host_store(port: int, timeout_s: float = 60.0) -> dist.TCPStore:
+    """The store a live run's launcher hosts on 127.0.0.1:`port` (one host in this version)."""
+    return dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
+
+
+def client_store(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
+    """A worker's connection to the launcher's store at "host:port"."""
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))

@@ -1,0 +1,291 @@
+"""Live recovery, the worker's side: regroup with the survivors, redo the step, go on.
+
+    recovery = LiveRecovery.from_environment(config.launch)     # None unless --recovery live
+    world = recovery.enter(world)                  # a worker started with the others
+    recovery.join(state)                           # or: a replacement, built alone, healed
+    fit(state, callbacks, recovery)                # steps and evaluations that survive a loss
+
+[Note: live recovery] Under `--recovery live` the launcher (train/live_launch.py) starts the
+workers itself and hosts the store they meet in; a worker is a replica (one rank under DDP)
+and the run a sequence of generations ([Note: membership] in comm/membership.py). Each step is
+guarded: when one of its collectives fails (a peer died: gloo reports the closed connection at
+once; or a peer stalled: the group's timeout is --collective-timeout, so the collective raises
+instead of waiting forever), this replica
+1. rewinds the step: it applied no update (under DDP every collective of a step comes before
+   the optimizer's), so it drops the gradients and puts the data position back;
+2. leaves the broken group for a world of its own ([Note: abandoned groups]), reports for the
+   next generation and waits for the launcher's decision. A survivor blocked on another
+   survivor rather than on the lost peer fails only at the collective timeout (gloo gives no
+   way to cancel a wait), so the launcher waits that long, plus a grace, for every member;
+3. forms the generation's process group (a new default gloo group on the store under
+   gen/<g>/pg, [Note: quorum keys] in comm/quorum.py) and moves the model to it
+   (`dataparallel.rebind`: same state, new rank, new size, the mean's new divisor);
+4. heals: if a member is behind or new, the source broadcasts its parameters, optimizer state,
+   data position and counters (`snapshot`), and those members load them;
+5. redoes the step with the whole global batch: the global batch is fixed for the run, and
+   take_share splits it over the new size ([Note: uneven batches] in trainer.py), so the same
+   samples are trained on and the gradient stays that of the global batch.
+An evaluation interrupted the same way is redone after the regroup. Between steps each
+member asks the store whether a replacement waits (`Quorum.regroup_asked`), and the members
+agree on the answer in one small all-reduce, so that all of them regroup at the same step
+boundary and the replacement is healed and trains from the next step.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import dataparallel as dp
+
+from ..comm.membership import EVAL, JOIN, STEP, Membership, Report
+from ..comm.quorum import Quorum, client_store, group_prefix
+from .config import LaunchConfig
+from .records import EvalRecord, StepRecord
+from .tensor_parallel import DataRanks
+from .trainer import Steps, TrainState, evaluate, train_step
+
+ENV_LIVE = "DATAPARALLEL_LIVE"  # {"store": "host:port", "replica": slot, "joining": bool}
+STORE_PREFIX = "dataparallel/live"
+# The launcher decides; if it dies, its workers die with it (worker.die_with_launcher).
+DECISION_TIMEOUT_S = 3600.0
+
+
+class Phase(enum.Enum):
+    """Where a replica stands in its life cycle."""
+
+    STARTING = "starting"  # not a member of any generation yet
+    TRAINING = "training"  # a member of `LiveRecovery.membership`
+    REGROUPING = "regrouping"  # reporting, waiting for the decision, forming the group, healing
+
+
+class LeftOut(RuntimeError):
+    """This replica was left out of a generation (it reported too late: stalled)."""
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because a peer is gone or stalled (gloo's
+    closed connections and timeouts), not a fault of this process."""
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and "gloo" in str(error)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Where a step began, to rewind it: the data position and the counters."""
+
+    step: int
+    consumed: int
+    skipped_steps: int
+
+    @classmethod
+    def of(cls, state: TrainState) -> Mark:
+        return cls(state.step, state.samples.consumed, state.skipped_steps)
+
+    def rewind(self, state: TrainState) -> None:
+        """Undo a step whose collectives failed: it applied no update; drop its gradients and
+        put its samples back."""
+        state.samples.consumed = self.consumed
+        state.optimizer.zero_grad(set_to_none=True)
+        if state.gradients is not None:
+            state.gradients.nonfinite()  # forget the interrupted step's sums
+
+
+def snapshot(state: TrainState) -> dict:
+    """What a healed replica receives: everything a step changes ([Note: live recovery])."""
+    last = state.history[-1] if state.history and state.history[-1].step == state.step else None
+    return {
+        "model": dp.full_state_dict(state.model),
+        # Under DDP the optimizer is a plain torch one over the whole model, the same on every
+        # replica, so its own state dict is exact.
+        "optimizer": state.optimizer.state_dict(),
+        "samples": state.samples.state_dict(),
+        "step": state.step,
+        "skipped_steps": state.skipped_steps,
+        "consecutive_skips": state.consecutive_skips,
+        "last_record": last,
+        "evals": state.evals[-1:],  # a replacement healed at step 0 skips the first evaluation
+    }
+
+
+def load_snapshot(state: TrainState, payload: dict) -> None:
+    dp.load_full_state_dict(state.model, payload["model"])
+    state.optimizer.load_state_dict(payload["optimizer"])
+    state.samples.load_state_dict(payload["samples"])
+    state.step = payload["step"]
+    state.skipped_steps = payload["skipped_steps"]
+    state.consecutive_skips = payload["consecutive_skips"]
+    state.evals = state.evals or payload["evals"]
+
+
+class LiveRecovery(Steps):
+    """A replica's steps and evaluations, redone after a regroup ([Note: live recovery]).
+
+    store: the launcher's store, under STORE_PREFIX.
+    replica: this worker's slot.
+    joining: a replacement (built alone, then healed) rather than one of the first workers.
+    timeout_s: --collective-timeout, the timeout of every generation's group.
+    """
+
+    def __init__(self, store: dist.Store, replica: int, *, joining: bool, timeout_s: float):
+        self.store, self.replica, self.joining = store, replica, joining
+        self.quorum = Quorum(store, replica)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.membership: Membership | None = None
+        self.phase = Phase.STARTING
+        self.healed_record: StepRecord | None = None
+        self.abandoned: list[dist.ProcessGroup] = []  # [Note: abandoned groups]
+
+    @classmethod
+    def from_environment(cls, launch: LaunchConfig) -> LiveRecovery | None:
+        """The recovery of a worker the live launcher started (ENV_LIVE), else None."""
+        text = os.environ.get(ENV_LIVE)
+        if not text:
+            return None
+        given = json.loads(text)
+        store = dist.PrefixStore(STORE_PREFIX, client_store(given["store"]))
+        return cls(
+            store, int(given["replica"]), joining=bool(given["joining"]),
+            timeout_s=launch.collective_timeout,
+        )  # fmt: skip
+
+    # -- entering the run -----------------------------------------------------------------
+    def enter(self, world: dp.World) -> dp.World:
+        """One of the workers started together: meet the others in generation 0 and return the
+        world of its group (the model is then built and broadcast as in any run)."""
+        membership = self._meet(0, Report(replica=self.replica, step=0, pid=os.getpid()))
+        world = self._form(world, membership)
+        self.phase = Phase.TRAINING
+        return world
+
+    def join(self, state: TrainState) -> None:
+        """A replacement with its state built alone: wait to be let in at a step boundary,
+        then receive the run's state from a member ([Note: live recovery])."""
+        self._regroup(state, JOIN)
+
+    # -- the guarded work (Steps) -------------------------------------------------------------
+    def step(self, state: TrainState) -> StepRecord:
+        self._check_training()
+        while True:
+            mark = Mark.of(state)
+            try:
+                if self._replacement_waits(state):
+                    self._regroup(state, STEP)
+                    continue  # every member, the new one too, starts a step with this check
+                return train_step(state)
+            except Exception as error:
+                if not lost_peer(error):
+                    raise
+            mark.rewind(state)
+            self._regroup(state, STEP)
+            if state.step > mark.step and self.healed_record is not None:
+                return self.healed_record  # a member had finished the step: it is done
+
+    def evaluate(self, state: TrainState) -> EvalRecord:
+        self._check_training()
+        while True:
+            try:
+                return evaluate(state)
+            except Exception as error:
+                if not lost_peer(error):
+                    raise
+            self._regroup(state, EVAL)
+
+    def _check_training(self) -> None:
+        if self.phase is not Phase.TRAINING:
+            raise RuntimeError(
+                f"LiveRecovery: a step while {self.phase.value}; call enter() or join() first"
+            )
+
+    # -- the regroup --------------------------------------------------------------------------
+    def _replacement_waits(self, state: TrainState) -> bool:
+        """Whether the launcher asked this generation to let a replacement in, agreed by all
+        members (one all-reduce of one number) so that all regroup at the same boundary."""
+        asked = self.quorum.regroup_asked(self.membership.generation)
+        if state.world.world_size == 1:
+            return asked
+        flag = torch.tensor([int(asked)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.world.group)
+        return bool(flag.item())
+
+    def _regroup(self, state: TrainState, where: str) -> None:
+        """Regroup until a generation has formed and healed: a member lost while this one
+        regroups (the group's formation or the heal fails) makes it regroup again."""
+        self.phase = Phase.REGROUPING
+        while True:
+            try:
+                self._regroup_once(state, where)
+                break
+            except Exception as error:
+                if not lost_peer(error):
+                    raise
+        self.phase = Phase.TRAINING
+
+    def _regroup_once(self, state: TrainState, where: str) -> None:
+        if state.world.world_size > 1:  # a replacement starts alone: nothing to leave
+            self._leave(state)
+        generation = self.membership.generation + 1 if self.membership else self.quorum.latest() + 1
+        membership = self._meet(
+            generation,
+            Report(replica=self.replica, step=state.step, where=where, pid=os.getpid()),
+        )
+        state.world = self._form(state.world, membership)
+        state.data = DataRanks(rank=state.world.rank, size=state.world.world_size)
+        dp.rebind(state.model, state.world.group)
+        self._heal(state, membership)
+
+    def _leave(self, state: TrainState) -> None:
+        """Leave the broken group for a world of one, without waiting for it.
+
+        [Note: abandoned groups] A DDP step has several bucket all-reduces in flight; when one
+        fails, the others are still pending on the gloo group's threads, and its destructor
+        waits for them to time out (up to --collective-timeout). Freed here, that wait held
+        this replica's report back until the launcher left it out as stalled (1 trial in 4).
+        So the old group is kept in `abandoned`, unregistered and shut down but not freed;
+        its pending work times out on its own threads while the run goes on.
+        """
+        self.abandoned.append(state.world.group)
+        state.world = dp.join_group(dist.HashStore(), 0, 1, self.timeout, state.world)
+        dp.rebind(state.model, state.world.group)
+
+    def _meet(self, generation: int, report: Report) -> Membership:
+        """Report for `generation` and wait for its decision; a replacement left out (the
+        members were evaluating) tries the next one."""
+        while True:
+            self.quorum.report(generation, report)
+            membership = self.quorum.wait(generation, DECISION_TIMEOUT_S)
+            if self.replica in membership.members:
+                return membership
+            if report.where != JOIN:
+                raise LeftOut(
+                    f"replica {self.replica} was left out of generation {generation} (it "
+                    "reported after the others had gone on: stalled)"
+                )
+            generation += 1
+
+    def _form(self, world: dp.World, membership: Membership) -> dp.World:
+        store = dist.PrefixStore(group_prefix(membership.generation), self.store)
+        rank = membership.rank_of(self.replica)
+        world = dp.join_group(store, rank, membership.size, self.timeout, world)
+        self.membership = membership  # before healing: a failed heal regroups from here
+        return world
+
+    def _heal(self, state: TrainState, membership: Membership) -> None:
+        """The source's state to the members behind or new, in one broadcast."""
+        self.healed_record = None
+        if not membership.healed:
+            return
+        payload = [snapshot(state) if self.replica == membership.source else None]
+        dist.broadcast_object_list(
+            payload, src=membership.rank_of(membership.source), group=state.world.group
+        )
+        if self.replica in membership.healed:
+            load_snapshot(state, payload[0])
+            self.healed_record = payload[0]["last_record"]

@@ -1,0 +1,46 @@
+"""The worker side of live recovery without processes: which errors are a lost peer, and the
+rewind of an interrupted step ([Note: live recovery] in train/recovery.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from dataparallel.data.stream import SampleStream
+from dataparallel.train.recovery import Mark, lost_peer
+
+
+def test_only_the_backends_failures_are_a_lost_peer():
+    closed = "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    timed_out = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting"
+    assert lost_peer(RuntimeError(closed)) and lost_peer(RuntimeError(timed_out))
+    assert lost_peer(dist.DistBackendError("NCCL communicator was aborted"))
+    assert not lost_peer(RuntimeError("The size of tensor a (36864) must match the size of b"))
+    assert not lost_peer(ValueError("gloo"))  # not a RuntimeError: the program's own fault
+
+
+def test_a_rewound_step_puts_its_samples_back_and_drops_its_gradients():
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    samples = SampleStream(100, seed=1, consumed=24)
+    state = SimpleNamespace(
+        step=2, samples=samples, skipped_steps=0, optimizer=optimizer, gradients=None
+    )
+    mark = Mark.of(state)
+    samples.take_share(12, 0, 3)  # the interrupted step took its share...
+    layer(torch.ones(1, 3)).sum().backward()  # ...and computed part of a gradient
+    assert samples.consumed == 36 and layer.weight.grad is not None
+    mark.rewind(state)
+    assert samples.consumed == 24 and layer.weight.grad is None
+
+
+def test_the_redone_step_reads_the_same_samples_over_fewer_ranks():
+    def step_over(ranks: int) -> list[int]:
+        shares = []
+        for rank in range(ranks):  # each rank's own stream, at the step's start
+            shares += SampleStream(100, seed=1, consumed=24).take_share(12, rank, ranks)
+        return sorted(shares)
+
+    assert step_over(2) == step_over(3) and len(set(step_over(3))) == 12
