@@ -159,8 +159,9 @@ def _session(world, name, folder, start, steps, load, save_at=None):
         )
     prefix = f"replica{world.rank // 2}/" if diloco else ""
     if load:
-        load_state(folder, model, optimizer, averager, rank=world.rank, group=world.group,
-                   prefix=prefix)
+        load_state(
+            folder, model, optimizer, averager, rank=world.rank, group=world.group, prefix=prefix
+        )
     for step in range(start, start + steps):
         x, y = data(step, world.rank, 6)
         F.mse_loss(model(x), y).backward()
@@ -203,9 +204,8 @@ def train_and_count(world, run_dir: str, strategy: str, steps: int, resume: bool
     """The trainer on a tiny corpus: `steps` steps (after resuming run_dir when `resume`), a
     checkpoint at the end; every sample index any rank trained on, in order."""
     from dataparallel.data.corpus import Corpus
-    from dataparallel.train.checkpointing import Checkpointer, restore
     from dataparallel.train.config import RunConfig
-    from dataparallel.train.trainer import setup, train_step
+    from dataparallel.train.trainer import setup
 
     config = RunConfig().replace(
         data={"block_size": 16, "eval_windows": 4, "val_fraction": 0.2},
@@ -215,7 +215,16 @@ def train_and_count(world, run_dir: str, strategy: str, steps: int, resume: bool
     )
     tokens = torch.frombuffer(bytearray(TEXT), dtype=torch.uint8)
     corpus = Corpus(tokens=tokens, num_files=1, sha256="test", source="test")
-    state = setup(config, world, corpus)
+    return trained_samples(world, setup(config, world, corpus), run_dir, steps, resume)
+
+
+def trained_samples(world, state, run_dir: str, steps: int, resume: bool) -> list[int]:
+    """`steps` steps of the trainer's `state` (after resuming run_dir when `resume`), a
+    checkpoint at the end; every sample index any rank trained on, in stream order (shares
+    may differ by one: [Note: uneven batches] in trainer.py)."""
+    from dataparallel.train.checkpointing import Checkpointer, restore
+    from dataparallel.train.trainer import train_step
+
     if resume:
         restore(state, run_dir)
     taken = []
@@ -232,9 +241,13 @@ def train_and_count(world, run_dir: str, strategy: str, steps: int, resume: bool
     Checkpointer(run_dir, state, "sync").save(state)
     everyone = [None] * world.world_size
     torch.distributed.all_gather_object(everyone, taken)
-    # In stream order: rank r took positions r, r + W, r + 2W, ... of each step.
+    # Rank r took positions r, r + W, r + 2W, ... of each step.
     return [
-        part[k] for step in zip(*everyone, strict=True) for k in range(len(step[0])) for part in step
+        part[k]
+        for step in zip(*everyone, strict=True)
+        for k in range(len(step[0]))
+        for part in step
+        if k < len(part)
     ]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .harness import run_world
-from .test_resharding import TEXT
+from .test_resharding import TEXT, trained_samples
 
 GLOBAL_BATCH, ACCUM = 8, 2
 
@@ -87,34 +87,8 @@ def test_an_uneven_split_keeps_the_global_batchs_gradient():
 def train_and_count(world, run_dir, strategy, steps, resume, global_batch, accum):
     """`steps` steps (after resuming run_dir when `resume`), a checkpoint at the end; every
     sample index any rank trained on, in stream order."""
-    from dataparallel.train.checkpointing import Checkpointer, restore
-    from dataparallel.train.trainer import train_step
-
     state = _state(world, strategy, run_dir, global_batch, accum)
-    if resume:
-        restore(state, run_dir)
-    taken = []
-    take = state.samples.take_share
-
-    def recording(total, rank, world_size):
-        out = take(total, rank, world_size)
-        taken.append(out)
-        return out
-
-    state.samples.take_share = recording
-    for _ in range(steps):
-        train_step(state)
-    Checkpointer(run_dir, state, "sync").save(state)
-    everyone = [None] * world.world_size
-    torch.distributed.all_gather_object(everyone, taken)
-    # Rank r took positions r, r + W, r + 2W, ... of each step.
-    return [
-        part[k]
-        for step in zip(*everyone, strict=True)
-        for k in range(len(step[0]))
-        for part in step
-        if k < len(part)
-    ]
+    return trained_samples(world, state, run_dir, steps, resume)
 
 
 def test_a_resume_onto_an_uneven_split_trains_on_every_sample_once(tmp_path):
