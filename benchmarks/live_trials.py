@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from safetensors.torch import load_file
+from workers import live_workers
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "e2e" / "data" / "corpus"
 GENERATION = re.compile(r"generation (\d+): workers \[([\d, ]+)\] \(pids ([\d, ]+)\) at step (\d+)")
@@ -50,17 +51,6 @@ def records(run: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
-def workers(launcher: int) -> dict[int, int]:
-    """{slot: pid} of the live launcher's workers."""
-    found = {}
-    for pid in map(int, Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()):
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        live = [e for e in environ if e.startswith(b"DATAPARALLEL_LIVE=")]
-        if live:
-            found[json.loads(live[0].split(b"=", 1)[1])["replica"]] = pid
-    return found
-
-
 def trial(args, folder: Path) -> dict:
     command = [sys.executable, "-m", "dataparallel.cli", "train", *flags(args.steps)]
     reference = folder / "reference"
@@ -78,7 +68,7 @@ def trial(args, folder: Path) -> dict:
             if launcher.poll() is not None:
                 raise SystemExit(f"the live run ended before step {at}")
             time.sleep(0.02)
-        now = workers(launcher.pid)
+        now = live_workers(launcher.pid)
         first = first or now
         os.kill(now[slot], getattr(signal, f"SIG{args.signal}"))
     _, stderr = launcher.communicate(timeout=600)

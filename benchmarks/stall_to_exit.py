@@ -22,21 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-
-def _children(pid: int) -> list[int]:
-    try:
-        direct = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-    return direct + [g for c in direct for g in _children(c)]
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), None)
+from workers import workers_by_rank
 
 
 def trial(timeout_s: int, restart: bool = False) -> tuple[float, float, int]:
@@ -61,11 +47,11 @@ def trial(timeout_s: int, restart: bool = False) -> tuple[float, float, int]:
         metrics = out / "metrics.jsonl"
         while not (metrics.exists() and b'"kind": "train"' in metrics.read_bytes()):
             time.sleep(0.05)
-        workers = {_rank_of(p): p for p in _children(launcher.pid)}
+        workers = workers_by_rank(launcher.pid)
         os.kill(workers[1], signal.SIGSTOP)
         stopped = time.monotonic()
         if restart:
-            while {_rank_of(p): p for p in _children(launcher.pid)}.get(1) in (None, workers[1]):
+            while workers_by_rank(launcher.pid).get(1) in (None, workers[1]):
                 time.sleep(0.05)
             ended = time.monotonic() - stopped
             launcher.kill()  # the workers die with it (train/worker.py)

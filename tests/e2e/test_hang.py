@@ -26,6 +26,9 @@ import pytest
 
 from .make_reference_curve import CORPUS
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from workers import workers_by_rank  # noqa: E402
+
 TIMEOUT_S = 5
 ARGS = [
     "--nproc", "2",
@@ -71,32 +74,6 @@ def _wait_for(condition, seconds: float, what: str):
     raise AssertionError(f"{what} within {seconds} s")
 
 
-def _rank_of(pid: int) -> int | None:
-    """RANK from the worker's environment (/proc; Linux, where the test runs)."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for entry in environ:
-        if entry.startswith(b"RANK="):
-            return int(entry[5:])
-    return None
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        direct = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-    return direct + [g for c in direct for g in _children(c)]
-
-
-def _workers(launcher: subprocess.Popen) -> dict[int, int]:
-    """rank -> pid of the launcher's workers."""
-    ranks = {_rank_of(p): p for p in _children(launcher.pid)}
-    return {rank: pid for rank, pid in ranks.items() if rank is not None}
-
-
 def _alive(pid: int) -> bool:
     """Running, and not a zombie waiting to be reaped."""
     try:
@@ -123,7 +100,9 @@ def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path):
             120,
             "no training step",
         )
-        workers = _wait_for(lambda: len(_workers(launcher)) == 2 and _workers(launcher), 10, "")
+        workers = _wait_for(
+            lambda: len(found := workers_by_rank(launcher.pid)) == 2 and found, 10, ""
+        )
         os.kill(workers[1], signal.SIGSTOP)
         stopped_at = time.monotonic()
         found = _wait_for(

@@ -18,6 +18,9 @@ from safetensors.torch import load_file
 
 from .make_reference_curve import CORPUS, train
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from workers import live_workers  # noqa: E402
+
 STEPS = 100
 # A global batch of 12 windows and a small lr: a run without loss spikes, so that the summation
 # order's rounding is not amplified (at lr 3e-3 a spike at step 20 turned 1e-7 into 5e-2).
@@ -49,17 +52,6 @@ def _numbers(text: str) -> list[int]:
     return [int(n) for n in text.split(",")]
 
 
-def _workers(launcher: int) -> dict[int, int]:
-    """{slot: pid} of the live launcher's workers (their DATAPARALLEL_LIVE names the slot)."""
-    found = {}
-    for pid in map(int, Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()):
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        live = [e for e in environ if e.startswith(b"DATAPARALLEL_LIVE=")]
-        if live:
-            found[json.loads(live[0].split(b"=", 1)[1])["replica"]] = pid
-    return found
-
-
 def _train_steps(run: Path) -> list[int]:
     lines = (
         (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
@@ -80,7 +72,7 @@ def test_a_killed_worker_is_replaced_while_the_others_go_on(tmp_path):
         while not any(step >= 3 for step in _train_steps(out)):
             assert launcher.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
-        first = _workers(launcher.pid)
+        first = live_workers(launcher.pid)
         os.kill(first[1], signal.SIGKILL)
         stdout, stderr = launcher.communicate(timeout=240)
     finally:

@@ -1,0 +1,44 @@
+"""The worker processes of a launcher, read from /proc (Linux): for the trials and the tests
+that stop or kill one worker of a running `dataparallel train`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def children(pid: int, deep: bool = True) -> list[int]:
+    """The children of `pid`, and with `deep` every descendant (children first); [] once it is
+    gone."""
+    try:
+        direct = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return direct + [g for c in direct for g in children(c)] if deep else direct
+
+
+def environment(pid: int, name: str) -> str | None:
+    """The value of `name` in the process's environment (None: unset, or the process gone)."""
+    try:
+        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = name.encode() + b"="
+    return next((e[len(prefix) :].decode() for e in entries if e.startswith(prefix)), None)
+
+
+def workers_by_rank(launcher: int) -> dict[int, int]:
+    """{RANK: pid} of the workers below the launcher process `launcher` (torchrun's agent)."""
+    ranks = {environment(p, "RANK"): p for p in children(launcher)}
+    return {int(rank): pid for rank, pid in ranks.items() if rank is not None}
+
+
+def live_workers(launcher: int) -> dict[int, int]:
+    """{slot: pid} of a `--recovery live` launcher's workers (their DATAPARALLEL_LIVE names the
+    slot; their own children, which inherit it, are not counted)."""
+    found = {}
+    for pid in children(launcher, deep=False):
+        live = environment(pid, "DATAPARALLEL_LIVE")
+        if live is not None:
+            found[json.loads(live)["replica"]] = pid
+    return found
