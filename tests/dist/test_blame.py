@@ -19,7 +19,7 @@ SLEEP_S = 0.15  # gpt-tiny's step here: 10-100 ms (3 ranks on 2 busy cores)
 def _fit(state, steps: int):
     """fit() for `steps` steps with rank 0's Blame callback; (warnings, records, error)."""
     from dataparallel.train.blame import Blame, StragglerRule
-    from dataparallel.train.trainer import Callback, fit
+    from dataparallel.train.loop import Callback, fit
 
     warnings, records = [], []
 

@@ -115,7 +115,7 @@ class _Poisoned(torch.nn.Module):
 
 def test_non_finite_steps_are_skipped_and_k_in_a_row_stop_the_run(world):
     from dataparallel.models import build_model
-    from dataparallel.train.trainer import fit
+    from dataparallel.train.loop import fit
 
     torch.manual_seed(3)
     model = _Poisoned(build_model("gpt-tiny"))

@@ -4,7 +4,8 @@
     checks.py        validation of a config before anything starts
     launch.py        starting the workers through torch.distributed.run
     worker.py        one worker: prepare, fit, report
-    trainer.py       setup(), train_step(), evaluate(), fit() and the Callback protocol
+    trainer.py       setup(), train_step(), evaluate()
+    loop.py          fit() and the Callback protocol
     schedule.py      warm-up + cosine learning rate, linear scaling
     progress.py      rank 0's header and progress bar
     metrics.py       metrics.jsonl and TensorBoard

@@ -28,7 +28,8 @@ import sys
 from collections import deque
 from dataclasses import dataclass
 
-from .trainer import Callback, StepRecord, TrainState
+from .loop import Callback
+from .trainer import StepRecord, TrainState
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,7 +50,8 @@ from ..checkpoint import (
     write_safetensors,
 )
 from .export_hf import HF_EXPORT, export_hf
-from .trainer import Callback, StepRecord, TrainState
+from .loop import Callback
+from .trainer import StepRecord, TrainState
 
 CHECKPOINTS = "checkpoint"
 FINAL_WEIGHTS = "model.safetensors"

@@ -17,7 +17,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .trainer import Callback, EvalRecord, StepRecord, TrainState
+from .loop import Callback
+from .trainer import EvalRecord, StepRecord, TrainState
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"

@@ -10,9 +10,10 @@ import sys
 import time
 
 from ..data.stream import share
+from .loop import Callback
 from .sync import recipe_of
 from .tensor_parallel import mesh_text, parameter_count
-from .trainer import Callback, EvalRecord, StepRecord, TrainState
+from .trainer import EvalRecord, StepRecord, TrainState
 
 
 def format_duration(seconds: float) -> str:

@@ -47,9 +47,10 @@ import dataparallel as dp
 from ..comm.membership import EVAL, JOIN, STEP, Membership, Report
 from ..comm.quorum import Quorum, client_store, group_prefix
 from .config import LaunchConfig
+from .loop import Steps
 from .records import EvalRecord, StepRecord
 from .tensor_parallel import DataRanks
-from .trainer import Steps, TrainState, evaluate, train_step
+from .trainer import TrainState, evaluate, train_step
 
 ENV_LIVE = "DATAPARALLEL_LIVE"  # {"store": "host:port", "replica": slot, "joining": bool}
 STORE_PREFIX = "dataparallel/live"

@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 
 from ..comm import Span, Tracer
-from .trainer import Callback, StepRecord, TrainState
+from .loop import Callback
+from .trainer import StepRecord, TrainState
 
 TRACES = "traces"
 TRAINING_THREAD = 0  # the tid of the training thread's phases and waits

@@ -27,13 +27,14 @@ from .blame import Blame
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
 from .config import RunConfig, field_label
 from .config_toml import apply_mapping, to_toml
+from .loop import Callback, fit
 from .metrics import MetricsLogger
 from .progress import ProgressBar
 from .recovery import LeftOut, LiveRecovery
 from .report import RUN_INFO, make_report
 from .tensor_parallel import parameter_count
 from .tracing import TraceWriter, parse_steps
-from .trainer import Callback, TrainState, fit, setup
+from .trainer import TrainState, setup
 
 ENV_RUN = "DATAPARALLEL_RUN"
 ENV_LAUNCHER = "DATAPARALLEL_LAUNCHER_PID"  # the launcher's pid, the workers' parent

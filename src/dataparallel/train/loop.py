@@ -1,0 +1,104 @@
+"""The loop: steps and evaluations from `state.step` to the last, and the callbacks that log
+and checkpoint on the way. Runs on every rank.
+
+    fit(state, callbacks)                        # train_step and evaluate (train/trainer.py)
+    fit(state, callbacks, recovery)              # or: steps that survive a lost replica
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from .config import RunConfig
+from .records import EvalRecord, StepRecord
+from .trainer import TrainState, evaluate, train_step
+
+
+class Callback:
+    """Hooks the loop calls on every rank; override what you need (all default to nothing).
+
+    Callbacks run in the order given. Collective work (a checkpoint gathers shards) must be done
+    by a callback present on every rank; logging callbacks are usually given to rank 0 only.
+    """
+
+    def on_start(self, state: TrainState) -> None: ...
+
+    def on_step(self, state: TrainState, record: StepRecord) -> None: ...
+
+    def on_skip(self, state: TrainState, record: StepRecord) -> None:
+        """A step skipped on every rank (overflow, or a non-finite loss or gradient)."""
+
+    def on_eval(self, state: TrainState, record: EvalRecord) -> None: ...
+
+    def on_end(self, state: TrainState) -> None: ...
+
+
+def should_evaluate(config: RunConfig, step: int) -> bool:
+    """Whether step `step` ends with a validation pass (step 0 always has one)."""
+    every = config.train.eval_every
+    return step == config.train.steps or bool(every and step % every == 0)
+
+
+class Steps:
+    """How `fit` runs one training step and one evaluation: `train_step` and `evaluate`.
+
+    Live recovery (train/recovery.py) is a subclass that redoes either after the ranks regroup;
+    the loop itself does not change.
+    """
+
+    def step(self, state: TrainState) -> StepRecord:
+        return train_step(state)
+
+    def evaluate(self, state: TrainState) -> EvalRecord:
+        return evaluate(state)
+
+
+def fit(state: TrainState, callbacks: list[Callback], steps: Steps | None = None) -> TrainState:
+    """Train from `state.step` to `state.last_step`, evaluating and calling back on the way.
+
+    steps: how a step and an evaluation run (default `Steps()`: as they are).
+    """
+    steps = steps or Steps()
+    for callback in callbacks:
+        callback.on_start(state)
+    if state.step == 0 and not state.evals:  # a live run's replacement healed at step 0 has one
+        _evaluate_and_report(state, callbacks, steps)
+    started = time.perf_counter()
+    while state.step < state.last_step:
+        before = state.step
+        record = steps.step(state)
+        if state.step == before:  # skipped on every rank: counted in the next record too
+            for callback in callbacks:
+                callback.on_skip(state, record)
+            if state.consecutive_skips >= state.config.train.max_skips:
+                raise FloatingPointError(_too_many_skips(state, record))
+            continue
+        record = dataclasses.replace(record, elapsed_s=time.perf_counter() - started)
+        state.history.append(record)
+        if should_evaluate(state.config, state.step):
+            _evaluate_and_report(state, callbacks, steps)
+        # After the evaluation, so that a checkpoint written here follows the step's metrics.
+        for callback in callbacks:
+            callback.on_step(state, record)
+    for callback in callbacks:
+        callback.on_end(state)
+    return state
+
+
+def _too_many_skips(state: TrainState, record: StepRecord) -> str:
+    ranks = record.nonfinite_ranks
+    where = ", ".join(map(str, ranks))
+    blame = f"; before the reduction it was not finite on rank(s) {where}" if ranks else ""
+    return (
+        f"{state.consecutive_skips} steps in a row after step {state.step} had a non-finite "
+        f"loss or gradient (the last loss: {record.loss}){blame}; the run stops with its last "
+        "checkpoint kept: lower --lr, or use --precision fp32"
+    )
+
+
+def _evaluate_and_report(state: TrainState, callbacks: list[Callback], steps: Steps) -> None:
+    evaluation = steps.evaluate(state)
+    state.evals.append(evaluation)
+    for callback in callbacks:
+        callback.on_eval(state, evaluation)
