@@ -3,7 +3,9 @@
     python benchmarks/plan_tables.py > /tmp/tables.md
 
 bf16 parameters with fp32 masters and AdamW, 8,192-token sequences, one sequence per GPU per
-step, activation checkpointing for 8B and 70B; every number is the planner's (no run).
+step, activation checkpointing for 8B and 70B; every number is the planner's (no run). DiLoCo
+twice: the paper's (fp32 outer gradients, the whole model at once) and the recipe that
+`dataparallel train --diloco 100` runs (4 fragments in int4, each behind one inner step).
 """
 
 from __future__ import annotations
@@ -12,24 +14,27 @@ import dataparallel as dp
 
 GPUS = (8, 64, 512, 8192)
 HARDWARE = ("h100-node", "ethernet-100g", "ethernet-10g")
-COLUMNS = (
-    ("ddp", "ddp", "none"),
-    ("zero1", "zero1 S=N", "none"),
-    ("zero2", "zero2 S=N", "none"),
-    ("zero3", "zero3 S=N", "none"),
-    ("zero3", "zero3 S=8", "none"),
-    ("zero3", "zero3 S=8 +int8", "int8"),
-    ("diloco", "diloco S=8 H=100", "none"),
+PAPER = {"fragments": 1, "overlap": 0, "outer_compress": "fp32"}  # the paper's DiLoCo
+COLUMNS = (  # (strategy, label, compressor, other plan arguments)
+    ("ddp", "ddp", "none", {}),
+    ("zero1", "zero1 S=N", "none", {}),
+    ("zero2", "zero2 S=N", "none", {}),
+    ("zero3", "zero3 S=N", "none", {}),
+    ("zero3", "zero3 S=8", "none", {}),
+    ("zero3", "zero3 S=8 +int8", "int8", {}),
+    ("diloco", "diloco paper S=8 H=100", "none", PAPER),
+    ("diloco", "diloco recipe S=8 H=100", "none", {}),  # `--diloco 100`: streamed, int4
 )
 
 
-def cell(model: str, n: int, hardware: str, strategy: str, label: str, compress: str) -> str:
+def cell(model: str, n: int, hardware: str, strategy: str, label: str, compress: str,
+         extra: dict) -> str:  # fmt: skip
     shard = 8 if "S=8" in label else n
     if strategy == "diloco" and n == 8:
         return "-"
     rows = dp.plan(model, ranks=n, hardware=hardware, precision="bf16-params",
                    strategies=[strategy], shard_sizes=[shard], compress=compress,
-                   activation_checkpointing=model != "llama-1b").rows  # fmt: skip
+                   activation_checkpointing=model != "llama-1b", **extra).rows  # fmt: skip
     if strategy == "diloco":
         rows = [r for r in rows if r.candidate.shard_size == 8]
     if compress != "none":

@@ -152,14 +152,38 @@ def test_compressors_and_their_residuals():
 
 def test_diloco_sends_the_parameters_once_every_h_steps_and_keeps_outer_state():
     psi = 3_290_624
+    paper = {"fragments": 1, "overlap": 0, "outer_compress": "fp32"}  # the paper's DiLoCo
     rows = dp.plan("gpt-small", ranks=16, ranks_per_node=8, strategies=["diloco"],
-                   diloco_steps=50).rows  # fmt: skip
+                   diloco_steps=50, **paper).rows  # fmt: skip
     by_s = {r.candidate.shard_size: r for r in rows}
     assert by_s[1].sent_bytes == pytest.approx(2 * 15 / 16 * 4 * psi / 50)
     assert by_s[1].memory.outer == 8 * psi
     outer = collectives(by_s[8])["outer deltas"]
     assert outer.bytes_sent() == pytest.approx(2 * 1 / 2 * 4 * psi / 8 / 50)
     assert by_s[8].memory.outer == 8 * psi / 8
+
+
+def test_diloco_by_default_is_the_recipe_streamed_in_four_bits_behind_one_step():
+    """`--diloco H` runs the recipe ([Note: the DiLoCo recipe]): F fragments, each every H
+    steps in int4 + a scale per 1024 values, behind tau inner steps; the same bytes per step
+    as one whole all-reduce every H steps, an eighth of fp32's; residuals beside the outer
+    state. Behind a step of llama-1b the overlap hides what the paper's DiLoCo exposes."""
+    psi, n = 3_290_624, 16
+    args = {"ranks": n, "ranks_per_node": 1, "strategies": ["diloco"], "diloco_steps": 20}
+    recipe = dp.plan("gpt-small", **args).rows[0]
+    paper = dp.plan("gpt-small", fragments=1, overlap=0, outer_compress="fp32", **args).rows[0]
+    outer = collectives(recipe)["outer deltas"]
+    assert (outer.every, outer.overlap_steps, outer.window) == (5, 1, "steps")  # F = 4, tau = 1
+    ring = 2 * (n - 1) / n
+    assert recipe.sent_bytes == pytest.approx(ring * (0.5 + 4 / 1024) * psi / 20)
+    assert paper.sent_bytes == pytest.approx(ring * 4 * psi / 20)
+    assert recipe.memory.outer == paper.memory.outer == 8 * psi
+    assert recipe.memory.residuals == 4 * psi * (1 + 1 / n) and paper.memory.residuals == 0
+    hidden = dp.plan("llama-1b", **args).rows[0]  # a step long enough to hide a fragment
+    exposed = dp.plan("llama-1b", fragments=1, overlap=0, outer_compress="fp32", **args).rows[0]
+    assert hidden.exposed_s == 0 < exposed.exposed_s
+    int8 = dp.plan("gpt-small", outer_compress="int8", **args).rows[0]
+    assert int8.sent_bytes == pytest.approx(ring * (1 + 4 / 1024) * psi / 20)
 
 
 def test_recommendation_and_a_plan_that_fits_nowhere():
@@ -185,6 +209,10 @@ def test_recommendation_and_a_plan_that_fits_nowhere():
         (["--model", "gpt-small", "--ranks", "2", "--precision", "fp8"], "--precision"),
         (["--model", "gpt-small", "--ranks", "2", "--optimizer", "lion"], "--optimizer"),
         (["--model", "gpt-small", "--ranks", "2", "--compress", "zip"], "--compress"),
+        (["--model", "gpt-small", "--ranks", "2", "--outer-compress", "int2"], "--outer-compress"),
+        (["--model", "gpt-small", "--ranks", "2", "--fragments", "3"], "--fragments"),  # H 100
+        (["--model", "gpt-small", "--ranks", "2", "--fragments", "0"], "--fragments"),
+        (["--model", "gpt-small", "--ranks", "2", "--overlap", "25"], "--overlap"),  # H/F 25
         (["--model", "gpt-small", "--ranks", "4", "--tp", "3"], "--tp"),
         (["--model", "gpt-small", "--ranks", "8", "--tp", "8"], "--tp"),  # 4 heads
         (["--params", "1e9", "--ranks", "4", "--tp", "2"], "--tp"),

@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ..streaming import RECIPE
 from .errors import PlanError
 from .inputs import STRATEGIES, PlanInputs, optimizer_bytes, parse_compress
 from .model import ModelShape, bare_shape, builtin_shape, saved_bytes, shape_of_module
@@ -37,6 +38,9 @@ def plan(
     compress: str = "none",
     compress_arg: float = 0.0,
     diloco_steps: int = 100,
+    fragments: int = RECIPE,
+    overlap: int = RECIPE,
+    outer_compress: str = "recipe",
     activation_checkpointing: bool = False,
     layout: str = "dataparallel",
     bucket_mb: float | None = None,
@@ -79,6 +83,9 @@ def plan(
         compress=compress,
         compress_arg=compress_arg,
         diloco_steps=diloco_steps,
+        fragments=fragments,
+        overlap=overlap,
+        outer_compress=outer_compress,
         activation_checkpointing=activation_checkpointing,
         layout=layout,
         bucket_mb=bucket_mb,

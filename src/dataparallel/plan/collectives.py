@@ -49,8 +49,10 @@ class Collective:
     buffer_bytes: X, the whole buffer (for a gather, the gathered result).
     group: where its ranks sit.
     calls: calls per step (buckets, units, micro-batches), each paying the latency.
-    window: the computation it can hide behind: "forward", "backward" or "none".
-    every: issued once every `every` steps (DiLoCo's outer all-reduce: H).
+    window: the computation it can hide behind: "forward", "backward", "none", or "steps":
+        `overlap_steps` whole inner steps (a streamed DiLoCo fragment's outer all-reduce).
+    every: issued once every `every` steps (DiLoCo's outer all-reduce of a fragment: H / F).
+    overlap_steps: with window "steps", the inner steps it runs behind (tau).
     """
 
     what: str
@@ -59,7 +61,8 @@ class Collective:
     group: Span
     calls: int = 1
     window: str = "backward"
-    every: int = 1
+    every: float = 1
+    overlap_steps: int = 0
 
     def bytes_sent(self) -> float:
         """Bytes one rank puts on the wire per step, as a run counts them ([Note: bytes on the

@@ -31,6 +31,10 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--shard-size", type=int, action="append", help="mesh shard size S")
     p.add_argument("--compress", default="none", help="powersgd:R, topk:RHO, int8, fp8, bf16")
     p.add_argument("--diloco-steps", type=int, default=100, help="DiLoCo inner steps H")
+    p.add_argument("--fragments", type=int, default=-1, help="DiLoCo fragments F (recipe's)")
+    p.add_argument("--overlap", type=int, default=-1, help="DiLoCo overlap tau (recipe's)")
+    p.add_argument("--outer-compress", default="recipe", help="recipe (int4), fp32, bf16, "
+                   "int8, fp8 or int4")  # fmt: skip
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--layout", default="dataparallel", help="dataparallel or zero-paper")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1: none)")
@@ -82,6 +86,9 @@ def _plan(args: argparse.Namespace) -> int:
         compress=compress,
         compress_arg=arg,
         diloco_steps=args.diloco_steps,
+        fragments=args.fragments,
+        overlap=args.overlap,
+        outer_compress=args.outer_compress,
         activation_checkpointing=args.activation_checkpointing,
         layout=args.layout,
         tp=args.tp,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..streaming import OUTER_COMPRESS, RECIPE, Streaming, check_streaming, short_run_recipe
 from .errors import PlanError
 
 # name -> (compute/param bytes, gradient bytes on the wire and in buckets, fp32 masters,
@@ -36,7 +37,14 @@ class PlanInputs:
     compress: a compressor for the cross-replica all-reduce ("none", "powersgd", "topk",
         "int8", "fp8", "bf16"); DDP's all-reduce counts as cross-replica.
     compress_arg: PowerSGD's rank r, or top-k's ratio rho.
-    diloco_steps: H, inner steps between DiLoCo's outer all-reduces.
+    diloco_steps: H, inner steps between DiLoCo's outer all-reduces (of each fragment).
+    fragments: F, the parts of the model synchronised in turn, each every H steps; RECIPE
+        (-1): what `dataparallel train --diloco H` picks ([Note: the DiLoCo recipe] in
+        streaming.py: 4 where that divides H); 1: the paper's DiLoCo.
+    overlap: tau, inner steps each fragment's outer all-reduce runs behind; RECIPE: the
+        recipe's (1 where the fragments leave room); 0: none.
+    outer_compress: outer gradients on the wire, as `dataparallel train --outer-compress`
+        spells it: "recipe" (int4, the default), "fp32", "bf16", "int8", "fp8" or "int4".
     activation_checkpointing: keep only each block's input and recompute the rest in
         backward (one more forward of compute).
     layout: "dataparallel" counts bytes as our strategies allocate them; "zero-paper" as
@@ -58,6 +66,9 @@ class PlanInputs:
     compress: str = "none"
     compress_arg: float = 0.0
     diloco_steps: int = 100
+    fragments: int = RECIPE
+    overlap: int = RECIPE
+    outer_compress: str = "recipe"
     activation_checkpointing: bool = False
     layout: str = "dataparallel"
     bucket_mb: float | None = None
@@ -73,6 +84,7 @@ class PlanInputs:
         _count("--micro-batch", self.micro_batch, "give samples per rank per forward, >= 1")
         _count("--accumulation", self.accumulation, "give micro-batches per step, >= 1")
         _count("--diloco-steps", self.diloco_steps, "give inner steps per outer step, >= 1")
+        self.streaming()  # checks --fragments, --overlap and --outer-compress
         if self.precision not in PRECISIONS:
             raise PlanError(
                 "--precision", f"unknown precision {self.precision!r}",
@@ -111,6 +123,27 @@ class PlanInputs:
             )
         if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise PlanError("--bucket-mb", f"{self.bucket_mb} MiB", "give a size > 0")
+
+    def streaming(self) -> Streaming:
+        """DiLoCo's streaming settings, as `dataparallel train --diloco H` resolves them."""
+        if self.outer_compress not in OUTER_COMPRESS[:1] + OUTER_COMPRESS[2:]:
+            raise PlanError(
+                "--outer-compress", f"unknown format {self.outer_compress!r}",
+                f"choose one of {', '.join(OUTER_COMPRESS[:1] + OUTER_COMPRESS[2:])}",
+            )  # fmt: skip
+        for field, value in (("--fragments", self.fragments), ("--overlap", self.overlap)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < RECIPE:
+                raise PlanError(field, f"must be an integer >= 0, got {value!r}",
+                                "give a count, or leave it out for the recipe's")  # fmt: skip
+        settings = short_run_recipe(self.diloco_steps, self.fragments, self.overlap,
+                                    self.outer_compress, warmup=0)  # fmt: skip
+        try:
+            check_streaming(self.diloco_steps, settings.fragments, settings.overlap, 0.5)
+        except ValueError as error:
+            field = "--overlap" if "overlap=" in str(error) else "--fragments"
+            raise PlanError(field, str(error).removeprefix("diloco: "),
+                            "see docs/compression.md, Streaming DiLoCo") from None  # fmt: skip
+        return settings
 
     @property
     def data_ranks(self) -> int:

@@ -5,9 +5,10 @@ which strategy to pick. No process group, no allocation ([Note: activations] in 
 activation checkpointing: one more forward) + the optimizer's parameters / its rate. Each
 collective can hide behind the computation that runs while it is in flight (gradient
 reductions and ZeRO-3's backward gathers behind backward, 2/3 of the FLOPs; ZeRO-3's forward
-gathers behind forward, 1/3; ZeRO-1/2's parameter all-gather after the step and DiLoCo's
-outer all-reduce behind nothing), at most `overlap` of that window: exposed = time - min(time,
-overlap x window), summed per window. Step = compute + exposed communication.
+gathers behind forward, 1/3; ZeRO-1/2's parameter all-gather after the step behind nothing;
+a streamed DiLoCo fragment's outer all-reduce behind its tau inner steps, whole steps of
+forward and backward, none with tau = 0), at most `overlap` of that window: exposed = time -
+min(time, overlap x window), summed per window. Step = compute + exposed communication.
 """
 
 from __future__ import annotations
@@ -152,8 +153,14 @@ def plan_row(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) ->
     for col in f.collectives:
         by_window[col.window] = by_window.get(col.window, 0.0) + col.seconds(hw)
     exposed = sum(
-        t - min(t, hw.overlap * WINDOW_SHARE[w] * forward_backward) for w, t in by_window.items()
+        t - min(t, hw.overlap * WINDOW_SHARE[w] * forward_backward)
+        for w, t in by_window.items()
+        if w != "steps"
     )
+    for col in f.collectives:  # each behind its own inner steps, amortised like its time
+        if col.window == "steps":
+            t, hidden = col.seconds(hw), col.overlap_steps * forward_backward / col.every
+            exposed += t - min(t, hw.overlap * hidden)
     step = compute + exposed
     return Row(
         candidate=c,

@@ -44,6 +44,8 @@ from .inputs import PlanInputs
 from .model import ModelShape
 from .tensor_parallel import activation_all_reduces
 
+# bytes per value of DiLoCo's outer gradients on the wire (None: fp32)
+OUTER_VALUE_BYTES = {None: 4, "bf16": 2, "int8": 1, "fp8": 1, "int4": 0.5}
 # --precision names with a low param_dtype (fp32 masters); the others train in fp32.
 PARAM_DTYPES = {"bf16-params": torch.bfloat16, "fp16": torch.float16}
 
@@ -173,14 +175,24 @@ def _zero3(held: RankFootprint, shard, replicas, micro: int) -> list[Collective]
 
 
 def _diloco(f: Footprint, c, psi, s, x: PlanInputs, replicas) -> Footprint:
-    """DiLoCo (Douillard et al. 2023): no cross-replica gradient traffic; every H steps an
-    all-reduce of the fp32 parameter deltas (int8 + block scales when compressed); outer
-    state: the last synchronised fp32 parameters and a fp32 momentum buffer, sharded by S."""
+    """DiLoCo (Douillard et al. 2023) as `dataparallel train --diloco H` runs it (streaming,
+    Liu et al. 2025): no cross-replica gradient traffic; each of F fragments all-reduces its
+    outer gradient every H steps, staggered by H / F, behind tau inner steps ([Note: the DiLoCo
+    recipe]); fp32, bf16 or 1 (int8, fp8) or 1/2 (int4) byte per value + a fp32 scale per
+    1024-value block. Outer state: the last synchronised fp32 parameters and a fp32 momentum
+    buffer, sharded by S, and with a quantised format the error-feedback residuals (the
+    sender's, whole, and the chunk owner's, 1/R of it). The streamed warm-up (the first
+    steps average a fragment each step) is not in this steady state."""
+    streaming = x.streaming()
     inner = [col for col in f.collectives if col.group is not replicas]
-    payload = psi / s * ((1 + 4 / 1024) if c.compress in ("int8", "fp8") else 4)
+    value_bytes = OUTER_VALUE_BYTES[streaming.compress]
+    quantised = streaming.compress in ("int8", "fp8", "int4")
+    payload = psi / s / streaming.fragments * (value_bytes + (4 / 1024 if quantised else 0))
     outer = Collective(what="outer deltas", kind="all_reduce", buffer_bytes=payload,
-                       group=replicas, window="none", every=x.diloco_steps)  # fmt: skip
-    return Footprint(rank=f.rank, outer=8 * psi / s,
+                       group=replicas, window="steps", overlap_steps=streaming.overlap,
+                       every=x.diloco_steps / streaming.fragments)  # fmt: skip
+    residual = 4 * psi / s * (1 + 1 / replicas.size) if quantised and replicas.size > 1 else 0
+    return Footprint(rank=f.rank, outer=8 * psi / s, residuals=residual,
                      collectives=inner + ([outer] if replicas.size > 1 else []))  # fmt: skip
 
 
