@@ -19,6 +19,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -77,9 +78,11 @@ def linked_namespaces(rate: str | None = "100mbit"):
             _ip("netns", "del", space, check=False)
 
 
-def run_on_two_hosts(command, rate: str | None = "100mbit", timeout: float = 1800):
+def run_on_two_hosts(command, rate: str | None = "100mbit", timeout: float = 1800, during=None):
     """Run `command(node_rank, interface)` (an argv) in each namespace at once; return (exit
-    status of node 0, of node 1, their output, seconds). Node 0 is at ADDRESSES[0]."""
+    status of node 0, of node 1, their output, seconds). Node 0 is at ADDRESSES[0].
+    during: called with the two processes (node 0's, node 1's) on a thread of its own while
+    they run (a trial's fault, say)."""
     with linked_namespaces(rate) as nodes:
         procs = []
         started = time.perf_counter()
@@ -89,9 +92,14 @@ def run_on_two_hosts(command, rate: str | None = "100mbit", timeout: float = 180
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             )
+        helper = threading.Thread(target=during, args=(procs,), daemon=True) if during else None
         try:
+            if helper:
+                helper.start()
             outputs = [p.communicate(timeout=timeout)[0].decode() for p in procs]
         finally:
+            if helper:
+                helper.join(timeout=5)
             for p in procs:
                 if p.poll() is None:
                     p.kill()
@@ -100,16 +108,18 @@ def run_on_two_hosts(command, rate: str | None = "100mbit", timeout: float = 180
     return procs[0].returncode, procs[1].returncode, outputs[0] + outputs[1], seconds
 
 
-def train_on_two_hosts(args: list[str], out: str, rate: str | None = "100mbit", timeout=1800):
+def train_on_two_hosts(
+    args: list[str], out: str, rate: str | None = "100mbit", timeout=1800, during=None
+):
     """`dataparallel train --nnodes 2 --nproc 1 ARGS --out OUT` with one node per namespace;
-    see `run_on_two_hosts` for what it returns."""
+    see `run_on_two_hosts` for what it returns and `during`."""
 
     def command(node_rank: int, link: str) -> list[str]:
         return [PYTHON, "-m", "dataparallel.cli", "train", "--nnodes", "2", "--nproc", "1",
                 "--node-rank", str(node_rank), "--rdzv-endpoint", f"{ADDRESSES[0]}:{PORT}",
                 "--out", out, *args]  # fmt: skip
 
-    return run_on_two_hosts(command, rate, timeout)
+    return run_on_two_hosts(command, rate, timeout, during)
 
 
 def main() -> int:

@@ -4,25 +4,32 @@
 Checks: both nodes finish; the link really is slow (an exact step of gpt-tiny moves 4.2 MB per
 rank, at least 0.34 s at 100 Mbit/s); int8 sends under 40% of the exact bytes and trains to a
 validation loss within 2% of the exact run's; the namespaces are gone afterwards, also after a
-run whose workers fail.
+run whose workers fail; a worker killed on the second host restarts both hosts' workers from
+the latest checkpoint and the run ends bit-identical to an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 two_hosts = pytest.importorskip("two_hosts")
+from workers import workers_by_rank  # noqa: E402 - benchmarks/ is on the path above
 
 REASON = two_hosts.available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two hosts: {REASON}")
-ARGS = ["--model", "gpt-tiny", "--steps", "6", "--eval-every", "0", "--threads", "1"]
+ARGS = ["--model", "gpt-tiny", "--steps", "6", "--eval-every", "0", "--threads", "1",
+        "--checkpoint-every", "3"]  # fmt: skip
 
 
 def _namespaces() -> set[str]:
@@ -33,13 +40,28 @@ def _namespaces() -> set[str]:
 def _train(out: Path, *extra: str) -> tuple[list[dict], list[dict]]:
     node0, node1, output, _ = two_hosts.train_on_two_hosts([*ARGS, *extra], str(out))
     assert (node0, node1) == (0, 0), output
+    return _records(out)
+
+
+@pytest.fixture(scope="module")
+def exact_run(tmp_path_factory) -> Path:
+    """The exact run on the shaped link (also the killed run's reference: the shaping changes
+    no number)."""
+    before = _namespaces()
+    out = tmp_path_factory.mktemp("two-hosts") / "exact"
+    _train(out)
+    assert _namespaces() == before  # everything created was removed
+    return out
+
+
+def _records(out: Path) -> tuple[list[dict], list[dict]]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r["kind"] == "train"], [r for r in records if r["kind"] == "val"]
 
 
-def test_exact_and_int8_training_across_two_namespaces(tmp_path):
+def test_exact_and_int8_training_across_two_namespaces(exact_run, tmp_path):
     before = _namespaces()
-    exact, exact_val = _train(tmp_path / "exact")
+    exact, exact_val = _records(exact_run)
     int8, int8_val = _train(tmp_path / "int8", "--compress", "int8")
     assert _namespaces() == before  # everything created was removed
     exact_bytes = statistics.median(r["bytes_sent"] for r in exact)
@@ -58,3 +80,40 @@ def test_a_failed_run_leaves_no_namespace(tmp_path):
     )
     assert node0 == node1 == 2 and "ratio=2.0 must be in (0, 1]" in output
     assert _namespaces() == before
+
+
+def _kill_when(run: Path, step: int, caught: list):
+    """A `during` for two_hosts: once the metrics show `step`, SIGKILL the worker on the second
+    host (the child of node 1's launcher with RANK 1); its pid goes into `caught`."""
+
+    def kill(procs):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            metrics = run / "metrics.jsonl"
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            if any(json.loads(line).get("step", 0) >= step for line in lines):
+                victim = workers_by_rank(procs[1].pid).get(1)
+                if victim:
+                    os.kill(victim, signal.SIGKILL)
+                    caught.append(victim)
+                    return
+            time.sleep(0.05)
+
+    return kill
+
+
+def test_a_worker_killed_on_the_second_host_restarts_both_and_loses_nothing(exact_run, tmp_path):
+    """Restart mode across hosts: node 1's worker is killed after step 4; both agents restart
+    their workers (the c10d rendezvous spans the namespaces), which resume from step 3's
+    checkpoint; the final weights equal the uninterrupted run's bit for bit."""
+    killed, caught = tmp_path / "killed", []
+    node0, node1, output, _ = two_hosts.train_on_two_hosts(
+        ARGS, str(killed), rate=None, during=_kill_when(killed, 4, caught)
+    )
+    assert (node0, node1) == (0, 0), output
+    assert caught, "the worker on the second host was never found"
+    assert "resumed at step 3 of 6" in output  # the restarted workers loaded the checkpoint
+    want = load_file(exact_run / "model.safetensors")
+    got = load_file(killed / "model.safetensors")
+    assert want.keys() == got.keys()
+    assert all(want[k].equal(got[k]) for k in want)
