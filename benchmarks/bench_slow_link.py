@@ -5,7 +5,7 @@ compute-only bound, on two hosts joined by a shaped link (or on loopback).
     python benchmarks/bench_slow_link.py --loopback --steps 500 --only bound,ddp,powersgd
 
 Each configuration is a whole `dataparallel train` run of gpt-small on the built-in corpus with
-the same seed and token budget (steps x 2 ranks x 16 x 128 tokens), one rank per host and one
+the same seed and token budget (steps x 2 ranks x --batch (16) x 128 tokens), one rank per host and one
 thread per rank. "bound" is local SGD that never synchronises: the same processes and data
 with no communication at all, so its throughput is the compute-only bound. The peer is PyTorch
 DDP with `powerSGD_hook` (benchmarks/peer_powersgd.py). Runs go one after another (a run is
@@ -76,6 +76,11 @@ CONFIGS = {  # name -> dataparallel train flags
     "powersgd-r8-s30": "--compress powersgd:rank=8,start=30".split(),
     "powersgd-r8-s10": "--compress powersgd:rank=8,start=10".split(),
     "powersgd-r16-s0": "--compress powersgd:rank=16".split(),
+    # Top-k under AdamW: a larger share sent, exact steps first.
+    "topk-r05": ["--compress", "topk:ratio=0.05"],
+    "topk-r10": ["--compress", "topk:ratio=0.1"],
+    "topk-s30": ["--compress", "topk:ratio=0.01,start=30"],
+    "topk-r10-s30": ["--compress", "topk:ratio=0.1,start=30"],
     "peer-powersgd": None,  # PyTorch DDP + powerSGD_hook
     "peer-torchft-diloco": None,  # torchft's DiLoCo, H = 50, fp32 outer gradients
 }
@@ -107,8 +112,13 @@ EXTRA = (
     "powersgd-r8-s30",
     "powersgd-r8-s10",
     "powersgd-r16-s0",
+    "topk-r05",
+    "topk-r10",
+    "topk-s30",
+    "topk-r10-s30",
 )  # run only when named in --only
 MODEL = ["gpt-small"]  # --model
+BATCH = ["16"]  # --batch
 COMMON = ["--eval-every", "0", "--threads", "1", "--warmup-steps", "30"]
 
 
@@ -128,7 +138,8 @@ def summarize(out: Path) -> dict:
 
 
 def run_ours(name: str, steps: int, out: Path, rate: str | None, loopback: bool) -> dict:
-    args = [*COMMON, "--model", MODEL[0], "--steps", str(steps), *CONFIGS[name]]
+    args = [*COMMON, "--model", MODEL[0], "--batch", BATCH[0], "--steps", str(steps)]
+    args += CONFIGS[name]
     if loopback:
         cmd = [sys.executable, "-m", "dataparallel.cli", "train", "--nproc", "2", "--out", str(out)]
         result = subprocess.run([*cmd, *args], capture_output=True, text=True)
@@ -232,6 +243,7 @@ def main() -> int:
     parser.add_argument("--loopback", action="store_true", help="2 ranks on 127.0.0.1 instead")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--model", default="gpt-small", help="the built-in model to train")
+    parser.add_argument("--batch", type=int, default=16, help="windows per rank per step")
     parser.add_argument(
         "--only",
         default=",".join(c for c in CONFIGS if c not in EXTRA),
@@ -239,7 +251,7 @@ def main() -> int:
     )
     parser.add_argument("--out", default=f"runs/slow-link-{int(time.time())}")
     args = parser.parse_args()
-    MODEL[0] = args.model
+    MODEL[0], BATCH[0] = args.model, str(args.batch)
     if not args.loopback:
         reason = two_hosts.available()
         if reason:
