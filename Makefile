@@ -22,7 +22,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
 test: lint
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=15 tests
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/bench_step.py $(ARGS)
