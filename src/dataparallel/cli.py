@@ -4,6 +4,9 @@
     dataparallel train --nproc 4 --model gpt-small --steps 1000 --out runs/small
     dataparallel train --config examples/train.toml --lr 1e-3
     dataparallel train --resume runs/small --steps 2000
+    dataparallel train --recovery live --max-replicas 4 --out runs/live   # survives a lost worker
+    dataparallel join runs/live                        # one more replica for that run
+    dataparallel leave runs/live --replica 1           # one fewer
     dataparallel sample runs/small --prompt "def "
     dataparallel launch --nproc 2 my_train.py --lr 1e-4    # your script, under our launcher
     dataparallel generate runs/small --prompts p.jsonl --out c.jsonl --nproc 2   # completions
@@ -36,6 +39,7 @@ from .train.config import (
     flag_name,
 )
 from .train.config_toml import load_toml, to_toml
+from .train.elastic import add_join_parser, add_leave_parser, cmd_join, cmd_leave
 from .train.launch_flags import add_launcher_flags, launcher_config
 
 TYPES = {"int": int, "float": float, "str": str}
@@ -140,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(commands)
     add_sample_parser(commands)
     add_plan_parser(commands)
+    add_join_parser(commands)
+    add_leave_parser(commands)
     # `bench` (benchmarks/) will be registered here as a third command.
     return parser
 
@@ -310,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         "eval": cmd_eval,
         "sample": cmd_sample,
         "plan": cmd_plan,
+        "join": cmd_join,
+        "leave": cmd_leave,
     }[args.command]
     return handler(args)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from .make_reference_curve import CORPUS, train
+from .make_reference_curve import CORPUS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from workers import live_workers  # noqa: E402
@@ -59,9 +59,8 @@ def _train_steps(run: Path) -> list[int]:
     return [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
-def test_a_killed_worker_is_replaced_while_the_others_go_on(tmp_path):
-    reference = tmp_path / "reference"
-    _ok(train([*ARGS, "--nproc", "1", "--batch", "12"], reference))  # uninterrupted, one rank
+def test_a_killed_worker_is_replaced_while_the_others_go_on(tmp_path, live_reference):
+    reference = live_reference  # uninterrupted, one rank (conftest.py)
     out = tmp_path / "live"
     command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *ARGS]
     command += ["--nproc", "3", "--batch", "4"]

@@ -49,6 +49,11 @@ CASES = {
         None,
         ["--recovery (launch.recovery)", "does not cover strategy yet", "use --strategy ddp"],
     ),
+    "a live run whose maximum is below its workers": (
+        ["--recovery", "live", "--nproc", "2", "--max-replicas", "1"],
+        None,
+        ["--max-replicas (launch.max_replicas)", "1 is below --nproc 2", "or 0 for --nproc"],
+    ),
     "tp does not divide the ranks": (
         ["--nproc", "3", "--tp", "2"],
         None,

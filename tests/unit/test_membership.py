@@ -3,13 +3,18 @@ store protocol ([Note: quorum keys]) on an in-memory store."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch.distributed as dist
 
 from dataparallel.comm.membership import (
     EVAL,
     JOIN,
+    LEAVE,
     STEP,
+    BelowMinimum,
     Membership,
     QuorumError,
     QuorumPolicy,
@@ -17,9 +22,12 @@ from dataparallel.comm.membership import (
     decide,
     first_membership,
     left_out,
+    refuse_join,
+    refuse_leave,
     waiting_to_join,
 )
 from dataparallel.comm.quorum import Quorum, QuorumHost
+from dataparallel.comm.requests import Answer, Desk, Request, ask, request_key
 
 POLICY = QuorumPolicy(join_timeout_s=30.0)
 
@@ -119,3 +127,124 @@ def test_the_store_protocol_from_reports_to_a_decision():
     assert workers[0].regroup_asked(0)
     with pytest.raises(TimeoutError, match="no decision for generation 1 within 0.05 s"):
         workers[0].wait(1, timeout_s=0.05)
+
+
+# -- membership changes: joins, leaves, minimum and maximum sizes ([Note: membership]) ----------
+SIZES = QuorumPolicy(join_timeout_s=30.0, min_replicas=2, max_replicas=4)
+
+
+def test_a_joiner_gets_a_new_slot_and_is_healed_like_a_replacement():
+    current = Membership(generation=2, members=(0, 1), step=8)
+    reports = _reports((0, 11), (1, 11), (2, 0, JOIN))
+    decided = decide(current, reports, alive={0, 1}, waited_s=0.0, policy=SIZES)
+    assert decided == Membership(generation=3, members=(0, 1, 2), step=11, source=0, healed=(2,))
+    assert decided.rank_of(2) == 2
+
+
+def test_no_replica_joins_generation_0():
+    """The workers started together meet in generation 0 without a heal: a joiner waits."""
+    decided = decide(first_membership(2), _reports((0, 0), (1, 0), (2, 0, JOIN)), {0, 1}, 0.0)
+    assert decided.members == (0, 1) and decided.healed == ()
+
+
+def test_a_leaver_is_not_in_the_next_generation_and_nothing_is_healed():
+    current = Membership(generation=3, members=(0, 1, 2), step=11)
+    reports = _reports((0, 20), (1, 20, LEAVE), (2, 20))
+    decided = decide(current, reports, alive={0, 1, 2}, waited_s=0.0, policy=SIZES)
+    assert decided == Membership(generation=4, members=(0, 2), step=20, source=0, healed=())
+    assert left_out(current, decided) == [1] and decided.rank_of(2) == 1
+
+
+def test_a_leaver_ahead_of_the_others_does_not_set_the_step():
+    """Its update of step 21 is dropped with it: the staying members redo that step."""
+    current = Membership(generation=3, members=(0, 1, 2))
+    decided = decide(current, _reports((0, 20), (1, 21, LEAVE), (2, 20)), {0, 1, 2}, 0.0)
+    assert decided.members == (0, 2) and decided.step == 20 and decided.healed == ()
+
+
+def test_joiners_beyond_the_maximum_wait_lowest_slots_first():
+    """At most 4: the replacement of slot 1 and the joiner in slot 3 enter; slot 4 waits."""
+    current = Membership(generation=5, members=(0, 2), step=30)
+    reports = _reports((0, 31), (1, 0, JOIN), (2, 31), (3, 0, JOIN), (4, 0, JOIN))
+    decided = decide(current, reports, alive={0, 2}, waited_s=0.0, policy=SIZES)
+    assert decided.members == (0, 1, 2, 3) and decided.healed == (1, 3)
+
+
+def test_below_the_minimum_the_decider_waits_for_replicas_on_their_way_then_stops():
+    current = Membership(generation=6, members=(0, 1), step=40)
+    alone = _reports((0, 41))
+    assert decide(current, alone, {0}, waited_s=29.9, policy=SIZES, arriving=1) is None
+    with pytest.raises(BelowMinimum, match="generation 7 would have 1 replica.s., fewer than "):
+        decide(current, alone, {0}, waited_s=30.0, policy=SIZES, arriving=1)
+    with pytest.raises(BelowMinimum, match="--min-replicas 2"):  # nobody on the way: at once
+        decide(current, alone, {0}, waited_s=0.0, policy=SIZES, arriving=0)
+    decided = decide(current, _reports((0, 41), (1, 0, JOIN)), {0}, 3.0, SIZES, arriving=0)
+    assert decided.members == (0, 1) and decided.healed == (1,)  # the replacement arrived
+    with pytest.raises(BelowMinimum):  # evaluating: nobody can enter, so nobody is waited for
+        decide(current, _reports((0, 40, EVAL)), {0}, waited_s=0.0, policy=SIZES, arriving=1)
+    with pytest.raises(BelowMinimum):  # generation 0 is the workers started together
+        decide(first_membership(2), _reports((0, 0)), {0}, 0.0, SIZES, arriving=1)
+
+
+def test_the_door_keeps_the_sizes():
+    assert refuse_join(3, SIZES) is None
+    assert refuse_join(4, SIZES) == (
+        "the run has 4 replica(s), its maximum (--max-replicas 4); start it with a larger "
+        "--max-replicas, or wait for one to leave"
+    )
+    assert refuse_join(100, QuorumPolicy()) is None  # 0: no bound
+    assert refuse_leave(2, [0, 1, 2], SIZES) is None
+    assert refuse_leave(1, [0, 1], SIZES) == (
+        "1 replica(s) would stay, fewer than --min-replicas 2; add one first "
+        "(dataparallel join RUN_DIR)"
+    )
+    assert refuse_leave(5, [0, 2, 1], SIZES) == (
+        "replica 5 is not a member of the run (its members: [0, 1, 2])"
+    )
+    with pytest.raises(ValueError, match="max_replicas=1 must be 0 .no bound. or >= min"):
+        QuorumPolicy(min_replicas=2, max_replicas=1)
+
+
+def test_joins_and_leaves_are_asked_and_answered_through_the_store():
+    store = dist.HashStore()
+    desk = Desk(store)
+    assert desk.pending() == []
+    store.add("requests", 1)  # a client that took number 1 and died before writing its request
+    join = Request(kind=JOIN, pid=4242, host="node7")
+    store.add("requests", 1)
+    store.set(request_key(2), join.to_json())
+    assert desk.pending() == [(2, join)] and desk.pending() == [] and desk.unread == [1]
+    desk.answer(2, Answer(ok=True, message="joined as replica 3", replica=3))
+    # A client asks in a thread while the "launcher" answers: number 3.
+    answers = []
+    thread = threading.Thread(
+        target=lambda: answers.append(ask(store, Request(kind=LEAVE, replica=1)))
+    )
+    thread.start()
+    while not (pending := desk.pending()):
+        time.sleep(0.01)
+    assert pending == [(3, Request(kind=LEAVE, replica=1))]
+    desk.answer(3, Answer(ok=False, message="no"))
+    thread.join(timeout=5)
+    assert answers == [Answer(ok=False, message="no")]
+    with pytest.raises(ValueError, match="kind='stay' must be 'join' or 'leave'"):
+        Request(kind="stay")
+    host, member = QuorumHost(store, slots=4), Quorum(store, replica=3)
+    assert not member.leaving()
+    host.let_leave(3)
+    assert member.leaving() and not Quorum(store, replica=2).leaving()
+
+
+def test_a_member_let_leave_reports_leave_and_ends_once_the_others_went_on():
+    from dataparallel.train.recovery import Left, LiveRecovery, Phase
+
+    store = dist.HashStore()
+    member = LiveRecovery(store, replica=1, joining=False, timeout_s=5.0)
+    QuorumHost(store, slots=3).let_leave(1)
+    assert member.quorum.leaving()
+    report = Report(replica=1, step=22, where=LEAVE)
+    QuorumHost(store, slots=3).publish(Membership(generation=2, members=(0, 2), step=22))
+    with pytest.raises(Left, match="replica 1 left the run at step 22; generation 2 goes on"):
+        member._meet(2, report)
+    assert member.phase is Phase.LEFT
+    assert Report.from_json(store.get("gen/2/report/1")) == report

@@ -24,7 +24,7 @@ def test_every_field_is_documented_and_has_a_unique_flag():
         for f in fields(cls):
             assert len(docs.get(f.name, "")) > 20, f"{cls.__name__}.{f.name} lacks a docstring"
             names.append(f.name)
-    assert len(names) == len(set(names)) == 53
+    assert len(names) == len(set(names)) == 56
     # Continuation lines are joined into the entry they continue.
     assert field_docs(SECTIONS["train"])["global_batch"].endswith("0: batch decides.")
 
@@ -164,3 +164,40 @@ def test_the_header_shows_how_the_ranks_share_the_global_batch():
     assert describe_split(8, 1, 3) == "8 = 3,3,2 windows per rank"
     assert describe_split(16, 2, 3) == "16 = 6,5,5 windows per rank in 2 micro-steps"
     assert describe_split(8, 1, 2) == "8 = 4 windows per rank"
+
+
+@pytest.mark.parametrize(
+    "launch, message",
+    [
+        (
+            {"min_replicas": 2},
+            "--min-replicas (launch.min_replicas): a run's size changes only under --recovery "
+            "live; add --recovery live, or leave it out",
+        ),
+        (
+            {"recovery": "live", "min_replicas": 0},
+            "--min-replicas (launch.min_replicas): 0 is below 1; use 1 or more",
+        ),
+        (
+            {"recovery": "live", "min_replicas": 3},
+            "--min-replicas (launch.min_replicas): 3 is above --nproc 2; use at most 2",
+        ),
+        (
+            {"recovery": "live", "max_replicas": 1},
+            "--max-replicas (launch.max_replicas): 1 is below --nproc 2; use at least 2, or 0 "
+            "for --nproc",
+        ),
+        (
+            {"store_host": "10.0.0.7"},
+            "--store-host (launch.store_host): a run's size changes only under --recovery live; "
+            "add --recovery live, or leave it out",
+        ),
+    ],
+)
+def test_the_sizes_of_a_live_run_are_checked(launch, message):
+    with pytest.raises(ConfigError) as error:
+        check_values(RunConfig().replace(launch={"nproc": 2, **launch}))
+    assert str(error.value) == message
+    check_values(
+        RunConfig().replace(launch={"recovery": "live", "min_replicas": 2, "max_replicas": 4})
+    )

@@ -15,6 +15,8 @@
                           regroup at their next step boundary to let it in;
     gen/g/pg/...          the keys of generation g's process group (runtime.join_group).
 and `latest` holds the last decided generation's number (where a replacement reports next).
+A joiner or a leaver asks through keys of its own ([Note: membership requests] in requests.py);
+`leave/<slot>` is where a member learns that it leaves.
 Keys of a generation are never rewritten, so a late reader sees what was decided.
 The rule that turns reports into a decision is pure ([Note: membership] in membership.py).
 """
@@ -27,6 +29,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .membership import Membership, Report
+from .requests import leave_key
 
 LATEST = "latest"
 
@@ -83,12 +86,18 @@ class Quorum:
         waits to join)."""
         return self.store.check([regroup_key(generation)])
 
+    def leaving(self) -> bool:
+        """Whether the launcher let this replica leave (`dataparallel leave`): it reports LEAVE
+        at its next regroup."""
+        return self.store.check([leave_key(self.replica)])
+
 
 class QuorumHost:
     """The launcher's side: reads the reports of a generation, publishes its decision.
 
     store: the store the launcher hosts (under the run's prefix).
-    slots: how many replica slots the run has (the workers started together).
+    slots: how many replica slots the run has: the workers started together, and the joiners
+        given the next slots (the launcher counts them up).
     """
 
     def __init__(self, store: dist.Store, slots: int):
@@ -110,9 +119,13 @@ class QuorumHost:
     def ask_regroup(self, generation: int) -> None:
         self.store.set(regroup_key(generation), "1")
 
+    def let_leave(self, replica: int) -> None:
+        self.store.set(leave_key(replica), "1")
+
 
 def host_store(port: int, timeout_s: float = 60.0) -> dist.TCPStore:
-    """The store a live run's launcher hosts on 127.0.0.1:`port` (one host in this version)."""
+    """The store a live run's launcher hosts on `port` (it listens on every interface; the
+    launcher's own connection goes through 127.0.0.1)."""
     return dist.TCPStore(
         "127.0.0.1", port, is_master=True, wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s),

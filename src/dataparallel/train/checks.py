@@ -101,6 +101,7 @@ def check_recovery(config: RunConfig) -> None:
     replicas (docs/faults.md, "Live recovery"); say which flag stands in its way."""
     launch, sync, label = config.launch, config.sync, field_label("launch", "recovery")
     _choose(label, launch.recovery, RECOVERY)
+    _check_sizes(config)
     if launch.recovery != "live":
         return
     blockers = [
@@ -116,6 +117,34 @@ def check_recovery(config: RunConfig) -> None:
     for name, blocked, needs in blockers:
         if blocked:
             raise ConfigError(label, f"live recovery does not cover {name} yet", f"use {needs}")
+
+
+def _check_sizes(config: RunConfig) -> None:
+    """min_replicas <= nproc <= max_replicas (0: nproc), and only under --recovery live."""
+    launch = config.launch
+    for name in ("nproc", "min_replicas"):
+        _at_least(config, "launch", name, 1)
+    _at_least(config, "launch", "max_replicas", 0)
+    given = [n for n, d in [("min_replicas", 1), ("max_replicas", 0), ("store_host", "")]
+             if getattr(launch, n) != d]  # fmt: skip
+    if given and launch.recovery != "live":
+        raise ConfigError(
+            field_label("launch", given[0]),
+            "a run's size changes only under --recovery live",
+            "add --recovery live, or leave it out",
+        )
+    if launch.min_replicas > launch.nproc:
+        raise ConfigError(
+            field_label("launch", "min_replicas"),
+            f"{launch.min_replicas} is above --nproc {launch.nproc}",
+            f"use at most {launch.nproc}",
+        )
+    if launch.max_replicas and launch.max_replicas < launch.nproc:
+        raise ConfigError(
+            field_label("launch", "max_replicas"),
+            f"{launch.max_replicas} is below --nproc {launch.nproc}",
+            f"use at least {launch.nproc}, or 0 for --nproc",
+        )
 
 
 def check_values(config: RunConfig) -> None:

@@ -180,6 +180,15 @@ class LaunchConfig:
         whole global batch, and a replacement (up to max_restarts in all) receives the state
         from them over the network and joins (one machine, ddp, fp32 or bf16;
         docs/faults.md, "Live recovery").
+    min_replicas: live recovery: the fewest replicas the run trains with (1 or more, at most
+        nproc). A `dataparallel leave` that would go below it is refused; a loss that does
+        waits for a replacement or a joiner on its way (up to collective_timeout + 10 s), else
+        stops the run with the line to --resume it (docs/faults.md, "Membership changes").
+    max_replicas: live recovery: the most replicas; `dataparallel join RUN_DIR` adds one while
+        the run counts fewer (at least nproc). 0: nproc, the run does not grow.
+    store_host: live recovery: the address of this machine at which `dataparallel join` from
+        another machine reaches the launcher's store (it is written to RUN_DIR/live.json; the
+        store listens on every interface). Empty: 127.0.0.1, joiners on this machine only.
     """
 
     nproc: int = 2
@@ -195,6 +204,9 @@ class LaunchConfig:
     collective_timeout: float = 300.0
     check_collectives: bool = False
     recovery: str = "restart"
+    min_replicas: int = 1
+    max_replicas: int = 0
+    store_host: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,13 @@ comm/membership.py). Each worker is a slot 0..N-1; the loop, every `poll_s`:
   reports within --collective-timeout + 10 s of the first report is stalled (one stopped,
   state T in /proc, at once): it is killed (SIGKILL also ends a stopped process) and replaced like a dead
   one;
-- when a replacement waits, asks the members to regroup at their next step boundary.
+- when a replacement or a joiner waits, or a member was let leave, asks the members to regroup
+  at their next step boundary;
+- answers the requests to join or leave made from outside it (`dataparallel join RUN_DIR`,
+  `dataparallel leave RUN_DIR --replica K`; [Note: membership requests] in comm/requests.py),
+  within --min-replicas and --max-replicas. A joiner gets the next unused slot; it is not the
+  launcher's child, so it is watched through its heartbeat (train/remote.py). A leaver is not
+  replaced, and its leave is not counted against --max-restarts.
 Slot 0 writes the run's records (metrics, run.json, the report, the final weights): its loss
 is not recovered yet; the launcher then stops the others and the run ends with status 1 and
 the line to resume it (docs/faults.md, "Live recovery").
@@ -28,24 +34,31 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch.distributed as dist
 
 import dataparallel as dp
 
 from ..comm.membership import (
+    JOIN,
     Membership,
     QuorumError,
     QuorumPolicy,
     decide,
     first_membership,
     left_out,
+    refuse_join,
+    refuse_leave,
     waiting_to_join,
 )
 from ..comm.quorum import QuorumHost, host_store
+from ..comm.requests import RUN_KEY, Answer, Desk, Request
 from .config import RunConfig
 from .recovery import ENV_LIVE, STORE_PREFIX
+from .remote import RUN_FILE, RemoteProcess, write_run_file
 from .stopped_workers import is_stopped
+from .worker import ENV_RUN
 
 WORKER_MODULE = "dataparallel.train.worker"
 STOP_GRACE_S = 30.0  # what a worker told to stop has to finish (a checkpoint write)
@@ -55,19 +68,26 @@ REPORT_GRACE_S = 10.0  # beyond the collective timeout, for a member's rewind an
 class Life(enum.Enum):
     """A worker process's state, as the launcher sees it."""
 
-    STARTING = "starting"  # a replacement, not yet let into a generation
+    STARTING = "starting"  # a replacement or a joiner, not yet let into a generation
     MEMBER = "member"  # in the current generation (or the first workers, before it)
+    LEAVING = "leaving"  # a member let leave: it goes at its next step boundary
     ENDED = "ended"
+    LEFT = "left"  # ended after leaving: not replaced, not a failure
 
 
 @dataclass
 class Worker:
-    """One process in a slot."""
+    """One process in a slot: the launcher's child, or a joiner (RemoteProcess)."""
 
     slot: int
-    process: subprocess.Popen
+    process: subprocess.Popen | RemoteProcess
     life: Life
     code: int | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Stopped (state T in /proc): only a child is looked at (a joiner may be elsewhere)."""
+        return isinstance(self.process, subprocess.Popen) and is_stopped(self.process.pid)
 
 
 @dataclass
@@ -82,7 +102,8 @@ class LiveLauncher:
     """Runs the workers of one live run on this machine until they end.
 
     config: the validated run; launch.nproc workers, launch.max_restarts replacements in all,
-        launch.collective_timeout the time a member has to report.
+        launch.collective_timeout the time a member has to report, launch.min_replicas and
+        launch.max_replicas the sizes, launch.store_host where joiners reach the store.
     env: added to every worker's environment (the resolved config, the thread count...).
     poll_s: how often the workers and the store are looked at.
     """
@@ -92,18 +113,26 @@ class LiveLauncher:
         self.slots = config.launch.nproc
         # A member blocked on another member reports once its collective times out.
         timeout = config.launch.collective_timeout + REPORT_GRACE_S
-        self.policy = QuorumPolicy(join_timeout_s=timeout)
+        self.policy = QuorumPolicy(
+            join_timeout_s=timeout,
+            min_replicas=config.launch.min_replicas,
+            max_replicas=config.launch.max_replicas or config.launch.nproc,
+        )
         self.port = dp.free_port()
         self.store = host_store(self.port)
         self.host = QuorumHost(dist.PrefixStore(STORE_PREFIX, self.store), self.slots)
+        self.desk = Desk(self.host.store)  # joins and leaves asked from outside
         self.current: Membership = first_membership(self.slots)
         self.workers: dict[int, Worker] = {}
         self.first_report_at: float | None = None
-        self.asked_regroup = -1  # the last generation asked to let a replacement in
+        self.asked_regroup = -1  # the last generation asked to let a replica in, or one out
         self.tally = Tally()
 
     def run(self) -> int:
         """Start the workers and watch them; the exit status (0, 1, 2, or 130 on Ctrl-C)."""
+        run_dir = Path(self.config.launch.out)
+        self.host.store.set(RUN_KEY, self.env[ENV_RUN])  # what a joiner trains
+        write_run_file(run_dir, f"{self.config.launch.store_host or '127.0.0.1'}:{self.port}")
         for slot in range(self.slots):
             self._start(slot, joining=False)
         try:
@@ -111,15 +140,21 @@ class LiveLauncher:
                 status = self._reap()
                 if status is not None:
                     return status
+                self._answer_requests()
                 self._decide()
                 time.sleep(self.poll_s)
-        except QuorumError as error:
-            self._say(f"error: {error}")
+        except QuorumError as error:  # BelowMinimum too
+            self._say(
+                f"error: {error}; the run stops: continue with: dataparallel train --resume "
+                f"{self.config.launch.out}"
+            )
             self._stop_all()
             return 1
         except KeyboardInterrupt:
             self._stop_all(signal.SIGINT)
             return 130
+        finally:
+            (run_dir / RUN_FILE).unlink(missing_ok=True)  # nobody joins a run that has ended
 
     # -- processes ------------------------------------------------------------------------------
     def _start(self, slot: int, *, joining: bool) -> None:
@@ -134,11 +169,21 @@ class LiveLauncher:
         no member is left, else None."""
         finishing = any(w.life is Life.ENDED and w.code in (0, 2) for w in self.workers.values())
         for worker in list(self.workers.values()):
-            if worker.life is Life.ENDED or worker.process.poll() is None:
+            if worker.life in (Life.ENDED, Life.LEFT) or worker.process.poll() is None:
                 continue
             was_member = worker.life is Life.MEMBER
-            worker.life, worker.code = Life.ENDED, worker.process.returncode
+            left = worker.life is Life.LEAVING
+            worker.life = Life.LEFT if left else Life.ENDED
+            worker.code = worker.process.returncode
+            if left:
+                self._say(f"worker {worker.slot} left with status {worker.code}; not replaced")
             if worker.code in (0, 2) or finishing or not was_member:
+                continue
+            if isinstance(worker.process, RemoteProcess):  # the launcher cannot start it again
+                self._say(
+                    f"worker {worker.slot} (joined, pid {worker.process.pid}) ended with status "
+                    f"{worker.code}; the others go on without it"
+                )
                 continue
             if worker.slot == 0:
                 self._say(
@@ -157,7 +202,7 @@ class LiveLauncher:
                 self._start(worker.slot, joining=True)
             else:
                 self._say(f"worker {worker.slot} ended; no replacement left (--max-restarts)")
-        if any(w.life is Life.MEMBER for w in self.workers.values()):
+        if any(w.life in (Life.MEMBER, Life.LEAVING) for w in self.workers.values()):
             return None
         self._stop_all()  # replacements still starting have nobody to join
         codes = {w.code for w in self.workers.values() if w.code is not None}
@@ -175,48 +220,95 @@ class LiveLauncher:
                 worker.process.kill()
                 worker.process.wait()
 
+    # -- joins and leaves asked from outside ------------------------------------------------------
+    def _answer_requests(self) -> None:
+        for number, request in self.desk.pending():
+            answer = self._admit(request) if request.kind == JOIN else self._release(request)
+            self.desk.answer(number, answer)
+
+    def _admit(self, request: Request) -> Answer:
+        """A new replica, within --max-replicas: the next unused slot, watched by heartbeat."""
+        who = f"pid {request.pid} on {request.host}"
+        counted = [w for w in self.workers.values() if w.life in (Life.STARTING, Life.MEMBER)]
+        refusal = refuse_join(len(counted), self.policy)
+        if refusal:
+            self._say(f"a replica asked to join ({who}): refused: {refusal}")
+            return Answer(ok=False, message=refusal)
+        slot, self.host.slots = self.host.slots, self.host.slots + 1
+        process = RemoteProcess(self.host.store, slot, request.pid)
+        self.workers[slot] = Worker(slot, process, Life.STARTING)
+        self._say(f"worker {slot} ({who}) joins; it is let in at the members' next step boundary")
+        return Answer(ok=True, replica=slot, message=f"joined as replica {slot}")
+
+    def _release(self, request: Request) -> Answer:
+        """A member leaves at its next step boundary, if --min-replicas stay."""
+        members = [s for s, w in self.workers.items() if w.life is Life.MEMBER]
+        refusal = refuse_leave(request.replica, members, self.policy)
+        if request.replica == 0:  # the records writer: see the slot-0 branch of _reap
+            refusal = "replica 0 writes the run's records and cannot leave yet; choose another"
+        if refusal:
+            self._say(f"replica {request.replica} asked to leave: refused: {refusal}")
+            return Answer(ok=False, message=refusal)
+        self.workers[request.replica].life = Life.LEAVING
+        self.host.let_leave(request.replica)
+        message = f"replica {request.replica} leaves at its next step boundary"
+        self._say(message)
+        return Answer(ok=True, message=message)
+
     # -- the quorum -----------------------------------------------------------------------------
     def _decide(self) -> None:
         generation = self.current.generation + 1
-        live_pids = {w.process.pid for w in self.workers.values() if w.life is not Life.ENDED}
+        ended = (Life.ENDED, Life.LEFT)
+        live_pids = {w.process.pid for w in self.workers.values() if w.life not in ended}
         reports = {  # a report of a process that has died since does not count
             slot: report
             for slot, report in self.host.reports(generation).items()
             if report.pid in live_pids
         }
+        self._ask_regroup(reports)
         if not reports:
             return
         now = time.monotonic()
         self.first_report_at = self.first_report_at or now
         # A stopped member cannot report: it is not waited for ([Note: membership]).
-        alive = {
-            s
-            for s, w in self.workers.items()
-            if w.life is Life.MEMBER and not is_stopped(w.process.pid)
-        }
-        decided = decide(self.current, reports, alive, now - self.first_report_at, self.policy)
+        # A leaver is waited for too: it reports LEAVE (or STEP, if it regrouped before it knew).
+        in_run = (Life.MEMBER, Life.LEAVING)
+        alive = {s for s, w in self.workers.items() if w.life in in_run and not w.stopped}
+        arriving = sum(
+            1 for s, w in self.workers.items() if w.life is Life.STARTING and s not in reports
+        )
+        waited = now - self.first_report_at
+        decided = decide(self.current, reports, alive, waited, self.policy, arriving)
         if decided is None:
-            if waiting_to_join(reports) and self.asked_regroup < self.current.generation:
-                self.asked_regroup = self.current.generation
-                self.host.ask_regroup(self.current.generation)
             return
         self.host.publish(decided)
         for slot in decided.members:
-            self.workers[slot].life = Life.MEMBER
+            if self.workers[slot].life is Life.STARTING:
+                self.workers[slot].life = Life.MEMBER
         for slot in left_out(self.current, decided):
             worker = self.workers[slot]
-            if worker.life is Life.MEMBER and worker.process.poll() is None:
+            silent = slot not in reports  # a leaver reported LEAVE and goes by itself
+            if worker.life in in_run and silent and worker.process.poll() is None:
                 self._say(f"worker {slot} (pid {worker.process.pid}) stalled: killed")
                 worker.process.kill()  # reaped, and replaced, on the next pass
         self.tally.generations.append(decided)
-        if decided.generation > 0:
-            pids = ", ".join(str(self.workers[s].process.pid) for s in decided.members)
-            self._say(
-                f"generation {decided.generation}: workers {list(decided.members)} (pids {pids}) "
-                f"at step {decided.step}"
-                + (f", healed {list(decided.healed)}" if decided.healed else "")
-            )
+        pids = ", ".join(str(self.workers[s].process.pid) for s in decided.members)
+        self._say(
+            f"generation {decided.generation}: workers {list(decided.members)} (pids {pids}) "
+            f"at step {decided.step}"
+            + (f", healed {list(decided.healed)}" if decided.healed else "")
+        )
         self.current, self.first_report_at = decided, None
+
+    def _ask_regroup(self, reports: dict) -> None:
+        """Ask the current generation to regroup at its next step boundary when a replica waits
+        to join or a member was let leave (once per generation)."""
+        leaving = any(self.workers[s].life is Life.LEAVING for s in self.current.members)
+        if not (leaving or waiting_to_join(reports)):
+            return
+        if self.asked_regroup < self.current.generation:
+            self.asked_regroup = self.current.generation
+            self.host.ask_regroup(self.current.generation)
 
     def _say(self, line: str) -> None:
         print(f"dataparallel train: live: {line}", file=sys.stderr, flush=True)

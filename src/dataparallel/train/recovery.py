@@ -28,7 +28,10 @@ instead of waiting forever), this replica
 An evaluation interrupted the same way is redone after the regroup. Between steps each
 member asks the store whether a replacement waits (`Quorum.regroup_asked`), and the members
 agree on the answer in one small all-reduce, so that all of them regroup at the same step
-boundary and the replacement is healed and trains from the next step.
+boundary and the replacement is healed and trains from the next step. A replica that joins
+from outside the launcher (`dataparallel join`, train/elastic.py) enters the same way; a member
+let leave (`dataparallel leave`) reports LEAVE at that boundary instead of STEP, waits for the
+generation formed without it, and ends (`Left`): nothing is rewound, nobody waits for a timeout.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import torch.distributed as dist
 
 import dataparallel as dp
 
-from ..comm.membership import EVAL, JOIN, STEP, Membership, Report
+from ..comm.membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
 from ..comm.quorum import Quorum, client_store, group_prefix
 from .config import LaunchConfig
 from .loop import Steps
@@ -64,10 +67,15 @@ class Phase(enum.Enum):
     STARTING = "starting"  # not a member of any generation yet
     TRAINING = "training"  # a member of `LiveRecovery.membership`
     REGROUPING = "regrouping"  # reporting, waiting for the decision, forming the group, healing
+    LEFT = "left"  # left the run by request: no longer a member of any generation
 
 
 class LeftOut(RuntimeError):
     """This replica was left out of a generation (it reported too late: stalled)."""
+
+
+class Left(Exception):
+    """This replica left the run by request (`dataparallel leave`); the others go on."""
 
 
 def lost_peer(error: BaseException) -> bool:
@@ -233,6 +241,8 @@ class LiveRecovery(Steps):
         if state.world.world_size > 1:  # a replacement starts alone: nothing to leave
             self._leave(state)
         generation = self.membership.generation + 1 if self.membership else self.quorum.latest() + 1
+        if where != JOIN and self.quorum.leaving():
+            where = LEAVE
         membership = self._meet(
             generation,
             Report(replica=self.replica, step=state.step, where=where, pid=os.getpid()),
@@ -264,6 +274,12 @@ class LiveRecovery(Steps):
             membership = self.quorum.wait(generation, DECISION_TIMEOUT_S)
             if self.replica in membership.members:
                 return membership
+            if report.where == LEAVE:
+                self.phase = Phase.LEFT
+                raise Left(
+                    f"replica {self.replica} left the run at step {report.step}; generation "
+                    f"{generation} goes on without it"
+                )
             if report.where != JOIN:
                 raise LeftOut(
                     f"replica {self.replica} was left out of generation {generation} (it "

@@ -30,7 +30,7 @@ from .config_toml import apply_mapping, to_toml
 from .loop import Callback, fit
 from .metrics import MetricsLogger
 from .progress import ProgressBar
-from .recovery import LeftOut, LiveRecovery
+from .recovery import Left, LeftOut, LiveRecovery
 from .report import RUN_INFO, make_report
 from .tensor_parallel import parameter_count
 from .tracing import TraceWriter, parse_steps
@@ -235,6 +235,10 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
     except LeftOut as error:  # the others went on without this stalled replica
         print(f"dataparallel train: live: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    except Left as error:  # asked to leave (dataparallel leave): the others go on
+        _finish_saving(callbacks)
+        print(f"dataparallel train: live: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(0) from None
     except (FloatingPointError, CollectiveMismatch) as error:  # the user's to fix, not a bug
         _finish_saving(callbacks)
         if _is_main(state, world):

@@ -1,0 +1,153 @@
+"""Asking a live run's launcher, from outside it, to let a replica join or to let one leave.
+
+    answer = ask(store, Request(kind=JOIN, pid=os.getpid(), host="node7"))   # dataparallel join
+    answer = ask(store, Request(kind=LEAVE, replica=2))                      # dataparallel leave
+
+    desk = Desk(store)                                  # the launcher, every poll
+    for number, request in desk.pending():
+        desk.answer(number, Answer(ok=True, replica=3, message="..."))
+
+[Note: membership requests] The launcher is the only decider of a live run ([Note: membership]
+in membership.py), so a change of size that starts outside it is a request it answers: yes (a
+joiner gets a fresh slot; a leaver's slot is marked) or no, with the reason, which the asking
+command prints. Under the store's prefix:
+    requests            a counter: a client takes the next number with add(1)...
+    request/<n>         ...then writes its Request (JSON) there;
+    answer/<n>          the launcher's Answer (JSON), written once;
+    leave/<slot>        set by the launcher when it lets `slot` leave: the member reports LEAVE
+                        at its next regroup, which the launcher asks of its generation;
+    beat/<slot>         a joiner's heartbeat, a counter it adds to every HEARTBEAT_S;
+    signal/<slot>       a signal number the launcher asks a joiner to raise in itself;
+    bye/<slot>          a joiner's exit status, written as it ends;
+    run                 the resolved run (the workers' DATAPARALLEL_RUN), which a joiner trains.
+A joiner is not the launcher's child: the launcher cannot wait for it or signal it, and its pid
+may be on another machine. Its heartbeat tells the launcher that it lives, `signal/<slot>`
+carries the launcher's SIGTERM or SIGKILL to it, and `bye/<slot>` its exit status back
+(train/remote.py). A number taken by a client that died before writing its request is looked
+at again on every poll, which costs one `check` and blocks nobody.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+from .membership import JOIN, LEAVE
+
+RUN_KEY = "run"
+COUNTER = "requests"
+HEARTBEAT_S = 0.5  # how often a joiner beats
+HEARTBEAT_TIMEOUT_S = 10.0  # beats missed this long: the joiner is taken for dead
+
+
+def request_key(number: int) -> str:
+    return f"request/{number}"
+
+
+def answer_key(number: int) -> str:
+    return f"answer/{number}"
+
+
+def leave_key(replica: int) -> str:
+    return f"leave/{replica}"
+
+
+def beat_key(replica: int) -> str:
+    return f"beat/{replica}"
+
+
+def signal_key(replica: int) -> str:
+    return f"signal/{replica}"
+
+
+def bye_key(replica: int) -> str:
+    return f"bye/{replica}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """A request to the launcher of a live run.
+
+    kind: JOIN (a new replica, the asking process itself) or LEAVE (an existing one).
+    replica: LEAVE: the slot that should leave; JOIN: unused (-1).
+    pid: JOIN: the joiner's process id, for the launcher's messages.
+    host: JOIN: the joiner's machine (its host name), for the launcher's messages.
+    """
+
+    kind: str
+    replica: int = -1
+    pid: int = 0
+    host: str = ""
+
+    def __post_init__(self):
+        if self.kind not in (JOIN, LEAVE):
+            raise ValueError(f"Request: kind={self.kind!r} must be {JOIN!r} or {LEAVE!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Request:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    """The launcher's answer to a Request.
+
+    ok: whether it is granted.
+    message: what the asking command prints: what happens next, or why not and what to do.
+    replica: JOIN granted: the joiner's slot; else -1.
+    """
+
+    ok: bool
+    message: str
+    replica: int = -1
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Answer:
+        return cls(**json.loads(text))
+
+
+def ask(
+    store: dist.Store, request: Request, timeout_s: float = 60.0, poll_s: float = 0.05
+) -> Answer:
+    """Send `request` to the launcher and wait for its answer (TimeoutError after `timeout_s`)."""
+    number = store.add(COUNTER, 1)
+    store.set(request_key(number), request.to_json())
+    key, deadline = answer_key(number), time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the launcher did not answer within {timeout_s:g} s")
+        time.sleep(poll_s)
+    return Answer.from_json(store.get(key))
+
+
+class Desk:
+    """The launcher's side: the requests not answered yet, in the order they were numbered.
+
+    store: the store the launcher hosts (under the run's prefix).
+    """
+
+    def __init__(self, store: dist.Store):
+        self.store = store
+        self.counted = 0  # numbers taken so far
+        self.unread: list[int] = []  # taken, but no request written yet
+
+    def pending(self) -> list[tuple[int, Request]]:
+        """The requests written since the last call, as (number, request)."""
+        counted = self.store.add(COUNTER, 0)
+        self.unread += range(self.counted + 1, counted + 1)
+        self.counted = counted
+        found = [n for n in self.unread if self.store.check([request_key(n)])]
+        self.unread = [n for n in self.unread if n not in found]
+        return [(n, Request.from_json(self.store.get(request_key(n)))) for n in found]
+
+    def answer(self, number: int, answer: Answer) -> None:
+        self.store.set(answer_key(number), answer.to_json())

@@ -1,0 +1,157 @@
+"""`dataparallel join` and `dataparallel leave`: a live run grows or shrinks while it trains.
+
+    dataparallel train --recovery live --nproc 2 --max-replicas 4 --out runs/big &
+    dataparallel join runs/big                   # one more replica, from this process
+    dataparallel leave runs/big --replica 1      # replica 1 leaves at its next step boundary
+
+Both find the launcher's store in RUN_DIR/live.json (written by the launcher while it runs)
+and ask it ([Note: membership requests] in comm/requests.py); the launcher answers within
+--min-replicas and --max-replicas ([Note: membership] in comm/membership.py). A joiner that is
+let in takes the next unused slot, trains the run's own config (read from the store), builds
+its state alone and is healed from a member at their next step boundary, as a replacement is
+([Note: live recovery] in recovery.py); it then trains in this process until the run ends, or
+until it is asked to leave. Exit status: 0 done (or left), 1 refused or failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+from ..comm.membership import JOIN, LEAVE
+from ..comm.quorum import client_store
+from ..comm.requests import RUN_KEY, Answer, Request, ask
+from .config import ConfigError
+from .remote import RUN_FILE, Heartbeat, read_run_file
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+def add_join_parser(commands) -> None:
+    parser = commands.add_parser(
+        "join",
+        help="add a replica to a running `dataparallel train --recovery live`",
+        description="Join the live run in RUN_DIR as one more replica (up to its "
+        "--max-replicas): this process trains with the others until the run ends. Its state is "
+        "received from them over the network; the run directory is where it writes its part "
+        "of the checkpoints.",
+    )
+    parser.add_argument("run", metavar="RUN_DIR", help=f"the run's directory (holds {RUN_FILE})")
+
+
+def add_leave_parser(commands) -> None:
+    parser = commands.add_parser(
+        "leave",
+        help="let a replica of a running `dataparallel train --recovery live` leave",
+        description="Ask the live run in RUN_DIR to let one replica leave at its next step "
+        "boundary: the others go on without it, with the same global batch (down to its "
+        "--min-replicas); it ends with status 0 and is not replaced.",
+    )
+    parser.add_argument("run", metavar="RUN_DIR", help=f"the run's directory (holds {RUN_FILE})")
+    parser.add_argument(
+        "--replica",
+        type=int,
+        required=True,
+        help="the slot of the replica that leaves (the launcher's lines name them: workers [...])",
+    )
+
+
+def connect(run_dir: Path):
+    """(address, the launcher's store under the run's prefix), or ConfigError."""
+    import torch.distributed as dist
+
+    from .recovery import STORE_PREFIX
+
+    address = read_run_file(run_dir)
+    try:
+        store = client_store(address, timeout_s=CONNECT_TIMEOUT_S)
+    except RuntimeError:  # DistNetworkError, DistStoreError
+        raise ConfigError(
+            "RUN_DIR",
+            f"no launcher answers at {address} (from {run_dir / RUN_FILE})",
+            "check that the run still goes on (a launcher killed with -9 leaves the file)",
+        ) from None
+    return address, dist.PrefixStore(STORE_PREFIX, store)
+
+
+def _answer(command: str, store, request: Request) -> Answer | None:
+    """The launcher's answer, or None when it gave none (said on one line)."""
+    try:
+        return ask(store, request)
+    except TimeoutError as error:
+        print(f"dataparallel {command}: error: {error}", file=sys.stderr)
+    except RuntimeError:  # the store closed: the launcher has ended
+        print(f"dataparallel {command}: error: the run ended before answering", file=sys.stderr)
+    return None
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    try:
+        address, store = connect(Path(args.run))
+    except ConfigError as error:
+        print(f"dataparallel join: error: {error}", file=sys.stderr)
+        return 2
+    answer = _answer("join", store, Request(kind=JOIN, pid=os.getpid(), host=socket.gethostname()))
+    if answer is None:
+        return 1
+    if not answer.ok:
+        print(f"dataparallel join: refused: {answer.message}", file=sys.stderr)
+        return 1
+    print(f"dataparallel join: {answer.message}", file=sys.stderr, flush=True)
+    return train_joined(Path(args.run), address, store, answer.replica)
+
+
+def train_joined(run_dir: Path, address: str, store, replica: int) -> int:
+    """Train as replica `replica` of the live run until it ends, beating meanwhile."""
+    import torch
+    import torch.distributed as dist
+
+    from .launch import fair_threads, worker_environment
+    from .recovery import ENV_LIVE, STORE_PREFIX
+    from .worker import ENV_LAUNCHER, decode_run, run_worker
+
+    config, _, _ = decode_run(store.get(RUN_KEY))
+    # The run directory as this process reaches it (the launcher's may be relative to its own
+    # working directory, or a mount on another machine).
+    config = config.replace(launch={"out": str(run_dir)})
+    launch = config.launch
+    environment = worker_environment(launch)
+    environment.pop(ENV_LAUNCHER)  # not the launcher's child: its heartbeat ties it to the run
+    os.environ.update(environment)
+    os.environ[ENV_LIVE] = json.dumps({"store": address, "replica": replica, "joining": True})
+    torch.set_num_threads(launch.threads or fair_threads(launch.nproc))
+    beat_store = dist.PrefixStore(STORE_PREFIX, client_store(address, CONNECT_TIMEOUT_S))
+    heartbeat = Heartbeat(beat_store, replica).start()
+    code = 1
+    try:
+        run_worker(config, resume=False)
+        code = 0
+    except SystemExit as end:  # 0 once it has left, 130 on Ctrl-C...
+        code = end.code if isinstance(end.code, int) else int(end.code is not None)
+        raise
+    finally:
+        heartbeat.stop(code)
+    return 0
+
+
+def cmd_leave(args: argparse.Namespace) -> int:
+    try:
+        if args.replica < 0:
+            raise ConfigError("--replica", f"{args.replica} is negative", "give a replica's slot")
+        _, store = connect(Path(args.run))
+    except ConfigError as error:
+        print(f"dataparallel leave: error: {error}", file=sys.stderr)
+        return 2
+    answer = _answer("leave", store, Request(kind=LEAVE, replica=args.replica))
+    if answer is None:
+        return 1
+    if not answer.ok:
+        print(f"dataparallel leave: refused: --replica {args.replica}: {answer.message}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"dataparallel leave: {answer.message}")
+    return 0
