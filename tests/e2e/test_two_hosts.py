@@ -5,7 +5,9 @@ Checks: both nodes finish; the link really is slow (an exact step of gpt-tiny mo
 rank, at least 0.34 s at 100 Mbit/s); int8 sends under 40% of the exact bytes and trains to a
 validation loss within 2% of the exact run's; the namespaces are gone afterwards, also after a
 run whose workers fail; a worker killed on the second host restarts both hosts' workers from
-the latest checkpoint and the run ends bit-identical to an uninterrupted one.
+the latest checkpoint and the run ends bit-identical to an uninterrupted one (restart mode);
+in live mode a replica joined from the second host and killed there leaves worker 0 training
+in the same process, and a new replica from the second host is healed over the link.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 two_hosts = pytest.importorskip("two_hosts")
-from workers import workers_by_rank  # noqa: E402 - benchmarks/ is on the path above
+from workers import live_workers, workers_by_rank  # noqa: E402 - benchmarks/ is on the path
+
+from .make_reference_curve import CORPUS  # noqa: E402
+from .test_elastic import WARM_JOINER, _sizes, _wait_for  # noqa: E402
+from .test_live_recovery import ARGS as LIVE_ARGS  # noqa: E402
+from .test_live_recovery import GENERATION, STEPS, _numbers, _train_steps  # noqa: E402
 
 REASON = two_hosts.available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two hosts: {REASON}")
@@ -117,3 +124,55 @@ def test_a_worker_killed_on_the_second_host_restarts_both_and_loses_nothing(exac
     got = load_file(killed / "model.safetensors")
     assert want.keys() == got.keys()
     assert all(want[k].equal(got[k]) for k in want)
+
+
+def test_live_across_two_hosts_a_replica_killed_on_the_second_is_joined_again(
+    live_reference, tmp_path
+):
+    """Live mode across hosts: the launcher and worker 0 on the first host, replicas joining
+    from the second (`dataparallel join`, its store at the first host's address). The joined
+    replica is killed with SIGKILL: worker 0 goes on alone in the same process, a new replica
+    joins from the second host and is healed over the link; every step is done once and the
+    weights are the uninterrupted run's up to summation order."""
+    out = tmp_path / "live"
+    train = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *LIVE_ARGS]
+    train += ["--nproc", "1", "--batch", "12", "--max-replicas", "2", "--recovery", "live"]
+    train += ["--collective-timeout", "10", "--store-host", two_hosts.ADDRESSES[0]]
+    train += ["--out", str(out)]
+    go = [tmp_path / "go1", tmp_path / "go2"]
+    with two_hosts.linked_namespaces(rate=None) as nodes:
+
+        def start(node: int, argv: list[str]) -> subprocess.Popen:
+            space, link, _ = nodes[node]
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=link, PYTHONUNBUFFERED="1")
+            return subprocess.Popen(["ip", "netns", "exec", space, *argv], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+        launcher = start(0, train)
+        joiners = [start(1, [sys.executable, "-c", WARM_JOINER, str(g), str(out)]) for g in go]
+        try:
+            _wait_for(lambda: any(s >= 3 for s in _train_steps(out)), launcher, "step 3")
+            survivor = live_workers(launcher.pid)[0]
+            go[0].touch()  # the second host's first replica asks to join
+            _wait_for(lambda: _sizes(out).count(2) >= 3, launcher, "3 steps with 2 ranks")
+            joiners[0].kill()  # SIGKILL, on the second host
+            _wait_for(lambda: _sizes(out)[-1] == 1, launcher, "a step alone after the kill")
+            go[1].touch()  # a new replica from the second host
+            stdout, stderr = launcher.communicate(timeout=240)
+            joiners[1].communicate(timeout=60)
+        finally:
+            for process in (launcher, *joiners):
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+    assert launcher.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
+    assert joiners[1].returncode == 0
+    generations = [m.groups() for m in GENERATION.finditer(stderr)]
+    assert [_numbers(g[1]) for g in generations] == [[0], [0, 1], [0], [0, 2]], stderr
+    assert {int(p) for g in generations for p in _numbers(g[2])[:1]} == {survivor}
+    sizes = _sizes(out)
+    assert 2 in sizes and sizes[-1] == 2  # the second joiner trained to the end
+    assert _train_steps(out) == list(range(1, STEPS + 1))  # every step once
+    ours = load_file(str(out / "model.safetensors"))
+    theirs = load_file(str(live_reference / "model.safetensors"))
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in theirs) < 1e-4

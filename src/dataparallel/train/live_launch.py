@@ -205,7 +205,10 @@ class LiveLauncher:
         if any(w.life in (Life.MEMBER, Life.LEAVING) for w in self.workers.values()):
             return None
         self._stop_all()  # replacements still starting have nobody to join
-        codes = {w.code for w in self.workers.values() if w.code is not None}
+        # The run's status is its last generation's: a replica lost and left behind earlier
+        # (a joiner, or one past --max-restarts) was reported when it was lost.
+        last = [self.workers[s] for s in self.current.members if s in self.workers]
+        codes = {w.code for w in last or self.workers.values() if w.code is not None}
         return 0 if codes <= {0} else 2 if codes == {2} else 1
 
     def _stop_all(self, how: int = signal.SIGTERM) -> None:
