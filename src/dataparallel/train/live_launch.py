@@ -13,9 +13,9 @@ comm/membership.py). Each worker is a slot 0..N-1; the loop, every `poll_s`:
   state T in /proc, at once): it is killed (SIGKILL also ends a stopped process) and replaced like a dead
   one;
 - when a replacement waits, asks the members to regroup at their next step boundary.
-Slot 0 writes the run's records (metrics, run.json, the report, the final weights): its loss
-is not recovered yet; the launcher then stops the others and the run ends with status 1 and
-the line to resume it (docs/faults.md, "Live recovery").
+Every slot is replaced alike, slot 0 too: the run's records are written by rank 0 of the
+current generation, so that role moves with the membership ([Note: the writer role] in
+train/writer.py).
 """
 
 from __future__ import annotations
@@ -140,14 +140,6 @@ class LiveLauncher:
             worker.life, worker.code = Life.ENDED, worker.process.returncode
             if worker.code in (0, 2) or finishing or not was_member:
                 continue
-            if worker.slot == 0:
-                self._say(
-                    f"worker 0 (pid {worker.process.pid}) ended with status {worker.code}; it "
-                    "writes the run's records, and live recovery does not cover its loss yet: "
-                    f"continue with: dataparallel train --resume {self.config.launch.out}"
-                )
-                self._stop_all()
-                return 1
             if self.tally.replacements < self.config.launch.max_restarts:
                 self.tally.replacements += 1
                 self._say(
