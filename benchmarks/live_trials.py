@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--at", type=int, nargs="+", default=[10], help="signal a worker "
                         "after each of these steps")  # fmt: skip
     parser.add_argument("--worker", type=int, nargs="+", default=[1],
-                        help="their slots (1 or 2; 0 writes the records)")  # fmt: skip
+                        help="their slots (0, 1 or 2)")  # fmt: skip
     parser.add_argument("--signal", default="KILL", choices=["KILL", "STOP"])
     parser.add_argument("--collective-timeout", type=float, default=20.0)
     parser.add_argument("--pairs", type=int, default=0, help="no failure: this many interleaved "

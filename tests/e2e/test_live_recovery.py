@@ -145,5 +145,8 @@ def test_the_writer_slot_0_is_replaced_and_its_records_go_on(tmp_path, reference
     assert summary["tokens_seen"] == sum(r["tokens"] for r in train)
     assert stdout.count("dataparallel train: done") == 1  # one report, by the last writer
     difference = _max_difference(out, reference)
-    print(f"max |live - uninterrupted| = {difference:.2e}, slot 0 joined again at {joined_at}")
+    print(
+        f"max |live - uninterrupted| = {difference:.2e}, slot 0 joined again at step "
+        f"{joined_at}; pids before the kill {first}, the survivors' kept throughout"
+    )
     assert difference < 1e-4, difference
