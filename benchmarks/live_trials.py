@@ -18,7 +18,6 @@ recovery", has the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -31,6 +30,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 from workers import live_workers
+
+from dataparallel.train.metrics import read_metrics
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "e2e" / "data" / "corpus"
 GENERATION = re.compile(r"generation (\d+): workers \[([\d, ]+)\] \(pids ([\d, ]+)\) at step (\d+)")
@@ -46,9 +47,8 @@ def flags(steps: int) -> list[str]:
 
 
 def records(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+    """The train records of the run's metrics.jsonl so far (a line being written is not read)."""
+    return [r for r in read_metrics(run) if r["kind"] == "train"]
 
 
 def trial(args, folder: Path) -> dict:

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from dataparallel.train.metrics import read_metrics
+
 from .make_reference_curve import CORPUS, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -55,10 +57,8 @@ def _numbers(text: str) -> list[int]:
 
 
 def _train_steps(run: Path) -> list[int]:
-    lines = (
-        (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
-    )
-    return [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
+    """The steps in the run's metrics.jsonl so far (a line being written is not read)."""
+    return [r["step"] for r in read_metrics(run) if r["kind"] == "train"]
 
 
 @pytest.fixture(scope="module")
