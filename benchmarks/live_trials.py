@@ -18,7 +18,6 @@ recovery", has the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -31,6 +30,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 from workers import live_workers
+
+from dataparallel.train.metrics import read_metrics
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "e2e" / "data" / "corpus"
 GENERATION = re.compile(r"generation (\d+): workers \[([\d, ]+)\] \(pids ([\d, ]+)\) at step (\d+)")
@@ -46,9 +47,8 @@ def flags(steps: int) -> list[str]:
 
 
 def records(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+    """The train records of the run's metrics.jsonl so far (a line being written is not read)."""
+    return [r for r in read_metrics(run) if r["kind"] == "train"]
 
 
 def trial(args, folder: Path) -> dict:
@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--at", type=int, nargs="+", default=[10], help="signal a worker "
                         "after each of these steps")  # fmt: skip
     parser.add_argument("--worker", type=int, nargs="+", default=[1],
-                        help="their slots (1 or 2; 0 writes the records)")  # fmt: skip
+                        help="their slots (0, 1 or 2)")  # fmt: skip
     parser.add_argument("--signal", default="KILL", choices=["KILL", "STOP"])
     parser.add_argument("--collective-timeout", type=float, default=20.0)
     parser.add_argument("--pairs", type=int, default=0, help="no failure: this many interleaved "

@@ -9,6 +9,7 @@
     schedule.py      warm-up + cosine learning rate, linear scaling
     progress.py      rank 0's header and progress bar
     metrics.py       metrics.jsonl and TensorBoard
+    writer.py        who writes the records: rank 0 of the current world (live runs move it)
     checkpointing.py resumable checkpoints and final weights
     report.py        PNG plots and the summary
     sampling.py      text from trained weights

@@ -19,9 +19,9 @@ comm/membership.py). Each worker is a slot 0..N-1; the loop, every `poll_s`:
   within --min-replicas and --max-replicas. A joiner gets the next unused slot; it is not the
   launcher's child, so it is watched through its heartbeat (train/remote.py). A leaver is not
   replaced, and its leave is not counted against --max-restarts.
-Slot 0 writes the run's records (metrics, run.json, the report, the final weights): its loss
-is not recovered yet; the launcher then stops the others and the run ends with status 1 and
-the line to resume it (docs/faults.md, "Live recovery").
+Every slot is replaced alike, slot 0 too: the run's records are written by rank 0 of the
+current generation, so that role moves with the membership ([Note: the writer role] in
+train/writer.py).
 """
 
 from __future__ import annotations
@@ -185,14 +185,6 @@ class LiveLauncher:
                     f"{worker.code}; the others go on without it"
                 )
                 continue
-            if worker.slot == 0:
-                self._say(
-                    f"worker 0 (pid {worker.process.pid}) ended with status {worker.code}; it "
-                    "writes the run's records, and live recovery does not cover its loss yet: "
-                    f"continue with: dataparallel train --resume {self.config.launch.out}"
-                )
-                self._stop_all()
-                return 1
             if self.tally.replacements < self.config.launch.max_restarts:
                 self.tally.replacements += 1
                 self._say(
@@ -247,8 +239,8 @@ class LiveLauncher:
         """A member leaves at its next step boundary, if --min-replicas stay."""
         members = [s for s, w in self.workers.items() if w.life is Life.MEMBER]
         refusal = refuse_leave(request.replica, members, self.policy)
-        if request.replica == 0:  # the records writer: see the slot-0 branch of _reap
-            refusal = "replica 0 writes the run's records and cannot leave yet; choose another"
+        if request.replica == 0:  # its loss is recovered (the writer role moves); a leave is untried
+            refusal = "replica 0 cannot leave yet (a leave of it is not tried); choose another"
         if refusal:
             self._say(f"replica {request.replica} asked to leave: refused: {refusal}")
             return Answer(ok=False, message=refusal)

@@ -64,7 +64,8 @@ def fit(state: TrainState, callbacks: list[Callback], steps: Steps | None = None
         callback.on_start(state)
     if state.step == 0 and not state.evals:  # a live run's replacement healed at step 0 has one
         _evaluate_and_report(state, callbacks, steps)
-    started = time.perf_counter()
+    if state.fit_started is None:
+        state.fit_started = time.perf_counter()
     while state.step < state.last_step:
         before = state.step
         record = steps.step(state)
@@ -74,7 +75,7 @@ def fit(state: TrainState, callbacks: list[Callback], steps: Steps | None = None
             if state.consecutive_skips >= state.config.train.max_skips:
                 raise FloatingPointError(_too_many_skips(state, record))
             continue
-        record = dataclasses.replace(record, elapsed_s=time.perf_counter() - started)
+        record = dataclasses.replace(record, elapsed_s=time.perf_counter() - state.fit_started)
         state.history.append(record)
         if should_evaluate(state.config, state.step):
             _evaluate_and_report(state, callbacks, steps)

@@ -6,15 +6,20 @@ Records (one per line, flushed as written so a crash loses nothing):
      "rank_step_s": [each rank's work time, [Note: blame] in blame.py], "nonfinite_ranks"}
     {"kind": "val", "step", "val_loss", "tokens", "eval_time_s"}
 
-On --resume the lines after the checkpoint's step (written by the interrupted run after its
-last checkpoint) are dropped first, and TensorBoard is told to purge its events after that
-step, so both show each step once.
+Each record has a *position* in the file: by step, a step's evaluation before its train
+record (the loop evaluates after a step, then reports it). Whoever begins writing (a run's
+start, a --resume, a live run's writer taking over: [Note: the writer role] in writer.py)
+first cuts the file to the records before its position: a --resume drops what the interrupted
+run wrote after its checkpoint, and TensorBoard is told to purge its events from there, so
+both show each step once. A line cut short (its writer was killed while writing it) is never
+read, and is cut too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from .loop import Callback
@@ -24,24 +29,80 @@ METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 
 
+def position(kind: str, step: int) -> int:
+    """The place in metrics.jsonl of the record of `kind` ("train" or "val") at step `step`:
+    2 x step, plus 1 for the train record (a step's evaluation comes first)."""
+    return 2 * step + (kind == "train")
+
+
+def position_of(record: dict) -> int:
+    """A record's place in metrics.jsonl (`position`)."""
+    return position(record["kind"], record["step"])
+
+
+def after_step(step: int) -> int:
+    """The position after step `step`'s records (its evaluation and its train record)."""
+    return 2 * step + 2
+
+
+def start_position(state: TrainState) -> int:
+    """Where a writer beginning at `state`'s start writes next: after its step, or at 0 before
+    the first evaluation."""
+    return after_step(state.step) if state.step or state.evals else 0
+
+
+def train_line(record: StepRecord) -> dict:
+    return {"kind": "train", **dataclasses.asdict(record), "tokens_per_s": record.tokens_per_s}
+
+
+def val_line(record: EvalRecord) -> dict:
+    return {"kind": "val", **dataclasses.asdict(record)}
+
+
+def _complete_records(path: Path) -> tuple[list[dict], bool]:
+    """The records of the file's complete lines, in order, and whether that is all of it: the
+    reading stops at a line without its newline (its writer was killed while writing it) or
+    one that is not JSON."""
+    records, whole = [], True
+    with open(path, "rb") as handle:
+        for line in handle:
+            try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("cut short")
+                if line.strip():
+                    records.append(json.loads(line))
+            except ValueError:
+                whole = False
+                break
+    return records, whole
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
-    """Every record of a run's metrics.jsonl (an empty list when there is none)."""
+    """Every complete record of a run's metrics.jsonl (an empty list when there is none)."""
+    path = Path(run_dir) / METRICS
+    return _complete_records(path)[0] if path.exists() else []
+
+
+def cut_metrics(run_dir: Path, upto: int) -> list[dict]:
+    """Keep only the complete records before position `upto` in metrics.jsonl, and return
+    them; the file is replaced at once (written aside, then renamed) if anything goes."""
     path = Path(run_dir) / METRICS
     if not path.exists():
         return []
-    with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
-def truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """Keep only the records of steps <= last_step."""
-    kept = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
-    with open(Path(run_dir) / METRICS, "w") as handle:
+    records, whole = _complete_records(path)
+    kept = [r for r in records if position_of(r) < upto]
+    if whole and len(kept) == len(records):
+        return kept
+    aside = path.with_name(METRICS + ".tmp")
+    with open(aside, "w") as handle:
         handle.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(aside, path)
+    return kept
 
 
 class MetricsLogger(Callback):
-    """Writes every step and evaluation to metrics.jsonl and TensorBoard (rank 0 only).
+    """Writes every step and evaluation to metrics.jsonl and TensorBoard (the run's writer only:
+    [Note: the writer role] in writer.py).
 
     run_dir: the run directory.
     tensorboard: also write TensorBoard events under run_dir/tensorboard.
@@ -54,37 +115,59 @@ class MetricsLogger(Callback):
         self.handle = None
 
     def on_start(self, state: TrainState) -> None:
-        if (self.run_dir / METRICS).exists():  # a resume, or a restart before any checkpoint
-            truncate_metrics(self.run_dir, state.step if state.step else -1)
+        self.open(state, start_position(state))
+
+    def open(self, state: TrainState, upto: int) -> None:
+        """Begin writing at position `upto`: cut the file to the records before it, then write
+        those before it that this process remembers (the session's `state.history` and
+        `state.evals`) and the file lacks: what a lost writer had no time to write."""
+        kept = cut_metrics(self.run_dir, upto)
+        last = max(map(position_of, kept), default=-1)
+        remembered = [train_line(r) for r in state.history] + [val_line(r) for r in state.evals]
+        lost = sorted((r for r in remembered if last < position_of(r) < upto), key=position_of)
         self.handle = open(self.run_dir / METRICS, "a", buffering=1)  # line-buffered
         if self.tensorboard:
-            # Imported here: TensorBoard's import takes a second, and only rank 0 needs it.
+            # Imported here: TensorBoard's import takes a second, and only the writer needs it.
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(
-                str(self.run_dir / TENSORBOARD), purge_step=state.step + 1 if state.step else None
-            )
+            purge = (last + 1) // 2  # the first step not wholly kept: its events are purged
+            self.writer = SummaryWriter(str(self.run_dir / TENSORBOARD), purge_step=purge)
+            for record in kept:
+                if record["step"] >= purge:  # a kept evaluation of that step
+                    self._plot(record)
+        for record in lost:
+            self._write(record)
 
     def _write(self, record: dict) -> None:
         self.handle.write(json.dumps(record) + "\n")
+        self._plot(record)
+
+    def _plot(self, record: dict) -> None:
+        if self.writer is None:
+            return
+        step = record["step"]
+        if record["kind"] == "val":
+            self.writer.add_scalar("val/loss", record["val_loss"], step)
+            return
+        self.writer.add_scalar("train/loss", record["loss"], step)
+        self.writer.add_scalar("train/lr", record["lr"], step)
+        self.writer.add_scalar("train/grad_norm", record["grad_norm"], step)
+        self.writer.add_scalar("perf/tokens_per_s", record["tokens_per_s"], step)
 
     def on_step(self, state: TrainState, record: StepRecord) -> None:
-        self._write(
-            {"kind": "train", **dataclasses.asdict(record), "tokens_per_s": record.tokens_per_s}
-        )
-        if self.writer:
-            self.writer.add_scalar("train/loss", record.loss, record.step)
-            self.writer.add_scalar("train/lr", record.lr, record.step)
-            self.writer.add_scalar("train/grad_norm", record.grad_norm, record.step)
-            self.writer.add_scalar("perf/tokens_per_s", record.tokens_per_s, record.step)
+        self._write(train_line(record))
 
     def on_eval(self, state: TrainState, record: EvalRecord) -> None:
-        self._write({"kind": "val", **dataclasses.asdict(record)})
-        if self.writer:
-            self.writer.add_scalar("val/loss", record.val_loss, record.step)
+        self._write(val_line(record))
 
     def on_end(self, state: TrainState) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop writing: the run ended, or the writer role moved to another process."""
         if self.writer:
             self.writer.close()
+            self.writer = None
         if self.handle:
             self.handle.close()
+            self.handle = None

@@ -39,6 +39,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -121,6 +122,9 @@ def snapshot(state: TrainState) -> dict:
         "consecutive_skips": state.consecutive_skips,
         "last_record": last,
         "evals": state.evals[-1:],  # a replacement healed at step 0 skips the first evaluation
+        # The time the run has trained, so that a replacement's elapsed_s goes on from it (it
+        # may write the records: [Note: the writer role] in writer.py).
+        "elapsed_s": None if state.fit_started is None else time.perf_counter() - state.fit_started,
     }
 
 
@@ -132,6 +136,8 @@ def load_snapshot(state: TrainState, payload: dict) -> None:
     state.skipped_steps = payload["skipped_steps"]
     state.consecutive_skips = payload["consecutive_skips"]
     state.evals = state.evals or payload["evals"]
+    if payload["elapsed_s"] is not None:
+        state.fit_started = time.perf_counter() - payload["elapsed_s"]
 
 
 class LiveRecovery(Steps):

@@ -75,6 +75,9 @@ class TrainState:
     gradients: GradientWatch | None = None  # this rank's verdict before reduction ([Note: blame])
     history: list = field(default_factory=list)  # the StepRecords of this session
     evals: list = field(default_factory=list)  # the EvalRecords of this session
+    # time.perf_counter() when fit began; elapsed_s counts from it (a live run's replacement
+    # takes its source's, so that the run's elapsed_s goes on: [Note: live recovery]).
+    fit_started: float | None = None
 
     @property
     def global_batch(self) -> int:

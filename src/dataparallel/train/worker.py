@@ -1,4 +1,4 @@
-"""One worker of `dataparallel train`: joins the process group, trains, and (rank 0) reports.
+"""One worker of `dataparallel train`: joins the process group, trains, and (the writer) reports.
 
 The launcher (train/launch.py) starts the workers through torch.distributed.run with the
 resolved, already validated config in the environment variable DATAPARALLEL_RUN. Started by
@@ -23,18 +23,16 @@ import dataparallel as dp
 from ..checkpoint import CheckpointError, latest_checkpoint
 from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
-from .blame import Blame
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
 from .config import RunConfig, field_label
 from .config_toml import apply_mapping, to_toml
 from .loop import Callback, fit
-from .metrics import MetricsLogger
-from .progress import ProgressBar
 from .recovery import Left, LeftOut, LiveRecovery
 from .report import RUN_INFO, make_report
 from .tensor_parallel import parameter_count
 from .tracing import TraceWriter, parse_steps
 from .trainer import TrainState, setup
+from .writer import RecordsWriter
 
 ENV_RUN = "DATAPARALLEL_RUN"
 ENV_LAUNCHER = "DATAPARALLEL_LAUNCHER_PID"  # the launcher's pid, the workers' parent
@@ -145,11 +143,11 @@ def prepare(
     *,
     resume: bool,
     checkpoint: str = "",
-    records: bool | None = None,
+    joining: bool = False,
 ) -> tuple[TrainState, list]:
-    """Build (or restore) the run's state and this rank's callbacks; rank 0 writes config.toml
-    and run.json. records: whether this process writes the run's records (default: rank 0;
-    a live run's replacement, built in a world of its own, does not).
+    """Build (or restore) the run's state and this process's callbacks; rank 0 writes
+    config.toml, and the writer run.json ([Note: the writer role] in writer.py). joining: a
+    live run's replacement, built in a world of its own before it joins: it writes neither.
 
     [Note: restarts] When a worker dies, torchrun's agent stops the others and starts them all
     again (up to launch.max_restarts times). A restarted worker resumes by itself from the
@@ -161,32 +159,26 @@ def prepare(
     if restarted() and not resume:
         resume = latest_checkpoint(run_dir / CHECKPOINTS) is not None
     threads = torch.get_num_threads()
-    records = world.is_main if records is None else records
-    if records:
+    if world.is_main and not joining:
         run_dir.mkdir(parents=True, exist_ok=True)
         header = "The resolved configuration of this run (dataparallel train --resume reads it)."
         (run_dir / CONFIG_FILE).write_text(to_toml(config, header=header))
     state = setup(config, world)
     if resume:
         restore(state, run_dir, checkpoint)
-    callbacks: list[Callback] = []
-    if records:
+    info = None
+    if not joining:  # every rank has it: a live run's writer may change ([Note: the writer role])
         previous = None
         if resume and (run_dir / RUN_INFO).exists():
             previous = json.loads((run_dir / RUN_INFO).read_text())
-            if previous.get("corpus", {}).get("sha256") != state.corpus.sha256:
+            if previous.get("corpus", {}).get("sha256") != state.corpus.sha256 and world.is_main:
                 print("warning: the corpus changed since this run began (sha256 differs)")
         info = run_info(state, threads, previous)
-        (run_dir / RUN_INFO).write_text(json.dumps(info, indent=2) + "\n")
-        callbacks += [
-            ProgressBar(log_every=config.train.log_every, threads=threads),
-            MetricsLogger(run_dir),
-            Blame(),  # stragglers and non-finite gradients, by rank ([Note: blame])
-        ]
-    # Last, so that a checkpoint follows the metrics of its step.
-    callbacks.append(
-        CheckpointSaver(run_dir, config.train.checkpoint_every, config.train.checkpoint_save)
-    )
+    # The writer first, so that a checkpoint follows the metrics of its step.
+    callbacks: list[Callback] = [
+        RecordsWriter(run_dir, info, log_every=config.train.log_every, threads=threads),
+        CheckpointSaver(run_dir, config.train.checkpoint_every, config.train.checkpoint_save),
+    ]
     if config.train.trace:  # after the checkpoint, so that its gathers stay out of the trace
         callbacks.append(TraceWriter(run_dir, *parse_steps(config.train.trace)))
     return state, callbacks
@@ -214,7 +206,7 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
         config = agree_on_config(config, world)
         run_dir = Path(config.launch.out)
         if live is not None and live.joining:  # built alone, then healed by a member
-            state, callbacks = prepare(config, world, resume=False, records=False)
+            state, callbacks = prepare(config, world, resume=False, joining=True)
             live.join(state)
         else:
             state, callbacks = prepare(config, world, resume=resume, checkpoint=checkpoint)

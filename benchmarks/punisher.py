@@ -1,0 +1,221 @@
+"""The punisher trial of live recovery: kill random replicas of a `--recovery live` run, again
+and again, and check that the run goes on as if nothing had happened.
+
+    python benchmarks/punisher.py --steps 300 --mean-s 10 --seed 1     # the trial
+    python benchmarks/punisher.py --steps 200 --mean-s 5 --seed 3      # a small one, ~2 min
+
+Runs gpt-tiny on 3 workers twice with the same flags (benchmarks/live_trials.py's):
+uninterrupted, then under `--recovery live --max-restarts 1000` while a punisher (like
+torchft's) sends SIGKILL to a random member, slot 0 (the writer of the records) included, at
+random moments: the waits between kills are exponential with mean --mean-s seconds, counted
+from the first step, and seeded (--seed). A kill waits while fewer than --min-members
+replicas are members that hold the run's state (a replacement still starting is not a
+member, and one just let in holds the state once it has trained a step: a run whose every
+holder is lost has nothing to heal from), and none is sent once the metrics show step
+--steps - --quiet-tail (a failure inside the final save is not recovered: docs/faults.md). It prints one line per
+kill (when, which slot and pid, at which step, and how long the replacement took to rejoin,
+in seconds and in steps), then whether
+- the run ended with status 0;
+- no survivor was restarted: every process seen as a member and never killed is a member of
+  the last generation (so each slot's pid changed only when it was killed);
+- every step is in metrics.jsonl exactly once;
+and the max |difference| of the final weights to the uninterrupted run's, and the step
+efficiency: the uninterrupted run's training time over the punished run's (metrics.jsonl's
+elapsed_s at the last step; the start-up before the first step is in neither).
+docs/faults.md, "Live recovery", describes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from live_trials import GENERATION, flags, records
+from safetensors.torch import load_file
+from workers import live_workers
+
+from dataparallel.train.metrics import read_metrics
+
+
+@dataclass
+class Kill:
+    """One SIGKILL: when (s after the first step), whom, and the step the metrics showed."""
+
+    at_s: float
+    slot: int
+    pid: int
+    step: int
+    rejoined_s: float | None = None  # until a generation let its replacement in
+    rejoined_steps: int | None = None
+
+
+@dataclass
+class Generation:
+    """One `generation N: workers [...] (pids ...) at step S` line, with when it was read."""
+
+    at_s: float
+    members: dict[int, int]  # slot: pid
+    step: int
+    healed: list[int]
+
+
+class LauncherLines:
+    """The launcher's stderr (its workers' too), read on a thread from its start, so that the
+    pipe never fills: every line, and the generations as they come."""
+
+    def __init__(self, launcher: subprocess.Popen):
+        self.lines: list[str] = []
+        self.generations: list[Generation] = []
+        self.started = time.monotonic()  # moved to the first step by `punish`
+        self.thread = threading.Thread(target=self._read, args=(launcher.stderr,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+            found = GENERATION.search(line)
+            if found:
+                _, slots, pids, step = found.groups()
+                healed = line.split("healed [")[1].split("]")[0] if "healed [" in line else ""
+                self.generations.append(
+                    Generation(
+                        at_s=time.monotonic() - self.started,
+                        members=dict(zip(_numbers(slots), _numbers(pids), strict=True)),
+                        step=int(step),
+                        healed=_numbers(healed) if healed else [],
+                    )
+                )
+
+
+def _numbers(text: str) -> list[int]:
+    return [int(n) for n in text.split(",")]
+
+
+def train_steps(run: Path) -> list[int]:
+    """The steps in the run's metrics.jsonl so far (a line being written is not read)."""
+    return [r["step"] for r in read_metrics(run) if r["kind"] == "train"]
+
+
+def last_step(run: Path) -> int:
+    done = train_steps(run)
+    return done[-1] if done else 0
+
+
+def punish(args, out: Path, command: list[str]) -> tuple[int, list[Kill], LauncherLines, dict]:
+    """Run the live run under the punisher: (status, kills, launcher lines, first members)."""
+    rng = random.Random(args.seed)
+    live = [*command, "--recovery", "live", "--max-restarts", "1000"]
+    live += ["--collective-timeout", str(args.collective_timeout), "--out", str(out)]
+    with open(out.with_suffix(".stdout"), "w") as stdout:
+        launcher = subprocess.Popen(live, stdout=stdout, stderr=subprocess.PIPE, text=True)
+    lines = LauncherLines(launcher)
+    while last_step(out) < 1:  # kills count from the first step
+        if launcher.poll() is not None:
+            raise SystemExit("the live run ended before its first step")
+        time.sleep(0.02)
+    started = lines.started = time.monotonic()
+    first = live_workers(launcher.pid)
+    kills: list[Kill] = []
+    next_kill = rng.expovariate(1 / args.mean_s)
+    while launcher.poll() is None:
+        time.sleep(0.02)
+        now, step = time.monotonic() - started, last_step(out)
+        if now < next_kill or step >= args.steps - args.quiet_tail:
+            continue
+        last = lines.generations[-1] if lines.generations else None
+        members = last.members if last else first
+        killed = {k.pid for k in kills}
+        alive = set(live_workers(launcher.pid).values())
+        choices = sorted(s for s, p in members.items() if p not in killed and p in alive)
+        # A member let in by the last generation holds the run's state once it has trained a
+        # step; killing the others before that leaves nobody to heal from.
+        healing = set(last.healed) if last and step <= last.step else set()
+        if len(set(choices) - healing) < args.min_members:
+            continue  # wait for a replacement to be let in, and to train
+        slot = rng.choice(choices)
+        try:
+            os.kill(members[slot], signal.SIGKILL)
+        except ProcessLookupError:  # it ended on its own in between (the run's end)
+            continue
+        kills.append(Kill(now, slot, members[slot], step))
+        next_kill = now + rng.expovariate(1 / args.mean_s)
+    lines.thread.join(timeout=10)
+    for kill in kills:
+        back = next(
+            (g for g in lines.generations if g.at_s > kill.at_s and kill.slot in g.healed), None
+        )
+        if back is not None:
+            kill.rejoined_s, kill.rejoined_steps = back.at_s - kill.at_s, back.step - kill.step
+    return launcher.returncode, kills, lines, first
+
+
+def survivors_kept(first: dict, kills: list[Kill], lines: LauncherLines) -> bool:
+    """Whether every process seen as a member and never killed is in the last generation."""
+    seen = set(first.values()) | {p for g in lines.generations for p in g.members.values()}
+    final = lines.generations[-1].members if lines.generations else first
+    return seen - {k.pid for k in kills} == set(final.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--mean-s", type=float, default=10.0, help="mean seconds between kills")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--min-members", type=int, default=2, help="kill only while at least "
+                        "this many members hold the state")  # fmt: skip
+    parser.add_argument("--quiet-tail", type=int, default=10, help="no kill in the last steps")
+    parser.add_argument("--collective-timeout", type=float, default=20.0)
+    args = parser.parse_args()
+    command = [sys.executable, "-m", "dataparallel.cli", "train", *flags(args.steps)]
+    with tempfile.TemporaryDirectory() as folder:
+        reference, out = Path(folder) / "reference", Path(folder) / "live"
+        subprocess.run([*command, "--out", str(reference)], check=True, capture_output=True)
+        status, kills, lines, first = punish(args, out, command)
+        print(f"{'kill':>4} {'at s':>6} {'slot':>4} {'pid':>7} {'step':>5} "
+              f"{'rejoined after s':>16} {'steps':>5}")  # fmt: skip
+        for n, kill in enumerate(kills, start=1):
+            after = "-" if kill.rejoined_s is None else f"{kill.rejoined_s:.1f}"
+            steps = "-" if kill.rejoined_steps is None else str(kill.rejoined_steps)
+            print(
+                f"{n:>4} {kill.at_s:>6.1f} {kill.slot:>4} {kill.pid:>7} {kill.step:>5} "
+                f"{after:>16} {steps:>5}"
+            )
+        if status != 0:
+            print("".join(lines.lines[-20:]), file=sys.stderr)
+        done = train_steps(out)
+        rejoined = [k for k in kills if k.rejoined_s is not None]
+        result = {
+            "status": status,
+            "kills": len(kills),
+            "slot 0 kills": sum(k.slot == 0 for k in kills),
+        }
+        result["rejoined before the end"] = f"{len(rejoined)} of {len(kills)}"
+        if rejoined:
+            result["rejoin s (max)"] = round(max(k.rejoined_s for k in rejoined), 1)
+            result["rejoin steps (max)"] = max(k.rejoined_steps for k in rejoined)
+        result["generations"] = [(list(g.members), g.step) for g in lines.generations]
+        result["left out as stalled"] = sum("stalled: killed" in line for line in lines.lines)
+        result["survivors kept their pids"] = survivors_kept(first, kills, lines)
+        result["every step once"] = done == list(range(1, args.steps + 1))
+        if status == 0:
+            ours = load_file(str(out / "model.safetensors"))
+            theirs = load_file(str(reference / "model.safetensors"))
+            difference = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+            result["max |difference|"] = f"{difference:.2e}"
+            elapsed = [records(run)[-1]["elapsed_s"] for run in (reference, out)]
+            result["efficiency"] = round(elapsed[0] / elapsed[1], 3)
+        for key, value in result.items():
+            print(f"{key:28} {value}")
+
+
+if __name__ == "__main__":
+    main()
