@@ -239,7 +239,9 @@ class LiveLauncher:
         """A member leaves at its next step boundary, if --min-replicas stay."""
         members = [s for s, w in self.workers.items() if w.life is Life.MEMBER]
         refusal = refuse_leave(request.replica, members, self.policy)
-        if request.replica == 0:  # its loss is recovered (the writer role moves); a leave is untried
+        if (
+            request.replica == 0
+        ):  # its loss is recovered (the writer role moves); a leave is untried
             refusal = "replica 0 cannot leave yet (a leave of it is not tried); choose another"
         if refusal:
             self._say(f"replica {request.replica} asked to leave: refused: {refusal}")
