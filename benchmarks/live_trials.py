@@ -2,6 +2,7 @@
 
     python benchmarks/live_trials.py                          # SIGKILL worker 1 at step 10
     python benchmarks/live_trials.py --signal STOP --collective-timeout 8 --worker 2
+    python benchmarks/live_trials.py --signal HANG --collective-timeout 8 --worker 2  # needs gdb
     python benchmarks/live_trials.py --steps 250 --at 10 120 180 --worker 1 2 1   # three kills
     python benchmarks/live_trials.py --pairs 2     # no failure: live mode's cost per step
 
@@ -70,7 +71,12 @@ def trial(args, folder: Path) -> dict:
             time.sleep(0.02)
         now = live_workers(launcher.pid)
         first = first or now
-        os.kill(now[slot], getattr(signal, f"SIG{args.signal}"))
+        if args.signal == "HANG":  # running, not stopped: sleeping inside a call gdb makes
+            subprocess.Popen(["gdb", "-p", str(now[slot]), "-batch", "-ex",
+                              "call (unsigned int)sleep(100000)"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        else:
+            os.kill(now[slot], getattr(signal, f"SIG{args.signal}"))
     _, stderr = launcher.communicate(timeout=600)
     generations = [m.groups() for m in GENERATION.finditer(stderr)]
     survivors = {s: p for s, p in first.items() if s not in args.worker}
@@ -126,7 +132,9 @@ def main() -> None:
                         "after each of these steps")  # fmt: skip
     parser.add_argument("--worker", type=int, nargs="+", default=[1],
                         help="their slots (0, 1 or 2)")  # fmt: skip
-    parser.add_argument("--signal", default="KILL", choices=["KILL", "STOP"])
+    parser.add_argument("--signal", default="KILL", choices=["KILL", "STOP", "HANG"],
+                        help="HANG: the worker sleeps inside a call made by gdb (state S, "
+                        "not T: the launcher cannot tell it is stopped)")  # fmt: skip
     parser.add_argument("--collective-timeout", type=float, default=20.0)
     parser.add_argument("--pairs", type=int, default=0, help="no failure: this many interleaved "
                         "restart/live runs, and the cost of live mode per step")  # fmt: skip

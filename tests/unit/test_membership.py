@@ -64,6 +64,22 @@ def test_a_silent_live_member_is_left_out_after_the_timeout_only():
     assert decided.members == (0, 1) and left_out(current, decided) == [2]
 
 
+def test_after_a_timed_out_collective_a_silent_member_is_left_out_after_the_grace():
+    """A report of a timed-out collective: a peer stalled, and the healthy members' collectives
+    of the same step have failed too; the silent one is dropped grace_s later, not after the
+    whole join timeout (stall -> collective timeout + grace_s). A report of a closed
+    connection (a kill) does not shorten the wait: members blocked on a survivor report only
+    at their own timeout."""
+    current = Membership(generation=3, members=(0, 1, 2))
+    stalled = {r: Report(replica=r, step=7, timed_out=True) for r in (0, 1)}
+    assert decide(current, stalled, {0, 1, 2}, 9.9, POLICY, timed_out_s=9.9) is None
+    decided = decide(current, stalled, {0, 1, 2}, 10.0, POLICY, timed_out_s=10.0)
+    assert decided.members == (0, 1) and left_out(current, decided) == [2]
+    killed = _reports((0, 7))  # slot 1 blocked on slot 0 until its own timeout
+    assert decide(current, killed, {0, 1, 2}, waited_s=10.0, policy=POLICY) is None
+    assert Report.from_json(stalled[0].to_json()).timed_out
+
+
 def test_a_replacement_takes_the_lost_slot_and_is_healed_from_the_lowest_member_ahead():
     current = Membership(generation=1, members=(0, 2), step=40)
     reports = _reports((0, 52), (1, 0, JOIN), (2, 52))

@@ -74,12 +74,15 @@ class Report:
     step: optimizer steps it has applied (a replacement or joiner: 0; it is healed anyway).
     where: STEP, EVAL, JOIN or LEAVE ([Note: membership]).
     pid: its process id, for the launcher's messages.
+    timed_out: its collective failed by waiting the whole collective timeout (a peer stalled),
+        not at once (a peer's connection closed): see `QuorumPolicy.grace_s`.
     """
 
     replica: int
     step: int
     where: str = STEP
     pid: int = 0
+    timed_out: bool = False
 
     def __post_init__(self):
         if self.where not in PLACES:
@@ -144,11 +147,19 @@ class QuorumPolicy:
         generation short of `min_replicas` waits for replicas on their way.
     min_replicas: the fewest members a generation may have (--min-replicas).
     max_replicas: the most (--max-replicas); 0: no bound.
+    grace_s: seconds after the first report of a timed-out collective before the silent
+        members are left out. Such a report says a peer stalled; the members' collectives of
+        that step began within a step of each other, so every healthy member's has failed or
+        timed out by then too, and one still silent is the stalled one (dropped at the
+        collective timeout + grace_s, not + join_timeout_s). A kill is seen at once by some
+        members and only at their timeout by others blocked on them, so a report of a closed
+        connection does not shorten the wait.
     """
 
     join_timeout_s: float = 300.0
     min_replicas: int = 1
     max_replicas: int = 0
+    grace_s: float = 10.0
 
     def __post_init__(self):
         if self.min_replicas < 1:
@@ -171,6 +182,7 @@ def decide(
     waited_s: float,
     policy: QuorumPolicy = QuorumPolicy(),
     arriving: int = 0,
+    timed_out_s: float | None = None,
 ) -> Membership | None:
     """The next generation after `previous` from the `reports` read so far (by slot), or None
     while the decider should wait ([Note: membership]).
@@ -180,13 +192,15 @@ def decide(
     waited_s: seconds since the first of these reports was seen.
     arriving: replicas on their way that have not reported (replacements starting, joiners let
         in at the door): what a generation short of `policy.min_replicas` waits for.
+    timed_out_s: seconds since the first report with `timed_out` was seen (None: none yet).
     Raises QuorumError when the timeout passed and no member of `previous` reported, and
     BelowMinimum when the generation would stay short of `policy.min_replicas`.
     """
     if not reports:
         return None
     expected = {r for r in previous.members if r in alive} | set(reports)
-    if not expected <= set(reports) and waited_s < policy.join_timeout_s:
+    stalled = timed_out_s is not None and timed_out_s >= policy.grace_s
+    if not expected <= set(reports) and waited_s < policy.join_timeout_s and not stalled:
         return None
     # A replacement takes a lost replica's slot: it is new by what it says, not by its slot.
     staying = (STEP, EVAL)

@@ -125,6 +125,7 @@ class LiveLauncher:
         self.current: Membership = first_membership(self.slots)
         self.workers: dict[int, Worker] = {}
         self.first_report_at: float | None = None
+        self.first_timeout_at: float | None = None  # of a report of a timed-out collective
         self.asked_regroup = -1  # the last generation asked to let a replica in, or one out
         self.tally = Tally()
 
@@ -274,8 +275,11 @@ class LiveLauncher:
         arriving = sum(
             1 for s, w in self.workers.items() if w.life is Life.STARTING and s not in reports
         )
+        if any(r.timed_out for r in reports.values()):
+            self.first_timeout_at = self.first_timeout_at or now
         waited = now - self.first_report_at
-        decided = decide(self.current, reports, alive, waited, self.policy, arriving)
+        timed_out = now - self.first_timeout_at if self.first_timeout_at else None
+        decided = decide(self.current, reports, alive, waited, self.policy, arriving, timed_out)
         if decided is None:
             return
         self.host.publish(decided)
@@ -295,7 +299,7 @@ class LiveLauncher:
             f"at step {decided.step}"
             + (f", healed {list(decided.healed)}" if decided.healed else "")
         )
-        self.current, self.first_report_at = decided, None
+        self.current, self.first_report_at, self.first_timeout_at = decided, None, None
 
     def _ask_regroup(self, reports: dict) -> None:
         """Ask the current generation to regroup at its next step boundary when a replica waits

@@ -87,6 +87,13 @@ def lost_peer(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "gloo" in str(error)
 
 
+def timed_out(error: BaseException) -> bool:
+    """Whether a lost peer's `error` is a collective that waited out its timeout (a stalled
+    peer) rather than one that failed at once (gloo's closed connection)."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
 @dataclass(frozen=True)
 class Mark:
     """Where a step began, to rewind it: the data position and the counters."""
@@ -198,8 +205,9 @@ class LiveRecovery(Steps):
             except Exception as error:
                 if not lost_peer(error):
                     raise
+                stalled = timed_out(error)
             mark.rewind(state)
-            self._regroup(state, STEP)
+            self._regroup(state, STEP, stalled)
             if state.step > mark.step and self.healed_record is not None:
                 return self.healed_record  # a member had finished the step: it is done
 
@@ -211,7 +219,8 @@ class LiveRecovery(Steps):
             except Exception as error:
                 if not lost_peer(error):
                     raise
-            self._regroup(state, EVAL)
+                stalled = timed_out(error)
+            self._regroup(state, EVAL, stalled)
 
     def _check_training(self) -> None:
         if self.phase is not Phase.TRAINING:
@@ -230,20 +239,22 @@ class LiveRecovery(Steps):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.world.group)
         return bool(flag.item())
 
-    def _regroup(self, state: TrainState, where: str) -> None:
+    def _regroup(self, state: TrainState, where: str, stalled: bool = False) -> None:
         """Regroup until a generation has formed and healed: a member lost while this one
-        regroups (the group's formation or the heal fails) makes it regroup again."""
+        regroups (the group's formation or the heal fails) makes it regroup again. stalled:
+        the failed collective timed out (the report says so: `QuorumPolicy.grace_s`)."""
         self.phase = Phase.REGROUPING
         while True:
             try:
-                self._regroup_once(state, where)
+                self._regroup_once(state, where, stalled)
                 break
             except Exception as error:
                 if not lost_peer(error):
                     raise
+                stalled = timed_out(error)
         self.phase = Phase.TRAINING
 
-    def _regroup_once(self, state: TrainState, where: str) -> None:
+    def _regroup_once(self, state: TrainState, where: str, stalled: bool = False) -> None:
         if state.world.world_size > 1:  # a replacement starts alone: nothing to leave
             self._leave(state)
         generation = self.membership.generation + 1 if self.membership else self.quorum.latest() + 1
@@ -251,7 +262,13 @@ class LiveRecovery(Steps):
             where = LEAVE
         membership = self._meet(
             generation,
-            Report(replica=self.replica, step=state.step, where=where, pid=os.getpid()),
+            Report(
+                replica=self.replica,
+                step=state.step,
+                where=where,
+                pid=os.getpid(),
+                timed_out=stalled,
+            ),  # fmt: skip
         )
         state.world = self._form(state.world, membership)
         state.data = DataRanks(rank=state.world.rank, size=state.world.world_size)
