@@ -14,6 +14,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from dataparallel.cli import main
+from dataparallel.train.metrics import read_metrics
 
 from .make_reference_curve import CORPUS
 from .test_live_recovery import ARGS, GENERATION, STEPS, _numbers, _ok, _train_steps
@@ -26,6 +27,7 @@ from workers import live_workers  # noqa: E402
 WARM_JOINER = """
 import pathlib, sys, time
 from dataparallel.cli import main
+from dataparallel.train.metrics import read_metrics
 go = pathlib.Path(sys.argv[1])
 while not go.exists():
     time.sleep(0.01)
@@ -34,11 +36,9 @@ sys.exit(main(["join", sys.argv[2]]))
 
 
 def _sizes(run: Path) -> list[int]:
-    """The number of ranks of every step in metrics.jsonl, in order."""
-    if not (run / "metrics.jsonl").exists():
-        return []
-    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-    return [len(r["rank_step_s"]) for r in records if r["kind"] == "train"]
+    """The number of ranks of every step in metrics.jsonl so far, in order (a line being
+    written is not read)."""
+    return [len(r["rank_step_s"]) for r in read_metrics(run) if r["kind"] == "train"]
 
 
 def _wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float = 120) -> None:

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from dataparallel.train.metrics import read_metrics
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 two_hosts = pytest.importorskip("two_hosts")
 from workers import live_workers, workers_by_rank  # noqa: E402 - benchmarks/ is on the path
@@ -96,9 +98,7 @@ def _kill_when(run: Path, step: int, caught: list):
     def kill(procs):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-            metrics = run / "metrics.jsonl"
-            lines = metrics.read_text().splitlines() if metrics.exists() else []
-            if any(json.loads(line).get("step", 0) >= step for line in lines):
+            if any(r.get("step", 0) >= step for r in read_metrics(run)):  # whole lines only
                 victim = workers_by_rank(procs[1].pid).get(1)
                 if victim:
                     os.kill(victim, signal.SIGKILL)

@@ -171,8 +171,8 @@ def test_the_header_shows_how_the_ranks_share_the_global_batch():
     [
         (
             {"min_replicas": 2},
-            "--min-replicas (launch.min_replicas): a run's size changes only under --recovery "
-            "live; add --recovery live, or leave it out",
+            "--min-replicas (launch.min_replicas): replicas join, leave and find the run's store "
+            "only under --recovery live; add --recovery live, or leave it out",
         ),
         (
             {"recovery": "live", "min_replicas": 0},
@@ -189,8 +189,8 @@ def test_the_header_shows_how_the_ranks_share_the_global_batch():
         ),
         (
             {"store_host": "10.0.0.7"},
-            "--store-host (launch.store_host): a run's size changes only under --recovery live; "
-            "add --recovery live, or leave it out",
+            "--store-host (launch.store_host): replicas join, leave and find the run's store only "
+            "under --recovery live; add --recovery live, or leave it out",
         ),
     ],
 )

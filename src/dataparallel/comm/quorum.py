@@ -17,7 +17,9 @@
 and `latest` holds the last decided generation's number (where a replacement reports next).
 A joiner or a leaver asks through keys of its own ([Note: membership requests] in requests.py);
 `leave/<slot>` is where a member learns that it leaves.
-Keys of a generation are never rewritten, so a late reader sees what was decided.
+A decision is never rewritten, so a late reader sees what was decided; a report may be (a
+replacement reports in its lost predecessor's slot), and the launcher counts a report only
+from the process now in its slot.
 The rule that turns reports into a decision is pure ([Note: membership] in membership.py).
 """
 

@@ -147,7 +147,13 @@ class Desk:
         self.counted = counted
         found = [n for n in self.unread if self.store.check([request_key(n)])]
         self.unread = [n for n in self.unread if n not in found]
-        return [(n, Request.from_json(self.store.get(request_key(n)))) for n in found]
+        requests = []
+        for n in found:  # anything that can reach the store can write here: never trust it
+            try:
+                requests.append((n, Request.from_json(self.store.get(request_key(n)))))
+            except (ValueError, TypeError, KeyError) as error:
+                self.answer(n, Answer(ok=False, message=f"malformed request: {error}"))
+        return requests
 
     def answer(self, number: int, answer: Answer) -> None:
         self.store.set(answer_key(number), answer.to_json())

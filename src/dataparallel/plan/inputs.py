@@ -131,9 +131,10 @@ class PlanInputs:
                 "--outer-compress", f"unknown format {self.outer_compress!r}",
                 f"choose one of {', '.join(OUTER_COMPRESS[:1] + OUTER_COMPRESS[2:])}",
             )  # fmt: skip
-        for field, value in (("--fragments", self.fragments), ("--overlap", self.overlap)):
+        for field, value, least in (("--fragments", self.fragments, 1),
+                                    ("--overlap", self.overlap, 0)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < RECIPE:
-                raise PlanError(field, f"must be an integer >= 0, got {value!r}",
+                raise PlanError(field, f"must be an integer >= {least}, got {value!r}",
                                 "give a count, or leave it out for the recipe's")  # fmt: skip
         settings = short_run_recipe(self.diloco_steps, self.fragments, self.overlap,
                                     self.outer_compress, warmup=0)  # fmt: skip

@@ -130,7 +130,7 @@ def _check_sizes(config: RunConfig) -> None:
     if given and launch.recovery != "live":
         raise ConfigError(
             field_label("launch", given[0]),
-            "a run's size changes only under --recovery live",
+            "replicas join, leave and find the run's store only under --recovery live",
             "add --recovery live, or leave it out",
         )
     if launch.min_replicas > launch.nproc:

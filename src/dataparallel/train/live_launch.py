@@ -83,6 +83,7 @@ class Worker:
     process: subprocess.Popen | RemoteProcess
     life: Life
     code: int | None = None
+    ended_as: Life | None = None  # the life it had when it ended
 
     @property
     def stopped(self) -> bool:
@@ -168,12 +169,15 @@ class LiveLauncher:
     def _reap(self) -> int | None:
         """Note the workers that ended and replace the lost ones; the run's exit status once
         no member is left, else None."""
-        finishing = any(w.life is Life.ENDED and w.code in (0, 2) for w in self.workers.values())
+        finishing = any(  # a member ended the run (a replica that never got in did not)
+            w.ended_as is Life.MEMBER and w.code in (0, 2) for w in self.workers.values()
+        )
         for worker in list(self.workers.values()):
             if worker.life in (Life.ENDED, Life.LEFT) or worker.process.poll() is None:
                 continue
             was_member = worker.life is Life.MEMBER
             left = worker.life is Life.LEAVING
+            worker.ended_as = worker.life
             worker.life = Life.LEFT if left else Life.ENDED
             worker.code = worker.process.returncode
             if left:
@@ -240,10 +244,12 @@ class LiveLauncher:
         """A member leaves at its next step boundary, if --min-replicas stay."""
         members = [s for s, w in self.workers.items() if w.life is Life.MEMBER]
         refusal = refuse_leave(request.replica, members, self.policy)
-        if (
-            request.replica == 0
-        ):  # its loss is recovered (the writer role moves); a leave is untried
-            refusal = "replica 0 cannot leave yet (a leave of it is not tried); choose another"
+        # The writer (rank 0: the lowest member): its loss is recovered, a leave of it untried.
+        if not refusal and request.replica == min(self.current.members):
+            refusal = (
+                f"replica {request.replica} writes the run's records (the lowest member) and "
+                "cannot leave yet; choose another"
+            )
         if refusal:
             self._say(f"replica {request.replica} asked to leave: refused: {refusal}")
             return Answer(ok=False, message=refusal)
@@ -257,27 +263,35 @@ class LiveLauncher:
     def _decide(self) -> None:
         generation = self.current.generation + 1
         ended = (Life.ENDED, Life.LEFT)
-        live_pids = {w.process.pid for w in self.workers.values() if w.life not in ended}
-        reports = {  # a report of a process that has died since does not count
+        reports = {  # a report counts only from the process now in its slot, still running
             slot: report
             for slot, report in self.host.reports(generation).items()
-            if report.pid in live_pids
+            if slot in self.workers
+            and self.workers[slot].life not in ended
+            and report.pid == self.workers[slot].process.pid
         }
         self._ask_regroup(reports)
         if not reports:
             return
         now = time.monotonic()
-        self.first_report_at = self.first_report_at or now
         # A stopped member cannot report: it is not waited for ([Note: membership]).
         # A leaver is waited for too: it reports LEAVE (or STEP, if it regrouped before it knew).
         in_run = (Life.MEMBER, Life.LEAVING)
         alive = {s for s, w in self.workers.items() if w.life in in_run and not w.stopped}
+        # The wait starts at a member's report: replacements and joiners asking in alone (the
+        # members evaluating, saving or still starting) wait for them, not against the clock;
+        # unless no member is left to come.
+        member_spoke = any(
+            s in self.current.members and r.where != JOIN for s, r in reports.items()
+        )
+        if member_spoke or not alive:
+            self.first_report_at = self.first_report_at or now
         arriving = sum(
             1 for s, w in self.workers.items() if w.life is Life.STARTING and s not in reports
         )
         if any(r.timed_out for r in reports.values()):
             self.first_timeout_at = self.first_timeout_at or now
-        waited = now - self.first_report_at
+        waited = now - self.first_report_at if self.first_report_at else 0.0
         timed_out = now - self.first_timeout_at if self.first_timeout_at else None
         decided = decide(self.current, reports, alive, waited, self.policy, arriving, timed_out)
         if decided is None:

@@ -85,14 +85,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def cut_metrics(run_dir: Path, upto: int) -> list[dict]:
     """Keep only the complete records before position `upto` in metrics.jsonl, and return
-    them; the file is replaced at once (written aside, then renamed) if anything goes."""
+    them. The file is always replaced (written aside, then renamed), even when nothing goes:
+    a writer left out of the run (stalled, killed only later) that still holds the old file
+    open appends to a file nobody reads ([Note: the writer role] in writer.py)."""
     path = Path(run_dir) / METRICS
     if not path.exists():
         return []
-    records, whole = _complete_records(path)
+    records, _ = _complete_records(path)
     kept = [r for r in records if position_of(r) < upto]
-    if whole and len(kept) == len(records):
-        return kept
     aside = path.with_name(METRICS + ".tmp")
     with open(aside, "w") as handle:
         handle.writelines(json.dumps(r) + "\n" for r in kept)
