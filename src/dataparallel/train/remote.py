@@ -84,15 +84,17 @@ class Heartbeat:
             pass
 
     def _beat(self) -> None:
-        signalled = False
+        raised = None  # the last signal raised: the launcher may send SIGTERM, then SIGKILL
         while True:
             try:
                 self.store.add(beat_key(self.replica), 1)
-                if not signalled and self.store.check([signal_key(self.replica)]):
-                    signalled = True
+                if self.store.check([signal_key(self.replica)]):
                     number = int(self.store.get(signal_key(self.replica)))
-                    self.store.set(bye_key(self.replica), str(-number))  # as Popen would say
-                    os.kill(os.getpid(), number)
+                    if number != raised:
+                        raised = number
+                        if signal.getsignal(number) == signal.SIG_DFL:  # it ends this process
+                            self.store.set(bye_key(self.replica), str(-number))  # as Popen says
+                        os.kill(os.getpid(), number)  # else its handler runs; stop() tells
             except RuntimeError:  # the store is gone (DistError): so is the launcher, and the run
                 print(
                     "dataparallel join: the run's launcher is gone; this worker stops",
