@@ -125,6 +125,14 @@ class QuorumHost:
         self.store.set(leave_key(replica), "1")
 
 
+STORE_PREFIX = "dataparallel/live"  # a live run's keys, under its launcher's store
+
+
+def run_store(store: dist.Store) -> dist.PrefixStore:
+    """The run's keys ([Note: quorum keys]) in the launcher's store, seen from any process."""
+    return dist.PrefixStore(STORE_PREFIX, store)
+
+
 def host_store(port: int, timeout_s: float = 60.0) -> dist.TCPStore:
     """The store a live run's launcher hosts on `port` (it listens on every interface; the
     launcher's own connection goes through 127.0.0.1)."""

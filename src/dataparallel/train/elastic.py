@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from ..comm.membership import JOIN, LEAVE
-from ..comm.quorum import client_store
+from ..comm.quorum import client_store, run_store
 from ..comm.requests import RUN_KEY, Answer, Request, ask
 from .config import ConfigError
 from .remote import RUN_FILE, Heartbeat, read_run_file
@@ -62,10 +62,6 @@ def add_leave_parser(commands) -> None:
 
 def connect(run_dir: Path):
     """(address, the launcher's store under the run's prefix), or ConfigError."""
-    import torch.distributed as dist
-
-    from .recovery import STORE_PREFIX
-
     address = read_run_file(run_dir)
     try:
         store = client_store(address, timeout_s=CONNECT_TIMEOUT_S)
@@ -75,7 +71,7 @@ def connect(run_dir: Path):
             f"no launcher answers at {address} (from {run_dir / RUN_FILE})",
             "check that the run still goes on (a launcher killed with -9 leaves the file)",
         ) from None
-    return address, dist.PrefixStore(STORE_PREFIX, store)
+    return address, run_store(store)
 
 
 def _answer(command: str, store, request: Request) -> Answer | None:
@@ -108,10 +104,9 @@ def cmd_join(args: argparse.Namespace) -> int:
 def train_joined(run_dir: Path, address: str, store, replica: int) -> int:
     """Train as replica `replica` of the live run until it ends, beating meanwhile."""
     import torch
-    import torch.distributed as dist
 
     from .launch import fair_threads, worker_environment
-    from .recovery import ENV_LIVE, STORE_PREFIX
+    from .recovery import ENV_LIVE
     from .worker import ENV_LAUNCHER, decode_run, run_worker
 
     config, _, _ = decode_run(store.get(RUN_KEY))
@@ -124,7 +119,7 @@ def train_joined(run_dir: Path, address: str, store, replica: int) -> int:
     os.environ.update(environment)
     os.environ[ENV_LIVE] = json.dumps({"store": address, "replica": replica, "joining": True})
     torch.set_num_threads(launch.threads or fair_threads(launch.nproc))
-    beat_store = dist.PrefixStore(STORE_PREFIX, client_store(address, CONNECT_TIMEOUT_S))
+    beat_store = run_store(client_store(address, CONNECT_TIMEOUT_S))
     heartbeat = Heartbeat(beat_store, replica).start()
     code = 1
     try:

@@ -36,8 +36,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch.distributed as dist
-
 import dataparallel as dp
 
 from ..comm.membership import (
@@ -52,10 +50,10 @@ from ..comm.membership import (
     refuse_leave,
     waiting_to_join,
 )
-from ..comm.quorum import QuorumHost, host_store
+from ..comm.quorum import QuorumHost, host_store, run_store
 from ..comm.requests import RUN_KEY, Answer, Desk, Request
 from .config import RunConfig
-from .recovery import ENV_LIVE, STORE_PREFIX
+from .recovery import ENV_LIVE
 from .remote import RUN_FILE, RemoteProcess, write_run_file
 from .stopped_workers import is_stopped
 from .worker import ENV_RUN
@@ -121,7 +119,7 @@ class LiveLauncher:
         )
         self.port = dp.free_port()
         self.store = host_store(self.port)
-        self.host = QuorumHost(dist.PrefixStore(STORE_PREFIX, self.store), self.slots)
+        self.host = QuorumHost(run_store(self.store), self.slots)
         self.desk = Desk(self.host.store)  # joins and leaves asked from outside
         self.current: Membership = first_membership(self.slots)
         self.workers: dict[int, Worker] = {}

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import dataparallel as dp
 
 from ..comm.membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
-from ..comm.quorum import Quorum, client_store, group_prefix
+from ..comm.quorum import Quorum, client_store, group_prefix, run_store
 from .config import LaunchConfig
 from .loop import Steps
 from .records import EvalRecord, StepRecord
@@ -57,7 +57,6 @@ from .tensor_parallel import DataRanks
 from .trainer import TrainState, evaluate, train_step
 
 ENV_LIVE = "DATAPARALLEL_LIVE"  # {"store": "host:port", "replica": slot, "joining": bool}
-STORE_PREFIX = "dataparallel/live"
 # The launcher decides; if it dies, its workers die with it (worker.die_with_launcher).
 DECISION_TIMEOUT_S = 3600.0
 
@@ -150,7 +149,7 @@ def load_snapshot(state: TrainState, payload: dict) -> None:
 class LiveRecovery(Steps):
     """A replica's steps and evaluations, redone after a regroup ([Note: live recovery]).
 
-    store: the launcher's store, under STORE_PREFIX.
+    store: the launcher's store, under the run's prefix (`run_store`).
     replica: this worker's slot.
     joining: a replacement (built alone, then healed) rather than one of the first workers.
     timeout_s: --collective-timeout, the timeout of every generation's group.
@@ -172,7 +171,7 @@ class LiveRecovery(Steps):
         if not text:
             return None
         given = json.loads(text)
-        store = dist.PrefixStore(STORE_PREFIX, client_store(given["store"]))
+        store = run_store(client_store(given["store"]))
         return cls(
             store, int(given["replica"]), joining=bool(given["joining"]),
             timeout_s=launch.collective_timeout,
