@@ -80,10 +80,12 @@ class Recipe:
         later, the fragment then mixed as mix x local + (1 - mix) x the outer result;
         fragments and overlap RECIPE (-1): the recipe's for H.
     outer_warmup: DiLoCo's first steps that average the replicas after every step; RECIPE
-        (-1): the recipe's, as long as the learning rate's warm-up (`lr_warmup`). Fragments 1,
+        (-1): the recipe's, the longer of `lr_warmup` and run_steps / 10. Fragments 1,
         overlap 0, outer_warmup 0 and "fp32" are DiLoCo as in the paper.
-    lr_warmup: the learning rate's warm-up steps (what the recipe's DiLoCo warm-up lasts;
-        `dataparallel train` gives its --warmup-steps).
+    lr_warmup: the learning rate's warm-up steps (what the recipe's DiLoCo warm-up lasts at
+        least; `dataparallel train` gives its --warmup-steps).
+    run_steps: the run's optimizer steps (0: not known); the recipe's DiLoCo warm-up lasts a
+        tenth of them when that is longer than `lr_warmup` (`dataparallel train` gives --steps).
     """
 
     strategy: object = "ddp"
@@ -100,6 +102,7 @@ class Recipe:
     mix: float = 0.5
     outer_warmup: int = RECIPE
     lr_warmup: int = 30
+    run_steps: int = 0
 
     def __post_init__(self):
         if isinstance(self.strategy, str) and self.strategy not in POLICIES:
@@ -133,6 +136,12 @@ class Recipe:
             or self.lr_warmup < 0
         ):
             _bad("lr_warmup", f"{self.lr_warmup!r} is not an integer >= 0", "give the LR's warm-up steps")  # fmt: skip
+        if (
+            isinstance(self.run_steps, bool)
+            or not isinstance(self.run_steps, int)
+            or self.run_steps < 0
+        ):
+            _bad("run_steps", f"{self.run_steps!r} is not an integer >= 0", "give the run's steps, or 0")  # fmt: skip
         if self.outer_warmup < RECIPE:
             _bad("outer_warmup", f"{self.outer_warmup} is negative", "give N >= 0, or -1")
         if self.diloco:
@@ -154,6 +163,7 @@ class Recipe:
             self.outer_compress,
             self.outer_warmup,
             self.lr_warmup,
+            self.run_steps,
         )
 
     @property

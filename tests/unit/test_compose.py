@@ -34,6 +34,7 @@ def test_recipe_errors_name_the_field(fields, message):
         ({"diloco": 20, "outer_warmup": -2}, "Recipe.outer_warmup: -2 is negative"),
         ({"diloco": 20, "outer_compress": "int2"}, "Recipe.outer_compress: 'int2' is unknown"),
         ({"diloco": 20, "lr_warmup": -1}, "Recipe.lr_warmup: -1 is not an integer >= 0"),
+        ({"diloco": 20, "run_steps": -1}, "Recipe.run_steps: -1 is not an integer >= 0"),
     ],
 )
 def test_streaming_errors_name_the_field(fields, message):
@@ -58,5 +59,9 @@ def test_diloco_h_streams_as_the_recipe_says_and_the_paper_stays_reachable():
     )
     assert dp.Recipe(diloco=20, outer_compress="").streaming.compress is None  # fp32, as before
     assert dp.Recipe(diloco=20, lr_warmup=50).streaming.warmup == 50
+    # a long run warms up for a tenth of it (gpt-small, 2,000 steps: +3.1% against +4.5%)
+    assert dp.Recipe(diloco=20, run_steps=2000).streaming.warmup == 200
+    assert dp.Recipe(diloco=20, run_steps=300).streaming.warmup == 30  # the LR's is longer
+    assert dp.Recipe(diloco=20, run_steps=2000, outer_warmup=5).streaming.warmup == 5
     # an old config's "off" values stay accepted without DiLoCo
     dp.Recipe(fragments=1, overlap=0, outer_warmup=0, outer_compress="")

@@ -227,7 +227,8 @@ class SyncConfig:
     diloco: DiLoCo every this many steps: all-reduce the replicas' movement since the last
         synchronisation and apply it with an outer Nesterov SGD; 0: off. Streamed as the
         measured recipe says (docs/compression.md: 4 fragments, overlap 1, int4, a streamed
-        warm-up as long as the learning rate's, the run ending on the replicas' average)
+        warm-up as long as the learning rate's or a tenth of the run, the run ending on the
+        replicas' average)
         unless the fields below are given;
         --fragments 1 --overlap 0 --outer-warmup 0 --outer-compress fp32 is the paper's
         DiLoCo. With local_sgd or diloco a replica is one rank, or --shard-group ranks that
@@ -245,8 +246,8 @@ class SyncConfig:
         + (1 - mix) x the outer step's result (0.5 in the paper).
     outer_warmup: DiLoCo: the first this many steps average the replicas after every step
         (synchronous warm-up: one fragment a step, in turn, sent as --outer-compress says);
-        the outer steps start after it; -1: the recipe's (--warmup-steps, the learning
-        rate's warm-up).
+        the outer steps start after it; -1: the recipe's (the longer of --warmup-steps, the
+        learning rate's warm-up, and a tenth of --steps).
     """
 
     compress: str = ""

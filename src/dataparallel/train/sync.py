@@ -136,5 +136,6 @@ def recipe_of(config: RunConfig, strategy) -> dp.Recipe:
         overlap=sync.overlap,
         mix=sync.mix,
         outer_warmup=sync.outer_warmup,
-        lr_warmup=config.optim.warmup_steps,  # the recipe's DiLoCo warm-up
+        lr_warmup=config.optim.warmup_steps,  # the recipe's DiLoCo warm-up lasts the longer
+        run_steps=config.train.steps,  # of the two: the LR's warm-up, a tenth of the run
     )
