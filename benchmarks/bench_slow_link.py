@@ -69,6 +69,8 @@ CONFIGS = {  # name -> dataparallel train flags
     "streaming-h20-mix75": [*STREAMING_H20, "--outer-warmup", "0", "--mix", "0.75"],
     "streaming-h20-mix9": [*STREAMING_H20, "--outer-warmup", "0", "--mix", "0.9"],
     "recipe-h20": ["--diloco", "20"],  # the default: [Note: the DiLoCo recipe]
+    "recipe-h10": ["--diloco", "10"],  # the recipe at twice the outer steps (2 fragments)
+    "recipe-h20-w200": ["--diloco", "20", "--outer-warmup", "200"],  # a longer streamed warm-up
     # Compression under AdamW (docs/compression.md): exact steps first, a higher rank.
     "powersgd-s30": "--compress powersgd:rank=4,start=30".split(),
     "powersgd-s60": "--compress powersgd:rank=4,start=60".split(),
@@ -106,6 +108,8 @@ EXTRA = (
     "streaming-h20-mix75",
     "streaming-h20-mix9",
     "recipe-h20",
+    "recipe-h10",
+    "recipe-h20-w200",
     "powersgd-s30",
     "powersgd-s60",
     "powersgd-r16-s10",
