@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import dataparallel as dp
@@ -89,14 +89,6 @@ class Worker:
         return isinstance(self.process, subprocess.Popen) and is_stopped(self.process.pid)
 
 
-@dataclass
-class Tally:
-    """What the launcher tells at the end: replacements started, generations formed."""
-
-    replacements: int = 0
-    generations: list = field(default_factory=list)
-
-
 class LiveLauncher:
     """Runs the workers of one live run on this machine until they end.
 
@@ -126,7 +118,7 @@ class LiveLauncher:
         self.first_report_at: float | None = None
         self.first_timeout_at: float | None = None  # of a report of a timed-out collective
         self.asked_regroup = -1  # the last generation asked to let a replica in, or one out
-        self.tally = Tally()
+        self.replacements = 0  # started, in all (--max-restarts)
 
     def run(self) -> int:
         """Start the workers and watch them; the exit status (0, 1, 2, or 130 on Ctrl-C)."""
@@ -173,14 +165,12 @@ class LiveLauncher:
         for worker in list(self.workers.values()):
             if worker.life in (Life.ENDED, Life.LEFT) or worker.process.poll() is None:
                 continue
-            was_member = worker.life is Life.MEMBER
-            left = worker.life is Life.LEAVING
             worker.ended_as = worker.life
-            worker.life = Life.LEFT if left else Life.ENDED
+            worker.life = Life.LEFT if worker.ended_as is Life.LEAVING else Life.ENDED
             worker.code = worker.process.returncode
-            if left:
+            if worker.life is Life.LEFT:
                 self._say(f"worker {worker.slot} left with status {worker.code}; not replaced")
-            if worker.code in (0, 2) or finishing or not was_member:
+            if worker.code in (0, 2) or finishing or worker.ended_as is not Life.MEMBER:
                 continue
             if isinstance(worker.process, RemoteProcess):  # the launcher cannot start it again
                 self._say(
@@ -188,8 +178,8 @@ class LiveLauncher:
                     f"{worker.code}; the others go on without it"
                 )
                 continue
-            if self.tally.replacements < self.config.launch.max_restarts:
-                self.tally.replacements += 1
+            if self.replacements < self.config.launch.max_restarts:
+                self.replacements += 1
                 self._say(
                     f"worker {worker.slot} (pid {worker.process.pid}) ended with status "
                     f"{worker.code}; the others go on, and a replacement starts"
@@ -304,7 +294,6 @@ class LiveLauncher:
             if worker.life in in_run and silent and worker.process.poll() is None:
                 self._say(f"worker {slot} (pid {worker.process.pid}) stalled: killed")
                 worker.process.kill()  # reaped, and replaced, on the next pass
-        self.tally.generations.append(decided)
         pids = ", ".join(str(self.workers[s].process.pid) for s in decided.members)
         self._say(
             f"generation {decided.generation}: workers {list(decided.members)} (pids {pids}) "

@@ -59,11 +59,14 @@ def val_line(record: EvalRecord) -> dict:
     return {"kind": "val", **dataclasses.asdict(record)}
 
 
-def _complete_records(path: Path) -> tuple[list[dict], bool]:
-    """The records of the file's complete lines, in order, and whether that is all of it: the
-    reading stops at a line without its newline (its writer was killed while writing it) or
-    one that is not JSON."""
-    records, whole = [], True
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Every complete record of a run's metrics.jsonl, in order (an empty list when there is
+    none): the reading stops at a line without its newline (its writer was killed while
+    writing it) or one that is not JSON."""
+    path = Path(run_dir) / METRICS
+    records = []
+    if not path.exists():
+        return records
     with open(path, "rb") as handle:
         for line in handle:
             try:
@@ -72,15 +75,8 @@ def _complete_records(path: Path) -> tuple[list[dict], bool]:
                 if line.strip():
                     records.append(json.loads(line))
             except ValueError:
-                whole = False
                 break
-    return records, whole
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    """Every complete record of a run's metrics.jsonl (an empty list when there is none)."""
-    path = Path(run_dir) / METRICS
-    return _complete_records(path)[0] if path.exists() else []
+    return records
 
 
 def cut_metrics(run_dir: Path, upto: int) -> list[dict]:
@@ -91,8 +87,7 @@ def cut_metrics(run_dir: Path, upto: int) -> list[dict]:
     path = Path(run_dir) / METRICS
     if not path.exists():
         return []
-    records, _ = _complete_records(path)
-    kept = [r for r in records if position_of(r) < upto]
+    kept = [r for r in read_metrics(run_dir) if position_of(r) < upto]
     aside = path.with_name(METRICS + ".tmp")
     with open(aside, "w") as handle:
         handle.writelines(json.dumps(r) + "\n" for r in kept)
