@@ -18,21 +18,6 @@ wherever the inner strategy shards. Exactness anchors (tests/dist/test_averaging
 with every=1 and plain SGD equals DDP; DiLoCo with every=1 and an outer SGD of lr 1 without
 momentum equals local SGD with every=1.
 
-[Note: streaming DiLoCo] Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512) spreads
-DiLoCo's outer step over time: the held tensors are split into F fragments of about equal size
-(consecutive tensors, `split_fragments`), and fragment p has its outer step at the steps s with
-(s + p H / F) mod H = 0, so each is synchronised every H steps and one of them every H / F
-steps: the link carries 1/F of the model at a time, and the peak bandwidth falls F-fold. With
-`overlap` tau > 0 the fragment's all-reduce is started asynchronously and applied tau inner
-steps later, hidden behind their compute; the fragment then continues from alpha x its local
-values (which moved during those steps) + (1 - alpha) x the outer step's result (`mix`). The
-outer optimizer keeps one state per anchor, and a fragment's step moves only its anchors. Outer
-gradients may travel in 4 bits with error feedback (`compress="int4"`). Since the replicas
-are apart between a fragment's outer steps (and, mixed, after them), `finish()` ends a run on
-their average. Settings and the measured recipe that `--diloco H` uses: streaming.py ([Note:
-the DiLoCo recipe]). Exactness anchor (tests/dist/test_streaming.py): F = 1, tau = 0 is
-DiLoCo, bit for bit.
-
     mesh = dp.init_mesh(ranks_per_host)                     # replicas = hosts
     dp.parallelize(model, "zero2", group=mesh.shard_group)  # exact inside a host
     optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-3)
@@ -45,7 +30,6 @@ DiLoCo, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -53,11 +37,17 @@ from torch import nn
 
 from .api import finish_param_gather, refresh_params
 from .comm import Comm
-from .compression.feedback import keyed_tensors, load_keyed_tensors
-from .compression.quantize import Quantize
-from .streaming import OUTER_FORMATS, check_streaming, split_fragments
+from .streaming import check_streaming, split_fragments
 
-__all__ = ["DiLoCo", "LocalSGD", "check_streaming", "held_tensors", "split_fragments"]
+__all__ = [
+    "LocalSGD",
+    "Reduced",
+    "check_streaming",
+    "flatten",
+    "held_tensors",
+    "split_fragments",
+    "unflatten",
+]
 
 
 def held_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -112,10 +102,10 @@ class LocalSGD:
         return False
 
     def _synchronise(self) -> None:
-        flat = _flatten(self.tensors).div_(self.comm.world_size)
+        flat = flatten(self.tensors).div_(self.comm.world_size)
         if self.comm.world_size > 1:
             self.comm.all_reduce(flat)
-        _unflatten(flat, self.tensors)
+        unflatten(flat, self.tensors)
 
     def bytes_sent(self) -> int:
         return self.comm.total_bytes()
@@ -136,236 +126,36 @@ class LocalSGD:
         be a flat copy), `local` this rank's own state (empty after a change of layout)."""
         self.steps = steps
 
+    # -- live recovery ([Note: live averaging] in train/rewind.py) -----------------------------
+    def rebind(self, group: dist.ProcessGroup) -> None:
+        """Average over `group` from now on (a live run's next generation); state kept."""
+        self.comm.rebind(group)
 
-class DiLoCo(LocalSGD):
-    """DiLoCo's outer step every `every` steps ([Note: averaging]), streamed by fragments
-    ([Note: streaming DiLoCo]).
+    def at_boundary(self) -> bool:
+        """Whether every replica's movement so far has been synchronised and nothing is in
+        flight: the point a live replica goes back to when a peer is lost."""
+        return self.steps % self.every == 0
 
-    model, optimizer, every, group, tracer: as for LocalSGD.
-    outer_optimizer: builds the outer optimizer from a list of tensors (any torch.optim class,
-        e.g. `partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`, the default).
-    compress: how outer gradients travel: None (fp32), "bf16", "int8", "fp8" or "int4" (the
-        last three with per-block scales and error feedback, compression/quantize.py).
-    fragments: F, the parts of the model synchronised in turn, each every `every` steps and
-        staggered by every / F steps (F must divide `every`); 1 is DiLoCo itself.
-    overlap: tau, inner steps a fragment's outer all-reduce runs behind before it is applied
-        (0: applied at once; below every / F, so one reduction is in flight at a time).
-    mix: alpha, with overlap > 0: the fragment continues from alpha x its local values +
-        (1 - alpha) x the outer step's result (the inner steps taken meanwhile are kept in
-        part); with overlap 0 it takes the outer result (there are no such steps).
-    warmup: the first `warmup` steps average the replicas after every step, one fragment a
-        step in turn (F = 1: all of it; in fp32 the parameters, compressed their movement in
-        the outer format); the anchors start from the average, and the fragments' schedule
-        counts from the end of the warm-up.
-    """
+    def mark(self) -> dict:
+        """A copy of what `rewind` restores (taken at a boundary)."""
+        return {"steps": self.steps}
 
-    name = "diloco"
+    def rewind(self, mark: dict) -> None:
+        """Go back to `mark` (the held tensors go back with the model and optimizer)."""
+        self.steps = mark["steps"]
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        every: int,
-        group: dist.ProcessGroup | None = None,
-        outer_optimizer: Callable | None = None,
-        compress: str | None = None,
-        tracer=None,
-        *,
-        fragments: int = 1,
-        overlap: int = 0,
-        mix: float = 0.5,
-        warmup: int = 0,
-    ):
-        if compress not in OUTER_FORMATS:
-            raise ValueError(
-                f"diloco: compress={compress!r} must be None, 'bf16', 'int8', 'fp8' or 'int4'"
-            )
-        check_streaming(every, fragments, overlap, mix)
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"diloco: warmup={warmup!r} must be an integer >= 0 (steps)")
-        super().__init__(model, optimizer, every, group, tracer)
-        self.compress, self.fragments, self.overlap, self.mix = compress, fragments, overlap, mix
-        self.warmup = warmup
-        self.quantize = Quantize(compress) if compress in ("int8", "fp8", "int4") else None
-        # The anchors are fp32 copies of what this rank holds (sharded where that is).
-        self.anchors = [t.detach().float().clone().requires_grad_(True) for t in self.tensors]
-        build = outer_optimizer or partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
-        self.outer = build(self.anchors)
-        self.parts = split_fragments([t.numel() for t in self.tensors], fragments)
-        self.pending: tuple[int, int, object] | None = None  # (fragment, due step, reduction)
-        self.synced = [0] * fragments  # the step each fragment was last synchronised at
+    def shared(self) -> dict:
+        """What a replica healed at a boundary receives from a live one: the state every
+        replica has in common (local SGD: the step count; the parameters, equal at a
+        boundary, travel with the model)."""
+        return {"steps": self.steps}
 
-    def step(self) -> bool:
-        """Call after each optimizer step; True when a fragment started or finished its outer
-        step here ([Note: streaming DiLoCo])."""
-        self.steps += 1
-        if self.steps <= self.warmup:
-            return self._warm_up()
-        due = self.pending is not None and self.pending[1] == self.steps
-        starting = [p for p in range(self.fragments) if self._starts(p, self.steps - self.warmup)]
-        if not due and not starting:
-            return False
-        finish_param_gather(self.model)
-        with torch.no_grad():
-            if due:
-                self._finish()
-            for fragment in starting:
-                self._start(fragment)
-                if self.overlap == 0:
-                    self._finish()
-        refresh_params(self.model)
-        return True
-
-    def _warm_up(self) -> bool:
-        """A warm-up step: one fragment in turn (with F = 1, every tensor) averaged over the
-        replicas, its anchors set to the average."""
-        finish_param_gather(self.model)
-        fragment = (self.steps - 1) % self.fragments
-        with torch.no_grad():
-            self._average(f"warmup{fragment}" if self.fragments > 1 else "warmup", fragment)
-        refresh_params(self.model)
-        return True
-
-    def finish(self) -> bool:
-        """Call once after the last step: the run ends on one model, the replicas' average
-        ([Note: streaming DiLoCo]); a reduction in flight is applied first. Nothing is sent
-        when every fragment was synchronised at this very step. True when it averaged."""
-        if self.pending is None and all(s == self.steps for s in self.synced):
-            return False
-        finish_param_gather(self.model)
-        with torch.no_grad():
-            if self.pending is not None:
-                self._finish()
-            self._average("final")
-        refresh_params(self.model)
-        return True
-
-    def _average(self, key: str, fragment: int | None = None) -> None:
-        """The replicas' mean of a fragment (None: of every tensor), its anchors and tensors set
-        to it: in fp32 the parameters are averaged; compressed, the movement since the anchors
-        travels (with its own error feedback under `key`) and the anchors move by its mean."""
-        part = range(len(self.tensors)) if fragment is None else self.parts[fragment]
-        anchors = [self.anchors[i].detach() for i in part]
-        tensors = [self.tensors[i] for i in part]
-        if self.compress is None:
-            flat = _flatten(tensors).div_(self.comm.world_size)
-            if self.comm.world_size > 1:
-                self.comm.all_reduce(flat)
-            _unflatten(flat, tensors)
-            for anchor, tensor in zip(anchors, tensors, strict=True):
-                anchor.copy_(tensor)
-        else:
-            moved = [a - t.float() for a, t in zip(anchors, tensors, strict=True)]
-            flat = self._all_reduce(_flatten(moved).div_(self.comm.world_size), key).wait()
-            _unflatten(flat, moved)
-            for anchor, step, tensor in zip(anchors, moved, tensors, strict=True):
-                anchor.sub_(step)
-                tensor.copy_(anchor)
-        for p in range(self.fragments) if fragment is None else (fragment,):
-            self.synced[p] = self.steps
-
-    def _starts(self, fragment: int, step: int) -> bool:
-        return (step + fragment * (self.every // self.fragments)) % self.every == 0
-
-    def _start(self, fragment: int) -> None:
-        """All-reduce the fragment's outer gradient, the replicas' mean movement since its
-        anchor (asynchronously: it is applied `overlap` steps later)."""
-        part = self.parts[fragment]
-        moved = [self.anchors[i].detach() - self.tensors[i].float() for i in part]
-        flat = _flatten(moved).div_(self.comm.world_size)  # the mean, summed below
-        key = "outer" if self.fragments == 1 else f"outer{fragment}"  # its own residual
-        self.pending = (fragment, self.steps + self.overlap, self._all_reduce(flat, key))
-
-    def _finish(self) -> None:
-        """Apply the reduced outer gradient: the outer step on the fragment's anchors, then
-        the fragment continues from the result (mixed with its local values under overlap)."""
-        fragment, _, reduction = self.pending
-        self.pending = None
-        flat = reduction.wait()
-        part = self.parts[fragment]
-        grads = [torch.empty_like(self.anchors[i]) for i in part]
-        _unflatten(flat, grads)
-        for i, grad in zip(part, grads, strict=True):
-            self.anchors[i].grad = grad
-        self.outer.step()  # only the fragment's anchors have a gradient: only they move
-        self.outer.zero_grad(set_to_none=True)
-        if not self.overlap or self.mix == 0.0:  # mixed with local values: still apart
-            self.synced[fragment] = self.steps
-        for i in part:
-            anchor, tensor = self.anchors[i].detach(), self.tensors[i]
-            if self.overlap:
-                tensor.mul_(self.mix).add_(anchor.to(tensor.dtype), alpha=1 - self.mix)
-            else:
-                tensor.copy_(anchor)
-
-    def _all_reduce(self, flat: torch.Tensor, key: str):
-        """The sum of `flat` over the replicas, as a future (`wait()` gives it)."""
-        if self.comm.world_size == 1:
-            return _Reduced(None, lambda: flat)
-        if self.quantize is not None:
-            return self.quantize.reduce(self.comm, key, flat, None)
-        if self.compress == "bf16":
-            low = flat.to(torch.bfloat16)
-            work = self.comm.all_reduce(low, async_op=True)
-            return _Reduced(work, lambda: low.float())
-        work = self.comm.all_reduce(flat, async_op=True)
-        return _Reduced(work, lambda: flat)
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """The anchor, the outer optimizer's state and the outer residual (this rank's)."""
-        state = [v for s in self.outer.state.values() for v in s.values() if torch.is_tensor(v)]
-        residual = self.quantize.state_tensors() if self.quantize is not None else []
-        return [a.detach() for a in self.anchors] + state + residual
-
-    def state_dict(self) -> tuple[list[dict], dict[str, torch.Tensor]]:
-        """As LocalSGD's; a reduction in flight is waited for and kept as "pending" entries of
-        its fragment's tensors (the same on every replica), applied when it falls due."""
-        pending = {}
-        if self.pending is not None:
-            fragment, due, reduction = self.pending
-            flat = reduction.wait()
-            self.pending = (fragment, due, _Reduced(None, lambda: flat))
-            values = [torch.empty_like(self.anchors[i]) for i in self.parts[fragment]]
-            _unflatten(flat, values)
-            pending = dict(zip(self.parts[fragment], values, strict=True))
-        shared = [
-            {
-                "anchor": anchor.detach(),
-                **self.outer.state.get(anchor, {}),
-                **({"pending": pending[i]} if i in pending else {}),
-            }
-            for i, anchor in enumerate(self.anchors)
-        ]
-        local = keyed_tensors(self.quantize.stores()) if self.quantize is not None else {}
-        return shared, local
-
-    @torch.no_grad()
-    def load_state_dict(self, steps: int, shared: list[dict], local: dict) -> None:
-        super().load_state_dict(steps, shared, local)
-        pending = {}
-        for i, (anchor, entries) in enumerate(zip(self.anchors, shared, strict=True)):
-            for key, value in entries.items():
-                if key == "anchor":
-                    anchor.copy_(value.view_as(anchor))
-                elif key == "pending":
-                    pending[i] = value.view_as(anchor).clone()
-                else:
-                    self.outer.state[anchor][key] = value.view_as(anchor).clone()
-        self.pending = None
-        if pending:  # the fragment whose reduction was in flight, due `overlap` after its start
-            fragment = next(p for p, part in enumerate(self.parts) if part and part[0] in pending)
-            started = max(
-                s
-                for s in range(self.warmup + 1, steps + 1)
-                if self._starts(fragment, s - self.warmup)
-            )
-            flat = _flatten([pending[i] for i in self.parts[fragment]])
-            self.pending = (fragment, started + self.overlap, _Reduced(None, lambda: flat))
-        if self.quantize is not None:
-            load_keyed_tensors(self.quantize.stores(), local)
+    def adopt(self, shared: dict) -> None:
+        """Take `shared` from a live replica, after the model and optimizer were loaded."""
+        self.steps = shared["steps"]
 
 
-class _Reduced:
+class Reduced:
     """An async collective (None: done already) and what its result is once waited for."""
 
     def __init__(self, work, result: Callable[[], torch.Tensor]):
@@ -377,11 +167,11 @@ class _Reduced:
         return self.result()
 
 
-def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float() for t in tensors])
 
 
-def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     offset = 0
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -39,9 +39,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .api import build_optimizer, parallelize
-from .averaging import DiLoCo, LocalSGD
+from .averaging import LocalSGD
 from .comm import Tracer
 from .compression import build_hook
+from .diloco import DiLoCo
 from .strategies import POLICIES, Mesh, MixedPrecision, init_mesh, resolve_policy
 from .streaming import OUTER_COMPRESS, RECIPE, Streaming, check_streaming, short_run_recipe
 
@@ -75,7 +76,7 @@ class Recipe:
         the fields below are given ([Note: the DiLoCo recipe] in streaming.py).
     outer_compress: DiLoCo's outer gradients on the wire: "recipe" (the recipe's: "int4"),
         "" or "fp32", "bf16", "int8", "fp8" or "int4".
-    fragments, overlap, mix: Streaming DiLoCo ([Note: streaming DiLoCo] in averaging.py): F
+    fragments, overlap, mix: Streaming DiLoCo ([Note: streaming DiLoCo] in diloco.py): F
         fragments synchronised in turn, each outer all-reduce applied `overlap` inner steps
         later, the fragment then mixed as mix x local + (1 - mix) x the outer result;
         fragments and overlap RECIPE (-1): the recipe's for H.

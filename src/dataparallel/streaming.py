@@ -1,6 +1,6 @@
 """Streaming DiLoCo's settings: their checks, the fragments' layout, and the measured recipe.
 
-Pure functions and a frozen policy, no process group: `DiLoCo` (averaging.py) takes the
+Pure functions and a frozen policy, no process group: `DiLoCo` (diloco.py) takes the
 settings; `dp.Recipe` and `dataparallel train --diloco H` fill the ones not given from
 `short_run_recipe`.
 
@@ -36,7 +36,7 @@ RECIPE = -1  # a streaming setting left to the recipe ([Note: the DiLoCo recipe]
 
 @dataclass(frozen=True, kw_only=True)
 class Streaming:
-    """How DiLoCo streams its outer steps ([Note: streaming DiLoCo] in averaging.py).
+    """How DiLoCo streams its outer steps ([Note: streaming DiLoCo] in diloco.py).
 
     fragments: F, the parts of the model synchronised in turn, each every H steps, staggered
         by H / F (F divides H); 1 is DiLoCo itself.

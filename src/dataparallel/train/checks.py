@@ -97,8 +97,8 @@ RECOVERY = ("restart", "live")
 
 
 def check_recovery(config: RunConfig) -> None:
-    """--recovery live covers one machine, DDP and the precisions that keep DDP's plain
-    replicas (docs/faults.md, "Live recovery"); say which flag stands in its way."""
+    """--recovery live covers one machine, DDP (alone or inside each replica of local SGD or
+    DiLoCo) and the precisions that keep DDP's plain replicas (docs/faults.md, "Live recovery"); say which flag stands in its way."""
     launch, sync, label = config.launch, config.sync, field_label("launch", "recovery")
     _choose(label, launch.recovery, RECOVERY)
     _check_sizes(config)
@@ -111,7 +111,6 @@ def check_recovery(config: RunConfig) -> None:
         ("tp", launch.tp != 1, "--tp 1"),
         ("shard_group", launch.shard_group > 1, "no --shard-group"),
         ("compress", bool(sync.compress), "no --compress"),
-        ("local_sgd", sync.local_sgd > 0 or sync.diloco > 0, "no --local-sgd or --diloco"),
         ("collective_timeout", launch.collective_timeout <= 0, "a --collective-timeout above 0"),
     ]
     for name, blocked, needs in blockers:

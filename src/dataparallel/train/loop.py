@@ -31,7 +31,16 @@ class Callback:
 
     def on_eval(self, state: TrainState, record: EvalRecord) -> None: ...
 
+    def on_rewind(self, state: TrainState) -> None:
+        """The run went back to `state.step` (a live run under an averager lost a replica:
+        [Note: live averaging] in rewind.py); the steps after it are redone and recorded again."""
+
     def on_end(self, state: TrainState) -> None: ...
+
+
+class Rewound(Exception):
+    """Raised by `Steps` when the state went back to an earlier step (`state.step`): the steps
+    and evaluations after it are redone."""
 
 
 def should_evaluate(config: RunConfig, step: int) -> bool:
@@ -68,17 +77,22 @@ def fit(state: TrainState, callbacks: list[Callback], steps: Steps | None = None
         state.fit_started = time.perf_counter()
     while state.step < state.last_step:
         before = state.step
-        record = steps.step(state)
-        if state.step == before:  # skipped on every rank: counted in the next record too
+        try:
+            record = steps.step(state)
+            if state.step == before:  # skipped on every rank: counted in the next record too
+                for callback in callbacks:
+                    callback.on_skip(state, record)
+                if state.consecutive_skips >= state.config.train.max_skips:
+                    raise FloatingPointError(_too_many_skips(state, record))
+                continue
+            record = dataclasses.replace(record, elapsed_s=time.perf_counter() - state.fit_started)
+            state.history.append(record)
+            if should_evaluate(state.config, state.step):
+                _evaluate_and_report(state, callbacks, steps)
+        except Rewound:
             for callback in callbacks:
-                callback.on_skip(state, record)
-            if state.consecutive_skips >= state.config.train.max_skips:
-                raise FloatingPointError(_too_many_skips(state, record))
+                callback.on_rewind(state)
             continue
-        record = dataclasses.replace(record, elapsed_s=time.perf_counter() - state.fit_started)
-        state.history.append(record)
-        if should_evaluate(state.config, state.step):
-            _evaluate_and_report(state, callbacks, steps)
         # After the evaluation, so that a checkpoint written here follows the step's metrics.
         for callback in callbacks:
             callback.on_step(state, record)

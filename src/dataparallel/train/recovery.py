@@ -32,6 +32,9 @@ boundary and the replacement is healed and trains from the next step. A replica 
 from outside the launcher (`dataparallel join`, train/elastic.py) enters the same way; a member
 let leave (`dataparallel leave`) reports LEAVE at that boundary instead of STEP, waits for the
 generation formed without it, and ends (`Left`): nothing is rewound, nobody waits for a timeout.
+Under local SGD or DiLoCo step 1 goes back further, to the window's start, the steps since are
+redone (`Rewound` tells the loop), and replicas are let in or out at the averager's boundaries
+only ([Note: live averaging] in rewind.py).
 """
 
 from __future__ import annotations
@@ -39,8 +42,7 @@ from __future__ import annotations
 import enum
 import json
 import os
-import time
-from dataclasses import dataclass
+import sys
 from datetime import timedelta
 
 import torch
@@ -51,8 +53,9 @@ import dataparallel as dp
 from ..comm.membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
 from ..comm.quorum import Quorum, client_store, group_prefix, run_store
 from .config import LaunchConfig
-from .loop import Steps
+from .loop import Rewound, Steps
 from .records import EvalRecord, StepRecord
+from .rewind import Marks, forget_after, load_snapshot, snapshot
 from .tensor_parallel import DataRanks
 from .trainer import TrainState, evaluate, train_step
 
@@ -93,59 +96,6 @@ def timed_out(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-@dataclass(frozen=True)
-class Mark:
-    """Where a step began, to rewind it: the data position and the counters."""
-
-    step: int
-    consumed: int
-    skipped_steps: int
-
-    @classmethod
-    def of(cls, state: TrainState) -> Mark:
-        return cls(state.step, state.samples.consumed, state.skipped_steps)
-
-    def rewind(self, state: TrainState) -> None:
-        """Undo a step whose collectives failed: it applied no update; drop its gradients and
-        put its samples back."""
-        state.samples.consumed = self.consumed
-        state.optimizer.zero_grad(set_to_none=True)
-        if state.gradients is not None:
-            state.gradients.nonfinite()  # forget the interrupted step's sums
-
-
-def snapshot(state: TrainState) -> dict:
-    """What a healed replica receives: everything a step changes ([Note: live recovery])."""
-    last = state.history[-1] if state.history and state.history[-1].step == state.step else None
-    return {
-        "model": dp.full_state_dict(state.model),
-        # Under DDP the optimizer is a plain torch one over the whole model, the same on every
-        # replica, so its own state dict is exact.
-        "optimizer": state.optimizer.state_dict(),
-        "samples": state.samples.state_dict(),
-        "step": state.step,
-        "skipped_steps": state.skipped_steps,
-        "consecutive_skips": state.consecutive_skips,
-        "last_record": last,
-        "evals": state.evals[-1:],  # a replacement healed at step 0 skips the first evaluation
-        # The time the run has trained, so that a replacement's elapsed_s goes on from it (it
-        # may write the records: [Note: the writer role] in writer.py).
-        "elapsed_s": None if state.fit_started is None else time.perf_counter() - state.fit_started,
-    }
-
-
-def load_snapshot(state: TrainState, payload: dict) -> None:
-    dp.load_full_state_dict(state.model, payload["model"])
-    state.optimizer.load_state_dict(payload["optimizer"])
-    state.samples.load_state_dict(payload["samples"])
-    state.step = payload["step"]
-    state.skipped_steps = payload["skipped_steps"]
-    state.consecutive_skips = payload["consecutive_skips"]
-    state.evals = state.evals or payload["evals"]
-    if payload["elapsed_s"] is not None:
-        state.fit_started = time.perf_counter() - payload["elapsed_s"]
-
-
 class LiveRecovery(Steps):
     """A replica's steps and evaluations, redone after a regroup ([Note: live recovery]).
 
@@ -163,6 +113,7 @@ class LiveRecovery(Steps):
         self.phase = Phase.STARTING
         self.healed_record: StepRecord | None = None
         self.abandoned: list[dist.ProcessGroup] = []  # [Note: abandoned groups]
+        self.marks = Marks()  # where a failed step goes back to ([Note: live averaging])
 
     @classmethod
     def from_environment(cls, launch: LaunchConfig) -> LiveRecovery | None:
@@ -194,10 +145,11 @@ class LiveRecovery(Steps):
     # -- the guarded work (Steps) -------------------------------------------------------------
     def step(self, state: TrainState) -> StepRecord:
         self._check_training()
+        before = state.step
         while True:
-            mark = Mark.of(state)
+            mark = self.marks.take(state)
             try:
-                if self._replacement_waits(state):
+                if self._at_boundary(state) and self._replacement_waits(state):
                     self._regroup(state, STEP)
                     continue  # every member, the new one too, starts a step with this check
                 return train_step(state)
@@ -207,11 +159,14 @@ class LiveRecovery(Steps):
                 stalled = timed_out(error)
             mark.rewind(state)
             self._regroup(state, STEP, stalled)
-            if state.step > mark.step and self.healed_record is not None:
+            if state.step < before:
+                raise self._rewound(state, before)
+            if state.step > before and self.healed_record is not None:
                 return self.healed_record  # a member had finished the step: it is done
 
     def evaluate(self, state: TrainState) -> EvalRecord:
         self._check_training()
+        before = state.step
         while True:
             try:
                 return evaluate(state)
@@ -219,7 +174,27 @@ class LiveRecovery(Steps):
                 if not lost_peer(error):
                     raise
                 stalled = timed_out(error)
+            if state.averager is not None:  # the window is redone ([Note: live averaging])
+                self.marks.take(state).rewind(state)
             self._regroup(state, EVAL, stalled)
+            if state.step < before:
+                raise self._rewound(state, before)
+
+    def _rewound(self, state: TrainState, before: int) -> Rewound:
+        """The members went back to the window's start ([Note: live averaging]); rank 0 says so."""
+        if state.world.is_main:
+            print(
+                f"dataparallel train: live: a replica was lost at step {before}; the members "
+                f"went back to step {state.step}, the last synchronisation, and redo the steps "
+                "since",
+                file=sys.stderr,
+                flush=True,
+            )
+        return Rewound(state.step)
+
+    def _at_boundary(self, state: TrainState) -> bool:
+        """Where replicas may be let in: every step under DDP, an averager's boundaries."""
+        return state.averager is None or state.averager.at_boundary()
 
     def _check_training(self) -> None:
         if self.phase is not Phase.TRAINING:
@@ -271,8 +246,20 @@ class LiveRecovery(Steps):
         )
         state.world = self._form(state.world, membership)
         state.data = DataRanks(rank=state.world.rank, size=state.world.world_size)
-        dp.rebind(state.model, state.world.group)
+        self._rebind(state)
+        self.marks.forget()
         self._heal(state, membership)
+        forget_after(state, state.step)
+
+    def _rebind(self, state: TrainState) -> None:
+        """Move the model (and an averager) to the generation's group. Under an averager the
+        model trains inside its replica (a group of its own) and the averager spans them."""
+        if state.averager is None:
+            dp.rebind(state.model, state.world.group)
+            return
+        mesh = dp.init_mesh(1, state.world.group)
+        dp.rebind(state.model, mesh.shard_group)
+        state.averager.rebind(mesh.replicate_group)
 
     def _leave(self, state: TrainState) -> None:
         """Leave the broken group for a world of one, without waiting for it.
@@ -286,7 +273,7 @@ class LiveRecovery(Steps):
         """
         self.abandoned.append(state.world.group)
         state.world = dp.join_group(dist.HashStore(), 0, 1, self.timeout, state.world)
-        dp.rebind(state.model, state.world.group)
+        self._rebind(state)
 
     def _meet(self, generation: int, report: Report) -> Membership:
         """Report for `generation` and wait for its decision; a replacement left out (the

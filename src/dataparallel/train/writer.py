@@ -100,6 +100,15 @@ class RecordsWriter(Callback):
         if self._follow(state, after_step(state.step)):
             self.blame.on_skip(state, record)
 
+    def on_rewind(self, state: TrainState) -> None:
+        """The run went back to `state.step` ([Note: live averaging] in rewind.py): the records
+        after it are cut (TensorBoard's purged) and written again as the steps are redone."""
+        if self.role is Role.WRITING:
+            self.metrics.close()
+            self.role = Role.WAITING
+        if state.world.is_main:
+            self.take_over(state, after_step(state.step))
+
     def on_end(self, state: TrainState) -> None:
         if self._follow(state, after_step(state.step)):
             self.progress.on_end(state)

@@ -1,0 +1,179 @@
+"""What a live replica goes back to when a peer is lost, and what a healed replica receives.
+
+    mark = marks.take(state)          # before each step: a Mark (DDP) or the window's WindowMark
+    mark.rewind(state)                # a collective failed: back to where the mark was taken
+    payload = snapshot(state)         # the source of a heal ([Note: live recovery])
+    load_snapshot(state, payload)     # a replica behind or new
+
+[Note: live averaging] Under local SGD or DiLoCo a replica applies its own updates between
+synchronisations, so a step whose collective fails cannot be undone by dropping its gradients:
+the replica has moved since the last synchronisation on its own. What can be undone is the
+*window*: at a boundary (`at_boundary()`: every replica's movement so far has been synchronised
+and no reduction is in flight: under local SGD every H steps; under DiLoCo each step a
+reduction is applied at, every step of the warm-up) the replica copies its whole state
+(`WindowMark`: parameters, inner and outer optimizer state, anchors, its own outer residuals,
+the data position and the counters), and when a peer is lost every survivor goes back to it,
+the members regroup, and the steps since are redone by the survivors with the whole global batch
+of each step. The lost replica's inner steps since the boundary are then trained on again by the
+others: under local SGD and DiLoCo (F = 1, no overlap) no sample is lost or counted twice, and
+the result is the run that had the smaller membership from the boundary on (exact up to the
+summation order; tests/e2e/test_live_averaging.py). The loop learns of the rewind through
+`Rewound` (train/loop.py): the records after the boundary are cut and written again.
+Under Streaming DiLoCo the fragments' windows are staggered, so no boundary has every fragment
+synchronised: going back to the last one (a fragment's), the lost replica's movement of the
+other fragments since their own last synchronisation is lost (at most H - H / F of its steps,
+on (F - 1) / F of the model); under overlap, its last tau steps before the boundary too.
+A replica healed at a boundary (new, or behind: its synchronisation failed where the source's
+had completed) takes the source's parameters, inner optimizer state and data position, and the
+averager's shared state (`shared()`: anchors, outer optimizer, schedule), then starts from the
+anchors (DiLoCo: the source's own progress since is not its to keep; its own outer residuals are
+kept, a new replica's are zero). A copy costs one model, its optimizer state and the anchors in
+memory per replica, taken every boundary.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+
+import dataparallel as dp
+
+from .trainer import TrainState
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Where a step began, to rewind it: the data position and the counters (DDP: the step
+    applied no update before its collectives, [Note: live recovery] in recovery.py)."""
+
+    step: int
+    consumed: int
+    skipped_steps: int
+
+    @classmethod
+    def of(cls, state: TrainState) -> Mark:
+        return cls(state.step, state.samples.consumed, state.skipped_steps)
+
+    def rewind(self, state: TrainState) -> None:
+        """Undo a step whose collectives failed: it applied no update; drop its gradients and
+        put its samples back."""
+        state.samples.consumed = self.consumed
+        state.optimizer.zero_grad(set_to_none=True)
+        if state.gradients is not None:
+            state.gradients.nonfinite()  # forget the interrupted step's sums
+
+
+@dataclass(frozen=True)
+class WindowMark:
+    """A replica's whole state at an averager's boundary, copied ([Note: live averaging]).
+
+    step, skipped_steps, consecutive_skips: the counters.
+    samples: the data position (`SampleStream.state_dict`).
+    model: the parameters (`full_state_dict`, copied).
+    optimizer: the inner optimizer's state dict (copied).
+    averager: the averager's `mark()`.
+    rng: torch's random state (dropout draws the same numbers when redone).
+    """
+
+    step: int
+    skipped_steps: int
+    consecutive_skips: int
+    samples: dict
+    model: dict
+    optimizer: dict
+    averager: dict
+    rng: torch.Tensor
+
+    @classmethod
+    def of(cls, state: TrainState) -> WindowMark:
+        return cls(
+            step=state.step,
+            skipped_steps=state.skipped_steps,
+            consecutive_skips=state.consecutive_skips,
+            samples=copy.deepcopy(state.samples.state_dict()),
+            model={k: v.detach().clone() for k, v in dp.full_state_dict(state.model).items()},
+            optimizer=copy.deepcopy(state.optimizer.state_dict()),
+            averager=state.averager.mark(),
+            rng=torch.random.get_rng_state(),
+        )
+
+    def rewind(self, state: TrainState) -> None:
+        """Back to the boundary: every update since is undone, the steps since are redone."""
+        state.optimizer.zero_grad(set_to_none=True)
+        if state.gradients is not None:
+            state.gradients.nonfinite()
+        dp.load_full_state_dict(state.model, self.model)
+        state.optimizer.load_state_dict(copy.deepcopy(self.optimizer))
+        state.averager.rewind(self.averager)
+        state.samples.load_state_dict(copy.deepcopy(self.samples))
+        state.step = self.step
+        state.skipped_steps = self.skipped_steps
+        state.consecutive_skips = self.consecutive_skips
+        torch.random.set_rng_state(self.rng)
+        forget_after(state, self.step)
+
+
+class Marks:
+    """The mark a step starts from: a fresh `Mark` under DDP; under an averager the window's
+    `WindowMark`, taken at each boundary and kept until the next ([Note: live averaging])."""
+
+    def __init__(self):
+        self.window: WindowMark | None = None
+
+    def take(self, state: TrainState) -> Mark | WindowMark:
+        if state.averager is None:
+            return Mark.of(state)
+        if state.averager.at_boundary() and (self.window is None or self.window.step != state.step):
+            self.window = WindowMark.of(state)
+        if self.window is None:
+            raise RuntimeError("Marks: a live replica under an averager began off a boundary")
+        return self.window
+
+    def forget(self) -> None:
+        """After a regroup: the state may have been healed; the next step marks it again."""
+        self.window = None
+
+
+def forget_after(state: TrainState, step: int) -> None:
+    """Drop the session's records after `step` (steps a rewind undid: they are redone)."""
+    state.history = [r for r in state.history if r.step <= step]
+    state.evals = [r for r in state.evals if r.step <= step]
+
+
+def snapshot(state: TrainState) -> dict:
+    """What a healed replica receives: everything a step changes ([Note: live recovery])."""
+    last = state.history[-1] if state.history and state.history[-1].step == state.step else None
+    return {
+        "model": dp.full_state_dict(state.model),
+        # Under DDP (and inside each replica under an averager) the optimizer is a plain torch
+        # one over the whole model, so its own state dict is exact.
+        "optimizer": state.optimizer.state_dict(),
+        "averager": state.averager.shared() if state.averager is not None else None,
+        "samples": state.samples.state_dict(),
+        "step": state.step,
+        "skipped_steps": state.skipped_steps,
+        "consecutive_skips": state.consecutive_skips,
+        "last_record": last,
+        "evals": state.evals[-1:],  # a replacement healed at step 0 skips the first evaluation
+        # The time the run has trained, so that a replacement's elapsed_s goes on from it (it
+        # may write the records: [Note: the writer role] in writer.py).
+        "elapsed_s": None if state.fit_started is None else time.perf_counter() - state.fit_started,
+    }
+
+
+def load_snapshot(state: TrainState, payload: dict) -> None:
+    dp.load_full_state_dict(state.model, payload["model"])
+    state.optimizer.load_state_dict(payload["optimizer"])
+    if state.averager is not None:
+        state.averager.adopt(payload["averager"])  # [Note: live averaging]
+    state.samples.load_state_dict(payload["samples"])
+    state.step = payload["step"]
+    state.skipped_steps = payload["skipped_steps"]
+    state.consecutive_skips = payload["consecutive_skips"]
+    state.evals = state.evals or payload["evals"]
+    forget_after(state, state.step)
+    if payload["elapsed_s"] is not None:
+        state.fit_started = time.perf_counter() - payload["elapsed_s"]
