@@ -5,6 +5,7 @@
     python benchmarks/live_trials.py --signal HANG --collective-timeout 8 --worker 2  # needs gdb
     python benchmarks/live_trials.py --steps 250 --at 10 120 180 --worker 1 2 1   # three kills
     python benchmarks/live_trials.py --pairs 2     # no failure: live mode's cost per step
+    python benchmarks/live_trials.py --sync "--diloco 20" --at 40   # under an averager
 
 Runs gpt-tiny on 3 workers twice with the same flags: uninterrupted, then live with the signal
 sent to worker --worker once the metrics show step --at (several: one after the other; the
@@ -38,8 +39,8 @@ CORPUS = Path(__file__).resolve().parents[1] / "tests" / "e2e" / "data" / "corpu
 GENERATION = re.compile(r"generation (\d+): workers \[([\d, ]+)\] \(pids ([\d, ]+)\) at step (\d+)")
 
 
-def flags(steps: int) -> list[str]:
-    return [
+def flags(steps: int, sync: str = "") -> list[str]:
+    return [*sync.split(),
         "--data", str(CORPUS), "--nproc", "3", "--threads", "1", "--model", "gpt-tiny",
         "--block-size", "32", "--batch", "4", "--accum", "1", "--steps", str(steps),
         "--lr", "3e-4", "--warmup-steps", "3", "--val-fraction", "0.1", "--eval-every", "50",
@@ -53,7 +54,7 @@ def records(run: Path) -> list[dict]:
 
 
 def trial(args, folder: Path) -> dict:
-    command = [sys.executable, "-m", "dataparallel.cli", "train", *flags(args.steps)]
+    command = [sys.executable, "-m", "dataparallel.cli", "train", *flags(args.steps, args.sync)]
     reference = folder / "reference"
     subprocess.run([*command, "--out", str(reference)], check=True, capture_output=True)
     out = folder / "live"
@@ -106,16 +107,21 @@ def trial(args, folder: Path) -> dict:
 
 def overhead(args, folder: Path) -> dict:
     """Median step time of `--pairs` interleaved runs without failures: restart, then live."""
-    command = [sys.executable, "-m", "dataparallel.cli", "train", *flags(args.steps)]
+    command = [sys.executable, "-m", "dataparallel.cli", "train", *flags(args.steps, args.sync)]
     medians: dict[str, list[float]] = {"restart": [], "live": []}
+    means: dict[str, list[float]] = {"restart": [], "live": []}  # with an averager's boundaries
     for pair in range(args.pairs):
         for mode in medians:
             out = folder / f"{mode}-{pair}"
             subprocess.run([*command, "--recovery", mode, "--out", str(out)], check=True,
                            capture_output=True)  # fmt: skip
             medians[mode].append(statistics.median(r["step_time_s"] for r in records(out)[5:]))
+            means[mode].append(statistics.mean(r["step_time_s"] for r in records(out)[5:]))
     restart, live = (statistics.median(medians[m]) for m in ("restart", "live"))
+    mean = {m: statistics.median(means[m]) for m in means}
     return {
+        "mean step s, restart / live": (round(mean["restart"], 4), round(mean["live"], 4)),
+        "mean live / restart": round(mean["live"] / mean["restart"], 3),
         "median step s, restart": round(restart, 4),
         "median step s, live": round(live, 4),
         "live / restart": round(live / restart, 3),
@@ -136,6 +142,7 @@ def main() -> None:
                         help="HANG: the worker sleeps inside a call made by gdb (state S, "
                         "not T: the launcher cannot tell it is stopped)")  # fmt: skip
     parser.add_argument("--collective-timeout", type=float, default=20.0)
+    parser.add_argument("--sync", default="", help='flags added to both runs, e.g. "--diloco 20"')
     parser.add_argument("--pairs", type=int, default=0, help="no failure: this many interleaved "
                         "restart/live runs, and the cost of live mode per step")  # fmt: skip
     args = parser.parse_args()
