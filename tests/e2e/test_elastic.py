@@ -1,6 +1,7 @@
 """Membership changes end to end (docs/faults.md, "Membership changes"): a live run of 2 workers
-grows to 3 with `dataparallel join` and shrinks back to 2 with `dataparallel leave`, without
-restarting anyone; every step is done once and the weights are the uninterrupted run's.
+grows to 3 with `dataparallel join` and shrinks back to 2 with `dataparallel leave` of slot 0,
+the writer of the run's records, without restarting anyone; every step is done once and the
+weights are the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def test_a_replica_joins_and_another_leaves_while_the_run_goes_on(tmp_path, caps
         go.touch()  # the third replica asks to join
         _wait_for(lambda: 3 in _sizes(out), launcher, "step with 3 ranks")
         assert main(["join", str(out)]) == 1  # a fourth is refused: --max-replicas 3
-        assert main(["leave", str(out), "--replica", "1"]) == 0
+        assert main(["leave", str(out), "--replica", "0"]) == 0  # the writer
         _wait_for(lambda: _sizes(out)[-1] == 2, launcher, "step with 2 ranks after the leave")
         assert main(["leave", str(out), "--replica", "2"]) == 1  # --min-replicas 2
         stdout, stderr = launcher.communicate(timeout=240)
@@ -84,16 +85,16 @@ def test_a_replica_joins_and_another_leaves_while_the_run_goes_on(tmp_path, caps
         "dataparallel join: refused: the run has 3 replica(s), its maximum (--max-replicas 3)"
         in said.err
     )
-    assert "dataparallel leave: replica 1 leaves at its next step boundary" in said.out
+    assert "dataparallel leave: replica 0 leaves at its next step boundary" in said.out
     assert (
         "dataparallel leave: refused: --replica 2: 1 replica(s) would stay, fewer than "
         "--min-replicas 2" in said.err
     )
-    assert "worker 1 left with status 0; not replaced" in stderr
+    assert "worker 0 left with status 0; not replaced" in stderr
     # The sizes 2 -> 3 -> 2, the same processes throughout: the two started, then the joiner.
     generations = [m.groups() for m in GENERATION.finditer(stderr)]
     members = [_numbers(g[1]) for g in generations]
-    assert members == [[0, 1], [0, 1, 2], [0, 2]], stderr
+    assert members == [[0, 1], [0, 1, 2], [1, 2]], stderr
     pids = {s: p for g in generations for s, p in zip(_numbers(g[1]), _numbers(g[2]), strict=True)}
     assert pids == {**first, 2: joiner.pid}
     joined_at, left_at = int(generations[1][3]), int(generations[2][3])
@@ -102,6 +103,10 @@ def test_a_replica_joins_and_another_leaves_while_the_run_goes_on(tmp_path, caps
     sizes = _sizes(out)  # by step: 2 ranks, then 3 from the join, then 2 from the leave
     assert sizes == [2] * joined_at + [3] * (left_at - joined_at) + [2] * (STEPS - left_at)
     assert _train_steps(out) == list(range(1, STEPS + 1))  # every step once
+    # The writer (slot 0) left: slot 1 took its role at the next record ([Note: the writer
+    # role]): the evaluations are all there, and one report was printed, by slot 1.
+    vals = [r["step"] for r in read_metrics(out) if r["kind"] == "val"]
+    assert vals == [0, 25, 50, 75, 100] and stdout.count("dataparallel train: done") == 1
     assert not (out / "live.json").exists()  # nobody can join a run that has ended
     # The same samples in the same steps: equal up to summation order (2, 3, then 2 ranks).
     ours, theirs = (

@@ -231,13 +231,9 @@ class LiveLauncher:
     def _release(self, request: Request) -> Answer:
         """A member leaves at its next step boundary, if --min-replicas stay."""
         members = [s for s, w in self.workers.items() if w.life is Life.MEMBER]
+        # The writer (rank 0, the lowest member) may leave too: the role moves to the next
+        # lowest ([Note: the writer role] in writer.py).
         refusal = refuse_leave(request.replica, members, self.policy)
-        # The writer (rank 0: the lowest member): its loss is recovered, a leave of it untried.
-        if not refusal and request.replica == min(self.current.members):
-            refusal = (
-                f"replica {request.replica} writes the run's records (the lowest member) and "
-                "cannot leave yet; choose another"
-            )
         if refusal:
             self._say(f"replica {request.replica} asked to leave: refused: {refusal}")
             return Answer(ok=False, message=refusal)

@@ -35,6 +35,9 @@ class Callback:
         """The run went back to `state.step` (a live run under an averager lost a replica:
         [Note: live averaging] in rewind.py); the steps after it are redone and recorded again."""
 
+    def on_leave(self, state: TrainState) -> None:
+        """This process left a live run by request (`dataparallel leave`); the others go on."""
+
     def on_end(self, state: TrainState) -> None: ...
 
 

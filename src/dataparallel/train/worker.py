@@ -229,6 +229,8 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
         raise SystemExit(1) from None
     except Left as error:  # asked to leave (dataparallel leave): the others go on
         _finish_saving(callbacks)
+        for callback in callbacks or []:
+            callback.on_leave(state)  # the writer hands its role over
         print(f"dataparallel train: live: {error}", file=sys.stderr, flush=True)
         raise SystemExit(0) from None
     except (FloatingPointError, CollectiveMismatch) as error:  # the user's to fix, not a bug

@@ -17,6 +17,9 @@ lowest live slot, so the role follows the membership:
   evaluation records: `state.history`, `state.evals`); so every step is in the file once.
 - slot 0's replacement let in: it is rank 0 again and takes the role at its first record;
   the member that held it hands it over (closes its files) at its next.
+- the writer let leave (`dataparallel leave`): it leaves at a step boundary, after its records
+  of that step, and closes its files (`on_leave`); the next lowest member takes the role at
+  its next record, which follows in the file.
 Every process is built with the same callbacks, and each asks at every record whether it is
 rank 0 of its current world; every member learns a generation before it records anything in
 it, so two processes never write at once, and none writes a record twice.
@@ -108,6 +111,13 @@ class RecordsWriter(Callback):
             self.role = Role.WAITING
         if state.world.is_main:
             self.take_over(state, after_step(state.step))
+
+    def on_leave(self, state: TrainState) -> None:
+        """Left the run (`dataparallel leave`): a writer closes its files (TensorBoard's events
+        flushed); the next lowest member takes the role at its next record."""
+        if self.role is Role.WRITING:
+            self.hand_over(state)
+        self.role = Role.ENDED
 
     def on_end(self, state: TrainState) -> None:
         if self._follow(state, after_step(state.step)):
