@@ -11,6 +11,8 @@ let in takes the next unused slot, trains the run's own config (read from the st
 its state alone and is healed from a member at their next step boundary, as a replacement is
 ([Note: live recovery] in recovery.py); it then trains in this process until the run ends, or
 until it is asked to leave. Exit status: 0 done (or left), 1 refused or failed, 2 bad input.
+`--restarts K` keeps a replica on this machine: a lost one joins again ([Note: the machine's
+keeper] in `keep`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from ..comm.membership import JOIN, LEAVE
@@ -29,6 +33,8 @@ from .config import ConfigError
 from .remote import RUN_FILE, Heartbeat, read_run_file
 
 CONNECT_TIMEOUT_S = 10.0
+REFUSED = 3  # a join the launcher refused (a keeper's child; the command says 1)
+REJOIN_WAIT_S = 30.0  # after a loss, how long a keeper asks again when a join is refused
 
 
 def add_join_parser(commands) -> None:
@@ -41,6 +47,14 @@ def add_join_parser(commands) -> None:
         "of the checkpoints.",
     )
     parser.add_argument("run", metavar="RUN_DIR", help=f"the run's directory (holds {RUN_FILE})")
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        help="when this machine's replica is lost after it joined (killed, crashed, left out "
+        "as stalled), join again from here, up to this many times (0: never) ([Note: the "
+        "machine's keeper])",
+    )
 
 
 def add_leave_parser(commands) -> None:
@@ -86,8 +100,20 @@ def _answer(command: str, store, request: Request) -> Answer | None:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    if args.restarts < 0:
+        print(f"dataparallel join: error: --restarts: {args.restarts} is negative; give 0 or "
+              "more", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.restarts:
+        return keep(Path(args.run), args.restarts)
+    code = join(Path(args.run))
+    return 1 if code == REFUSED else code
+
+
+def join(run_dir: Path) -> int:
+    """Join the run and train until it ends: 0 done or left, 1 failed, 2 bad input, REFUSED."""
     try:
-        address, store = connect(Path(args.run))
+        address, store = connect(run_dir)
     except ConfigError as error:
         print(f"dataparallel join: error: {error}", file=sys.stderr)
         return 2
@@ -96,9 +122,59 @@ def cmd_join(args: argparse.Namespace) -> int:
         return 1
     if not answer.ok:
         print(f"dataparallel join: refused: {answer.message}", file=sys.stderr)
-        return 1
+        return REFUSED
     print(f"dataparallel join: {answer.message}", file=sys.stderr, flush=True)
-    return train_joined(Path(args.run), address, store, answer.replica)
+    return train_joined(run_dir, address, store, answer.replica)
+
+
+def keep(run_dir: Path, restarts: int) -> int:
+    """Keep a replica of the run on this machine: join, and join again when it is lost.
+
+    [Note: the machine's keeper] The live launcher replaces the workers it started, on its own
+    machine; a replica that joined from another machine is replaced by nobody (the launcher
+    cannot start a process there). `dataparallel join RUN --restarts K` is that machine's
+    keeper: it imports torch once, then forks the replica (a forked child starts warm: no
+    import, so it asks to join within a second), waits for it, and when it ends lost (any
+    status but 0, 2 or a refusal: killed, crashed, left out as stalled) forks a new one, up to
+    K times; the new one joins as a new slot and is healed like any joiner. Right after a loss
+    the launcher may still count the lost replica (until its heartbeat has been silent for
+    HEARTBEAT_TIMEOUT_S) and refuse a join at --max-replicas: the keeper asks again each second
+    for REJOIN_WAIT_S. SIGTERM to the keeper is passed to its replica and ends both.
+    Status: 0 (the run ended, or the replica left), 1 (refused, or lost K + 1 times), 2 (bad input).
+    """
+    from .worker import run_worker  # noqa: F401  (torch and the trainer, imported once)
+
+    lost, rejoin_until, child = 0, 0.0, 0
+
+    def forward(signum, _frame):
+        if child:
+            os.kill(child, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    while True:
+        child = os.fork()
+        if child == 0:  # the replica
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            code = 1
+            try:
+                code = join(run_dir)
+            except SystemExit as end:
+                code = end.code if isinstance(end.code, int) else int(end.code is not None)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        code, child = os.waitstatus_to_exitcode(status), 0
+        if code == REFUSED and time.monotonic() < rejoin_until:
+            time.sleep(1.0)  # the lost replica may still be counted: ask again
+            continue
+        if code in (0, 2, REFUSED) or lost == restarts:
+            return 1 if code == REFUSED or code < 0 else code
+        lost += 1
+        rejoin_until = time.monotonic() + REJOIN_WAIT_S
+        print(f"dataparallel join: the replica was lost (status {code}); joining again "
+              f"({lost} of --restarts {restarts})", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def train_joined(run_dir: Path, address: str, store, replica: int) -> int:
