@@ -110,7 +110,6 @@ def check_recovery(config: RunConfig) -> None:
         ("nnodes", launch.nnodes != 1, "one machine (--nnodes 1)"),
         ("tp", launch.tp != 1, "--tp 1"),
         ("shard_group", launch.shard_group > 1, "no --shard-group"),
-        ("compress", bool(sync.compress), "no --compress"),
         ("local_sgd", sync.local_sgd > 0 or sync.diloco > 0, "no --local-sgd or --diloco"),
         ("collective_timeout", launch.collective_timeout <= 0, "a --collective-timeout above 0"),
     ]

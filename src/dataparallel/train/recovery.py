@@ -12,7 +12,9 @@ guarded: when one of its collectives fails (a peer died: gloo reports the closed
 once; or a peer stalled: the group's timeout is --collective-timeout, so the collective raises
 instead of waiting forever), this replica
 1. rewinds the step: it applied no update (under DDP every collective of a step comes before
-   the optimizer's), so it drops the gradients and puts the data position back;
+   the optimizer's), so it drops the gradients and puts the data position back, and under
+   --compress the compression state as it was at the step's start ([Note: compression across
+   replicas] in compression/live.py);
 2. leaves the broken group for a world of its own ([Note: abandoned groups]), reports for the
    next generation and waits for the launcher's decision. A survivor blocked on another
    survivor rather than on the lost peer fails only at the collective timeout (gloo gives no
@@ -21,7 +23,8 @@ instead of waiting forever), this replica
    gen/<g>/pg, [Note: quorum keys] in comm/quorum.py) and moves the model to it
    (`dataparallel.rebind`: same state, new rank, new size, the mean's new divisor);
 4. heals: if a member is behind or new, the source broadcasts its parameters, optimizer state,
-   data position and counters (`snapshot`), and those members load them;
+   data position, counters and the compression state shared by all ranks (`snapshot`), and
+   those members load them;
 5. redoes the step with the whole global batch: the global batch is fixed for the run, and
    take_share splits it over the new size ([Note: uneven batches] in trainer.py), so the same
    samples are trained on and the gradient stays that of the global batch.
@@ -50,6 +53,8 @@ import dataparallel as dp
 
 from ..comm.membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
 from ..comm.quorum import Quorum, client_store, group_prefix, run_store
+from ..compression import CompressedHook
+from ..compression.live import StepCopy, load_shared_state, shared_state
 from .config import LaunchConfig
 from .loop import Steps
 from .records import EvalRecord, StepRecord
@@ -95,28 +100,46 @@ def timed_out(error: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class Mark:
-    """Where a step began, to rewind it: the data position and the counters."""
+    """Where a step began, to rewind it.
+
+    step: the step counter at the start.
+    consumed: the data position at the start.
+    skipped_steps: the count of skipped steps at the start.
+    compression: the compression state at the start (`of` takes the copy), or None.
+    """
 
     step: int
     consumed: int
     skipped_steps: int
+    compression: StepCopy | None = None
 
     @classmethod
-    def of(cls, state: TrainState) -> Mark:
-        return cls(state.step, state.samples.consumed, state.skipped_steps)
+    def of(cls, state: TrainState, compression: StepCopy | None = None) -> Mark:
+        if compression is not None:
+            compression.take()
+        return cls(state.step, state.samples.consumed, state.skipped_steps, compression)
 
     def rewind(self, state: TrainState) -> None:
-        """Undo a step whose collectives failed: it applied no update; drop its gradients and
-        put its samples back."""
+        """Undo a step whose collectives failed: it applied no update; drop its gradients, put
+        its samples back and the compression state as it was."""
         state.samples.consumed = self.consumed
         state.optimizer.zero_grad(set_to_none=True)
         if state.gradients is not None:
             state.gradients.nonfinite()  # forget the interrupted step's sums
+        if self.compression is not None:
+            self.compression.restore()
+
+
+def compression_hook(state: TrainState) -> CompressedHook | None:
+    """The run's compressed hook (--compress powersgd, topk, int8, fp8), else None."""
+    hook = dp.strategy_of(state.model).stateful_hook()
+    return hook if isinstance(hook, CompressedHook) else None
 
 
 def snapshot(state: TrainState) -> dict:
     """What a healed replica receives: everything a step changes ([Note: live recovery])."""
     last = state.history[-1] if state.history and state.history[-1].step == state.step else None
+    hook = compression_hook(state)
     return {
         "model": dp.full_state_dict(state.model),
         # Under DDP the optimizer is a plain torch one over the whole model, the same on every
@@ -128,6 +151,9 @@ def snapshot(state: TrainState) -> dict:
         "consecutive_skips": state.consecutive_skips,
         "last_record": last,
         "evals": state.evals[-1:],  # a replacement healed at step 0 skips the first evaluation
+        # What every rank's compressor holds equal, not this rank's own residuals ([Note:
+        # compression across replicas] in compression/live.py).
+        "compression": shared_state(hook) if hook is not None else None,
         # The time the run has trained, so that a replacement's elapsed_s goes on from it (it
         # may write the records: [Note: the writer role] in writer.py).
         "elapsed_s": None if state.fit_started is None else time.perf_counter() - state.fit_started,
@@ -142,6 +168,14 @@ def load_snapshot(state: TrainState, payload: dict) -> None:
     state.skipped_steps = payload["skipped_steps"]
     state.consecutive_skips = payload["consecutive_skips"]
     state.evals = state.evals or payload["evals"]
+    hook = compression_hook(state)
+    if (hook is None) != (payload["compression"] is None):
+        raise ValueError(
+            "live recovery: the source and this replica differ in --compress; every replica "
+            "of a run uses the same one"
+        )
+    if hook is not None:
+        load_shared_state(hook, payload["compression"])
     if payload["elapsed_s"] is not None:
         state.fit_started = time.perf_counter() - payload["elapsed_s"]
 
@@ -163,6 +197,7 @@ class LiveRecovery(Steps):
         self.phase = Phase.STARTING
         self.healed_record: StepRecord | None = None
         self.abandoned: list[dist.ProcessGroup] = []  # [Note: abandoned groups]
+        self.compression: StepCopy | None = None  # the hook's state at the step's start
 
     @classmethod
     def from_environment(cls, launch: LaunchConfig) -> LiveRecovery | None:
@@ -194,8 +229,11 @@ class LiveRecovery(Steps):
     # -- the guarded work (Steps) -------------------------------------------------------------
     def step(self, state: TrainState) -> StepRecord:
         self._check_training()
+        hook = compression_hook(state)
+        if hook is not None and (self.compression is None or self.compression.hook is not hook):
+            self.compression = StepCopy(hook)
         while True:
-            mark = Mark.of(state)
+            mark = Mark.of(state, self.compression)
             try:
                 if self._replacement_waits(state):
                     self._regroup(state, STEP)
