@@ -266,15 +266,6 @@ class DiLoCo(LocalSGD):
             load_keyed_tensors(self.quantize.stores(), local)
 
     # -- live recovery ([Note: live averaging] in train/rewind.py) -----------------------------
-    def rebind(self, group: dist.ProcessGroup) -> None:
-        """As LocalSGD's; the outer residuals restart from zero: a quantised reduction lays
-        them out by the group's size and this rank's place in it (as after a resume on another
-        layout, train/checkpointing.py)."""
-        super().rebind(group)
-        if self.quantize is not None:
-            for store in self.quantize.stores().values():
-                store.clear()
-
     def at_boundary(self) -> bool:
         """A reduction was applied at this step and none is in flight (every step of the
         warm-up; the start of each fragment's window, or its end under overlap)."""

@@ -60,10 +60,10 @@ def _train_steps(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run) if r["kind"] == "train"]
 
 
-def _kill_during_a_live_run(out: Path, slot: int) -> tuple[dict, str, str]:
-    """A live run on 3 workers whose worker in `slot` is killed with SIGKILL after step 3:
-    ({slot: pid} before the kill, stdout, stderr); asserts the run's status 0."""
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *ARGS]
+def _kill_during_a_live_run(out: Path, slot: int, args=ARGS) -> tuple[dict, str, str]:
+    """A live run on 3 workers (`args`, ARGS unless given) whose worker in `slot` is killed with
+    SIGKILL after step 3: ({slot: pid} before the kill, stdout, stderr); asserts status 0."""
+    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *args]
     command += ["--nproc", "3", "--batch", "4"]
     command += ["--recovery", "live", "--collective-timeout", "10", "--out", str(out)]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -113,3 +113,33 @@ def test_a_healed_diloco_replica_starts_from_the_anchors():
     params = list(state.model.parameters())
     assert all(torch.equal(p, a) for p, a in zip(params, anchors, strict=True))
     assert state.averager.steps == 4 and state.averager.pending is None
+
+
+def test_a_rewound_step_puts_the_compression_state_back():
+    """Under --compress the mark copies the hook's state; the rewind restores it (the
+    residuals, top-k's velocity and the rounds the interrupted step had moved)."""
+    from dataparallel.comm.hooks import HookState
+    from dataparallel.compression import build_hook
+    from dataparallel.compression.live import StepCopy
+
+    hook = build_hook("topk:ratio=0.25,momentum=0.9")
+    comm = HookState(SimpleNamespace(world_size=1, rank=0))
+
+    def reduce(value: float) -> None:
+        bucket = SimpleNamespace(index=0, buffer=torch.arange(8.0) * value, shard=None, shapes=[])
+        hook(comm, bucket).wait()
+
+    reduce(1.0)  # step 1: entries 6 and 7 sent, 0..5 held back
+    layer = torch.nn.Linear(3, 2)
+    state = SimpleNamespace(
+        step=1, samples=SampleStream(100, seed=1, consumed=12), skipped_steps=0,
+        optimizer=torch.optim.SGD(layer.parameters(), lr=0.1), gradients=None,
+    )  # fmt: skip
+    mark = Mark.of(state, StepCopy(hook))
+    reduce(-3.0)  # the interrupted step 2
+    assert hook.rounds == 2
+    mark.rewind(state)
+    assert hook.rounds == 1
+    residual = hook.compressor.feedback.residuals[(0, "all")]
+    assert residual.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 0.0, 0.0]
+    assert hook.compressor.velocity[(0, "all")].tolist() == residual.tolist()

@@ -5,7 +5,8 @@
     dp.parallelize(model, dp.DDP(comm_hook=dp.compression.build_hook("topk:ratio=0.01")))
 
 One algorithm per file: powersgd.py, topk.py, quantize.py (int8, fp8); feedback.py is the
-error feedback they share; hook.py decides where in a strategy's reduction they act.
+error feedback they share; hook.py decides where in a strategy's reduction they act; live.py
+keeps their state right under live recovery (a rewound step, a healed replacement).
 """
 
 from .feedback import ErrorFeedback

@@ -69,6 +69,15 @@ class CompressedHook:
 
         return Chain(exact, across)
 
+    def counters(self) -> tuple[int, frozenset[int]]:
+        """(rounds, the buckets seen in the current round): where the hook stands."""
+        return self.rounds, frozenset(self._seen)
+
+    def load_counters(self, counters: tuple[int, frozenset[int]]) -> None:
+        """Stand where `counters()` said (a rewound step; a replacement: no bucket seen)."""
+        rounds, seen = counters
+        self.rounds, self._seen = int(rounds), set(seen)
+
     def state_tensors(self) -> list[torch.Tensor]:
         """What the compressor keeps between steps (residuals, warm-start factors)."""
         return self.compressor.state_tensors()

@@ -92,6 +92,9 @@ class PowerSGD:
     """
 
     name = "powersgd"
+    # Equal on every rank ([Note: compression across replicas] in compression/live.py): the
+    # factors (Q is summed; P, summed then orthogonalised, is also what marks a warm start).
+    shared_stores = ("p", "q")
 
     def __init__(
         self,
@@ -204,6 +207,16 @@ class PowerSGD:
     def stores(self) -> dict[str, dict]:
         """The per-key state a checkpoint keeps (see `feedback.keyed_tensors`)."""
         return {"residual": self.feedback.residuals, "p": self.p_memory, "q": self.q_memory}
+
+    def random_state(self):
+        """Where the draws of fresh Qs stand: equal on every rank, like the Qs they seed."""
+        return self.rng.get_state() if hasattr(self.rng, "get_state") else self.rng.getstate()
+
+    def load_random_state(self, state) -> None:
+        if hasattr(self.rng, "set_state"):
+            self.rng.set_state(state)
+        else:  # pragma: no cover - numpy comes with the dev dependencies
+            self.rng.setstate(state)
 
 
 def _all_reduce(comm: Comm, tensors: list[torch.Tensor]):

@@ -19,6 +19,15 @@ scale and error feedback are what the rest of this module does).
 Each quantisation has its own error feedback ([Note: error feedback]): the sender's, over the
 whole buffer, for step 1; the chunk owner's, over its chunk, for step 3. Bytes per rank: about
 n x (1 + 4 / block) in each step, against 4n for fp32 (a quarter).
+
+[Note: quantised residuals after a regroup] Both residuals are laid out by the group: the
+sender's as W rows (row j: chunk j), the chunk owner's as its own chunk, so they mean nothing
+in a group of another size, or at another rank (a live run's regroup: train/recovery.py).
+`layouts` keeps the (rank, size) each key's residuals were laid out for; a reduction in
+another group first lays them out again, without losing any of them: the sender's residual is
+flattened to the bucket's entries and laid out for the new size, and the owner's is added to
+it at its chunk's entries. That is the same correction: the owner's residual is an error of
+the summed chunk, and whatever a sender adds to its entries reaches that sum.
 """
 
 from __future__ import annotations
@@ -51,6 +60,10 @@ class Quantize:
         self.name, self.kind, self.block = kind, kind, block
         self.dtype, self.limit = FORMATS[kind]
         self.feedback = ErrorFeedback()
+        # key -> tensor([rank, size]) of the group its residuals are laid out for
+        self.layouts: dict[object, torch.Tensor] = {}
+
+    shared_stores = ()  # the residuals are each rank's own (compression/live.py)
 
     # -- pure verbs -------------------------------------------------------------------------
     def quantize(self, rows: torch.Tensor) -> torch.Tensor:
@@ -102,13 +115,9 @@ class Quantize:
                 f"{self.name}: this rank keeps [{keep[0]}, {keep[1]}) of {numel} entries, not "
                 f"its chunk of {chunk}; shard buckets evenly over the group it reduces in"
             )
-        padded = -(-chunk // self.block) * self.block
-        rows = torch.zeros(world, padded, dtype=torch.float32, device=tensor.device)
-        full = numel // chunk  # rank j's chunk in row j, zero padded: one copy
-        rows[:full, :chunk] = tensor[: full * chunk].view(full, chunk)
-        if full < world:
-            rows[full, : numel - full * chunk] = tensor[full * chunk :]
-        packed = self.round_trip((key, "send"), rows)
+        padded = self._padded(numel, world)
+        self._follow_layout(key, comm.rank, world, numel)
+        packed = self.round_trip((key, "send"), self._rows(tensor, world, padded))
 
         def summed(received: torch.Tensor) -> torch.Tensor:
             return self.dequantize(received.view(world, -1)).sum(dim=0)[:chunk]
@@ -140,9 +149,49 @@ class Quantize:
 
         return Chain(first, gather)
 
+    def _padded(self, numel: int, world: int) -> int:
+        """A row's entries: a chunk of `numel` over `world`, rounded up to whole blocks."""
+        chunk = -(-numel // world)
+        return -(-chunk // self.block) * self.block
+
+    @staticmethod
+    def _rows(flat: torch.Tensor, world: int, padded: int) -> torch.Tensor:
+        """`flat` as `world` rows of `padded` entries, chunk j in row j, zero padded: one copy."""
+        numel = flat.numel()
+        chunk = -(-numel // world)
+        rows = torch.zeros(world, padded, dtype=torch.float32, device=flat.device)
+        full = numel // chunk
+        rows[:full, :chunk] = flat[: full * chunk].view(full, chunk)
+        if full < world:
+            rows[full, : numel - full * chunk] = flat[full * chunk :]
+        return rows
+
+    def _follow_layout(self, key, rank: int, world: int, numel: int) -> None:
+        """Lay `key`'s residuals out for this group if they were for another ([Note: quantised
+        residuals after a regroup])."""
+        was = self.layouts.get(key)
+        self.layouts[key] = torch.tensor([rank, world])
+        if was is None or was.tolist() == [rank, world]:
+            return
+        old_rank, old_world = was.tolist()
+        send = self.feedback.residuals.pop((key, "send"), None)
+        gather = self.feedback.residuals.pop((key, "gather"), None)
+        if send is None and gather is None:
+            return
+        device = (send if send is not None else gather).device
+        flat = torch.zeros(numel, dtype=torch.float32, device=device)
+        old_chunk = -(-numel // old_world)
+        if send is not None:
+            flat += send[:, :old_chunk].reshape(-1)[:numel]
+        if gather is not None:
+            begin = min(numel, old_rank * old_chunk)
+            end = min(numel, begin + old_chunk)
+            flat[begin:end] += gather[0, : end - begin]
+        self.feedback.keep((key, "send"), self._rows(flat, world, self._padded(numel, world)))
+
     def state_tensors(self) -> list[torch.Tensor]:
         return self.feedback.tensors()
 
     def stores(self) -> dict[str, dict]:
         """The per-key state a checkpoint keeps (see `feedback.keyed_tensors`)."""
-        return {"residual": self.feedback.residuals}
+        return {"residual": self.feedback.residuals, "layout": self.layouts}

@@ -30,6 +30,7 @@ class TopK:
     """
 
     name = "topk"
+    shared_stores = ()  # residuals and velocities are each rank's own (compression/live.py)
 
     def __init__(self, ratio: float, momentum: float = 0.0):
         if not 0 < ratio <= 1:

@@ -97,9 +97,10 @@ RECOVERY = ("restart", "live")
 
 
 def check_recovery(config: RunConfig) -> None:
-    """--recovery live covers one machine, DDP (alone or inside each replica of local SGD or
-    DiLoCo) and the precisions that keep DDP's plain replicas (docs/faults.md, "Live recovery"); say which flag stands in its way."""
-    launch, sync, label = config.launch, config.sync, field_label("launch", "recovery")
+    """--recovery live covers one machine, DDP (with or without --compress; alone or inside
+    each replica of local SGD or DiLoCo) and the precisions that keep DDP's plain replicas
+    (docs/faults.md, "Live recovery"); say which flag stands in its way."""
+    launch, label = config.launch, field_label("launch", "recovery")
     _choose(label, launch.recovery, RECOVERY)
     _check_sizes(config)
     if launch.recovery != "live":
@@ -110,7 +111,6 @@ def check_recovery(config: RunConfig) -> None:
         ("nnodes", launch.nnodes != 1, "one machine (--nnodes 1)"),
         ("tp", launch.tp != 1, "--tp 1"),
         ("shard_group", launch.shard_group > 1, "no --shard-group"),
-        ("compress", bool(sync.compress), "no --compress"),
         ("collective_timeout", launch.collective_timeout <= 0, "a --collective-timeout above 0"),
     ]
     for name, blocked, needs in blockers:

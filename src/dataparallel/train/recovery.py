@@ -12,7 +12,9 @@ guarded: when one of its collectives fails (a peer died: gloo reports the closed
 once; or a peer stalled: the group's timeout is --collective-timeout, so the collective raises
 instead of waiting forever), this replica
 1. rewinds the step: it applied no update (under DDP every collective of a step comes before
-   the optimizer's), so it drops the gradients and puts the data position back;
+   the optimizer's), so it drops the gradients and puts the data position back, and under
+   --compress the compression state as it was at the step's start ([Note: compression across
+   replicas] in compression/live.py);
 2. leaves the broken group for a world of its own ([Note: abandoned groups]), reports for the
    next generation and waits for the launcher's decision. A survivor blocked on another
    survivor rather than on the lost peer fails only at the collective timeout (gloo gives no
@@ -21,7 +23,8 @@ instead of waiting forever), this replica
    gen/<g>/pg, [Note: quorum keys] in comm/quorum.py) and moves the model to it
    (`dataparallel.rebind`: same state, new rank, new size, the mean's new divisor);
 4. heals: if a member is behind or new, the source broadcasts its parameters, optimizer state,
-   data position and counters (`snapshot`), and those members load them;
+   data position, counters and the compression state shared by all ranks (`snapshot` in
+   rewind.py), and those members load them;
 5. redoes the step with the whole global batch: the global batch is fixed for the run, and
    take_share splits it over the new size ([Note: uneven batches] in trainer.py), so the same
    samples are trained on and the gradient stays that of the global batch.

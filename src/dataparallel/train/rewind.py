@@ -41,29 +41,48 @@ import torch
 
 import dataparallel as dp
 
+from ..compression import CompressedHook
+from ..compression.live import StepCopy, load_shared_state, shared_state
 from .trainer import TrainState
 
 
 @dataclass(frozen=True)
 class Mark:
-    """Where a step began, to rewind it: the data position and the counters (DDP: the step
-    applied no update before its collectives, [Note: live recovery] in recovery.py)."""
+    """Where a step began, to rewind it (DDP: the step applied no update before its
+    collectives, [Note: live recovery] in recovery.py).
+
+    step: the step counter at the start.
+    consumed: the data position at the start.
+    skipped_steps: the count of skipped steps at the start.
+    compression: the compression state at the start (`of` takes the copy), or None.
+    """
 
     step: int
     consumed: int
     skipped_steps: int
+    compression: StepCopy | None = None
 
     @classmethod
-    def of(cls, state: TrainState) -> Mark:
-        return cls(state.step, state.samples.consumed, state.skipped_steps)
+    def of(cls, state: TrainState, compression: StepCopy | None = None) -> Mark:
+        if compression is not None:
+            compression.take()
+        return cls(state.step, state.samples.consumed, state.skipped_steps, compression)
 
     def rewind(self, state: TrainState) -> None:
-        """Undo a step whose collectives failed: it applied no update; drop its gradients and
-        put its samples back."""
+        """Undo a step whose collectives failed: it applied no update; drop its gradients, put
+        its samples back and the compression state as it was."""
         state.samples.consumed = self.consumed
         state.optimizer.zero_grad(set_to_none=True)
         if state.gradients is not None:
             state.gradients.nonfinite()  # forget the interrupted step's sums
+        if self.compression is not None:
+            self.compression.restore()
+
+
+def compression_hook(state: TrainState) -> CompressedHook | None:
+    """The run's compressed hook (--compress powersgd, topk, int8, fp8), else None."""
+    hook = dp.strategy_of(state.model).stateful_hook()
+    return hook if isinstance(hook, CompressedHook) else None
 
 
 @dataclass(frozen=True)
@@ -122,10 +141,14 @@ class Marks:
 
     def __init__(self):
         self.window: WindowMark | None = None
+        self.compression: StepCopy | None = None  # the hook's state at the step's start
 
     def take(self, state: TrainState) -> Mark | WindowMark:
         if state.averager is None:
-            return Mark.of(state)
+            hook = compression_hook(state)
+            if hook is not None and (self.compression is None or self.compression.hook is not hook):
+                self.compression = StepCopy(hook)
+            return Mark.of(state, self.compression)
         if state.averager.at_boundary() and (self.window is None or self.window.step != state.step):
             self.window = WindowMark.of(state)
         if self.window is None:
@@ -146,6 +169,7 @@ def forget_after(state: TrainState, step: int) -> None:
 def snapshot(state: TrainState) -> dict:
     """What a healed replica receives: everything a step changes ([Note: live recovery])."""
     last = state.history[-1] if state.history and state.history[-1].step == state.step else None
+    hook = compression_hook(state)
     return {
         "model": dp.full_state_dict(state.model),
         # Under DDP (and inside each replica under an averager) the optimizer is a plain torch
@@ -158,6 +182,9 @@ def snapshot(state: TrainState) -> dict:
         "consecutive_skips": state.consecutive_skips,
         "last_record": last,
         "evals": state.evals[-1:],  # a replacement healed at step 0 skips the first evaluation
+        # What every rank's compressor holds equal, not this rank's own residuals ([Note:
+        # compression across replicas] in compression/live.py).
+        "compression": shared_state(hook) if hook is not None else None,
         # The time the run has trained, so that a replacement's elapsed_s goes on from it (it
         # may write the records: [Note: the writer role] in writer.py).
         "elapsed_s": None if state.fit_started is None else time.perf_counter() - state.fit_started,
@@ -175,5 +202,13 @@ def load_snapshot(state: TrainState, payload: dict) -> None:
     state.consecutive_skips = payload["consecutive_skips"]
     state.evals = state.evals or payload["evals"]
     forget_after(state, state.step)
+    hook = compression_hook(state)
+    if (hook is None) != (payload["compression"] is None):
+        raise ValueError(
+            "live recovery: the source and this replica differ in --compress; every replica "
+            "of a run uses the same one"
+        )
+    if hook is not None:
+        load_shared_state(hook, payload["compression"])
     if payload["elapsed_s"] is not None:
         state.fit_started = time.perf_counter() - payload["elapsed_s"]
