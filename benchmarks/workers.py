@@ -40,5 +40,19 @@ def live_workers(launcher: int) -> dict[int, int]:
     for pid in children(launcher, deep=False):
         live = environment(pid, "DATAPARALLEL_LIVE")
         if live is not None:
-            found[json.loads(live)["replica"]] = pid
+            given = json.loads(live)
+            if given.get("index", 0) == 0:  # an HSDP replica: its first process
+                found[given["replica"]] = pid
+    return found
+
+
+def live_ranks(launcher: int) -> dict[tuple[int, int], int]:
+    """{(slot, index): pid} of a `--recovery live` launcher's workers: under --shard-group S a
+    slot (one replica) has S processes, index 0..S-1."""
+    found = {}
+    for pid in children(launcher, deep=False):
+        live = environment(pid, "DATAPARALLEL_LIVE")
+        if live is not None:
+            given = json.loads(live)
+            found[given["replica"], given.get("index", 0)] = pid
     return found

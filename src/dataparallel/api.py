@@ -105,10 +105,16 @@ def strategy_of(model: nn.Module) -> Strategy:
     return instance
 
 
-def rebind(model: nn.Module, group: dist.ProcessGroup) -> None:
+def rebind(model: nn.Module, group) -> None:
     """Train `model` over `group` from now on, its state kept as it is: a live run's next
-    generation after a rank was lost or joined (dataparallel train --recovery live). DDP only
-    (every rank holds the same state); drop the gradients of a step interrupted half-way."""
+    generation after a replica was lost or joined (dataparallel train --recovery live); drop
+    the gradients of a step interrupted half-way.
+
+    group: a ProcessGroup for DDP (every rank holds the same state); for ZeRO-1/2 on a 2-D
+        mesh, the new `Mesh` (`dp.init_mesh(S, group, elastic=True)`), whose shard groups
+        have the model's S ranks in the same places: each rank keeps its shards, and only the
+        replicas change.
+    """
     strategy_of(model).rebind(group)
 
 

@@ -87,6 +87,9 @@ class Recipe:
         least; `dataparallel train` gives its --warmup-steps).
     run_steps: the run's optimizer steps (0: not known); the recipe's DiLoCo warm-up lasts a
         tenth of them when that is longer than `lr_warmup` (`dataparallel train` gives --steps).
+    elastic: the replicas may change while training (`dataparallel train --recovery live`):
+        with a shard_size above 1 the 2-D mesh is built even with one replica, and built
+        elastic, so that `dp.rebind` can move the model to the next generation's mesh.
     """
 
     strategy: object = "ddp"
@@ -104,6 +107,7 @@ class Recipe:
     outer_warmup: int = RECIPE
     lr_warmup: int = 30
     run_steps: int = 0
+    elastic: bool = False
 
     def __post_init__(self):
         if isinstance(self.strategy, str) and self.strategy not in POLICIES:
@@ -250,8 +254,8 @@ def compose(
         mesh = init_mesh(recipe.shard_size or 1, group)
         parallelize(model, policy, group=mesh.shard_group, tracer=tracer)
         replicas = mesh.replicate_group
-    elif 0 < recipe.shard_size < world_size:  # 2. a 2-D mesh (HSDP)
-        mesh = init_mesh(recipe.shard_size, group)
+    elif 0 < recipe.shard_size < world_size or recipe.elastic and recipe.shard_size > 1:
+        mesh = init_mesh(recipe.shard_size, group, elastic=recipe.elastic)  # 2. 2-D (HSDP)
         parallelize(model, policy, mesh=mesh, tracer=tracer)
     else:
         parallelize(model, policy, group=group, tracer=tracer)

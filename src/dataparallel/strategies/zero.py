@@ -304,6 +304,12 @@ class ZeROStrategy(Strategy):
             self.keeper.after_round(bucket.shard, grads)
         self.round_done = True
 
+    def rebind(self, group) -> None:
+        """Train over another elastic mesh of this model's shard size (`Groups.rebind`); a
+        round that failed half-way is dropped (the caller drops the gradients too)."""
+        self.groups.rebind(group, self.name)
+        self.reducer.rebind(divisor=self.groups.divisor)
+
     def _set_sync(self, enabled: bool) -> None:
         self.sync_enabled = enabled
         self.reducer.sync_enabled = enabled

@@ -105,14 +105,19 @@ def check_recovery(config: RunConfig) -> None:
     _check_sizes(config)
     if launch.recovery != "live":
         return
+    hsdp = launch.shard_group > 1  # a replica of S ranks ([Note: HSDP replicas] in replica.py)
+    sync = config.sync
     blockers = [
-        ("strategy", launch.strategy != "ddp", "--strategy ddp"),
+        ("strategy", launch.strategy not in ("ddp", "zero1", "zero2")
+         or launch.strategy != "ddp" and not hsdp,
+         "--strategy ddp, or zero1/zero2 inside replicas of --shard-group S ranks"),
         ("precision", config.train.precision not in ("fp32", "bf16"), "--precision fp32 or bf16"),
         ("nnodes", launch.nnodes != 1, "one machine (--nnodes 1)"),
         ("tp", launch.tp != 1, "--tp 1"),
-        ("shard_group", launch.shard_group > 1, "no --shard-group"),
+        ("shard_group", hsdp and bool(sync.compress or sync.local_sgd or sync.diloco),
+         "--compress, --local-sgd or --diloco without --shard-group"),
         ("collective_timeout", launch.collective_timeout <= 0, "a --collective-timeout above 0"),
-    ]
+    ]  # fmt: skip
     for name, blocked, needs in blockers:
         if blocked:
             raise ConfigError(label, f"live recovery does not cover {name} yet", f"use {needs}")
@@ -132,17 +137,22 @@ def _check_sizes(config: RunConfig) -> None:
             "replicas join, leave and find the run's store only under --recovery live",
             "add --recovery live, or leave it out",
         )
-    if launch.min_replicas > launch.nproc:
+    replicas, what, zero = launch.nproc, f"--nproc {launch.nproc}", "--nproc"
+    if launch.shard_group > 1:  # a replica of S ranks ([Note: HSDP replicas] in replica.py)
+        replicas = launch.nproc // launch.shard_group
+        what = f"the run's {replicas} replicas (--nproc / --shard-group)"
+        zero = "as many"
+    if launch.min_replicas > replicas:
         raise ConfigError(
             field_label("launch", "min_replicas"),
-            f"{launch.min_replicas} is above --nproc {launch.nproc}",
-            f"use at most {launch.nproc}",
+            f"{launch.min_replicas} is above {what}",
+            f"use at most {replicas}",
         )
-    if launch.max_replicas and launch.max_replicas < launch.nproc:
+    if launch.max_replicas and launch.max_replicas < replicas:
         raise ConfigError(
             field_label("launch", "max_replicas"),
-            f"{launch.max_replicas} is below --nproc {launch.nproc}",
-            f"use at least {launch.nproc}, or 0 for --nproc",
+            f"{launch.max_replicas} is below {what}",
+            f"use at least {replicas}, or 0 for {zero}",
         )
 
 

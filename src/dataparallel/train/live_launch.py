@@ -75,18 +75,69 @@ class Life(enum.Enum):
 
 @dataclass
 class Worker:
-    """One process in a slot: the launcher's child, or a joiner (RemoteProcess)."""
+    """What trains in a slot: the launcher's child, its children of one HSDP replica
+    (`Replica`), or a joiner (RemoteProcess)."""
 
     slot: int
-    process: subprocess.Popen | RemoteProcess
+    process: subprocess.Popen | Replica | RemoteProcess
     life: Life
     code: int | None = None
     ended_as: Life | None = None  # the life it had when it ended
 
     @property
     def stopped(self) -> bool:
-        """Stopped (state T in /proc): only a child is looked at (a joiner may be elsewhere)."""
+        """Stopped (state T in /proc): only children are looked at (a joiner may be elsewhere)."""
+        if isinstance(self.process, Replica):
+            return self.process.stopped()
         return isinstance(self.process, subprocess.Popen) and is_stopped(self.process.pid)
+
+
+class Replica:
+    """The `--shard-group` S processes of one HSDP replica, a failure domain, with Popen's verbs
+    ([Note: HSDP replicas] in recovery.py): it has ended when all of its processes ended with 0,
+    or as soon as one ended otherwise, and then the others are killed (their shard group is
+    broken: the replica is lost as a whole and replaced as a whole). Its pid is its first
+    process's, the one that reports for it."""
+
+    def __init__(self, processes: list[subprocess.Popen]):
+        self.processes = processes
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.processes[0].pid
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        codes = [p.poll() for p in self.processes]
+        failed = next((c for c in codes if c not in (None, 0)), None)
+        if failed is not None:
+            self.kill()
+            for process in self.processes:
+                process.wait()
+            self.returncode = failed
+        elif all(c == 0 for c in codes):
+            self.returncode = 0
+        return self.returncode
+
+    def stopped(self) -> bool:
+        return any(is_stopped(p.pid) for p in self.processes if p.poll() is None)
+
+    def send_signal(self, how: int) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(how)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for process in self.processes:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            process.wait(left)  # subprocess.TimeoutExpired past the deadline
+        return self.poll()
 
 
 class LiveLauncher:
@@ -101,13 +152,15 @@ class LiveLauncher:
 
     def __init__(self, config: RunConfig, env: dict[str, str], poll_s: float = 0.02):
         self.config, self.env, self.poll_s = config, env, poll_s
-        self.slots = config.launch.nproc
+        self.shard = max(config.launch.shard_group, 1)  # processes per replica
+        self.slots = config.launch.nproc // self.shard
+        self.starts = 0  # replicas started: each replacement replica meets its own ranks
         # A member blocked on another member reports once its collective times out.
         timeout = config.launch.collective_timeout + REPORT_GRACE_S
         self.policy = QuorumPolicy(
             join_timeout_s=timeout,
             min_replicas=config.launch.min_replicas,
-            max_replicas=config.launch.max_replicas or config.launch.nproc,
+            max_replicas=config.launch.max_replicas or self.slots,
         )
         self.port = dp.free_port()
         self.store = host_store(self.port)
@@ -150,9 +203,15 @@ class LiveLauncher:
 
     # -- processes ------------------------------------------------------------------------------
     def _start(self, slot: int, *, joining: bool) -> None:
-        live = {"store": f"127.0.0.1:{self.port}", "replica": slot, "joining": joining}
-        env = {**os.environ, **self.env, ENV_LIVE: json.dumps(live)}
-        process = subprocess.Popen([sys.executable, "-m", WORKER_MODULE], env=env)
+        """Start the replica in `slot`: one process, or the S of an HSDP replica."""
+        self.starts += 1
+        processes = []
+        for index in range(self.shard):
+            live = {"store": f"127.0.0.1:{self.port}", "replica": slot, "joining": joining,
+                    "index": index, "shard": self.shard, "start": self.starts}  # fmt: skip
+            env = {**os.environ, **self.env, ENV_LIVE: json.dumps(live)}
+            processes.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE], env=env))
+        process = processes[0] if self.shard == 1 else Replica(processes)
         life = Life.STARTING if joining else Life.MEMBER
         self.workers[slot] = Worker(slot, process, life)
 
@@ -217,6 +276,13 @@ class LiveLauncher:
     def _admit(self, request: Request) -> Answer:
         """A new replica, within --max-replicas: the next unused slot, watched by heartbeat."""
         who = f"pid {request.pid} on {request.host}"
+        if self.shard > 1:
+            refusal = (
+                f"a replica of this run is {self.shard} processes (--shard-group), and "
+                "`dataparallel join` starts one; joining HSDP replicas is not covered yet"
+            )
+            self._say(f"a replica asked to join ({who}): refused: {refusal}")
+            return Answer(ok=False, message=refusal)
         counted = [w for w in self.workers.values() if w.life in (Life.STARTING, Life.MEMBER)]
         refusal = refuse_join(len(counted), self.policy)
         if refusal:
@@ -234,6 +300,8 @@ class LiveLauncher:
         # The writer (rank 0, the lowest member) may leave too: the role moves to the next
         # lowest ([Note: the writer role] in writer.py).
         refusal = refuse_leave(request.replica, members, self.policy)
+        if not refusal and self.shard > 1:
+            refusal = "a leave of an HSDP replica (--shard-group) is not covered yet"
         if refusal:
             self._say(f"replica {request.replica} asked to leave: refused: {refusal}")
             return Answer(ok=False, message=refusal)

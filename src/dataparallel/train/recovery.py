@@ -58,6 +58,7 @@ from ..comm.quorum import Quorum, client_store, group_prefix, run_store
 from .config import LaunchConfig
 from .loop import Rewound, Steps
 from .records import EvalRecord, StepRecord
+from .replica import ReplicaRanks, SiblingFailed
 from .rewind import Marks, forget_after, load_snapshot, snapshot
 from .tensor_parallel import DataRanks
 from .trainer import TrainState, evaluate, train_step
@@ -87,7 +88,7 @@ class Left(Exception):
 def lost_peer(error: BaseException) -> bool:
     """Whether `error` is a collective that failed because a peer is gone or stalled (gloo's
     closed connections and timeouts), not a fault of this process."""
-    if isinstance(error, dist.DistError):
+    if isinstance(error, (dist.DistError, SiblingFailed)):
         return True
     return isinstance(error, RuntimeError) and "gloo" in str(error)
 
@@ -106,10 +107,22 @@ class LiveRecovery(Steps):
     replica: this worker's slot.
     joining: a replacement (built alone, then healed) rather than one of the first workers.
     timeout_s: --collective-timeout, the timeout of every generation's group.
+    ranks: its index among the --shard-group processes of its replica ([Note: HSDP replicas]).
     """
 
-    def __init__(self, store: dist.Store, replica: int, *, joining: bool, timeout_s: float):
+    def __init__(
+        self,
+        store: dist.Store,
+        replica: int,
+        *,
+        joining: bool,
+        timeout_s: float,
+        ranks: ReplicaRanks | None = None,
+    ):
         self.store, self.replica, self.joining = store, replica, joining
+        self.ranks = (
+            ranks or ReplicaRanks()
+        )  # this process's place in its replica ([Note: HSDP replicas])
         self.quorum = Quorum(store, replica)
         self.timeout = timedelta(seconds=timeout_s)
         self.membership: Membership | None = None
@@ -126,9 +139,12 @@ class LiveRecovery(Steps):
             return None
         given = json.loads(text)
         store = run_store(client_store(given["store"]))
+        ranks = ReplicaRanks(
+            int(given.get("index", 0)), int(given.get("shard", 1)), int(given.get("start", 0))
+        )
         return cls(
             store, int(given["replica"]), joining=bool(given["joining"]),
-            timeout_s=launch.collective_timeout,
+            timeout_s=launch.collective_timeout, ranks=ranks,
         )  # fmt: skip
 
     # -- entering the run -----------------------------------------------------------------
@@ -140,6 +156,13 @@ class LiveRecovery(Steps):
         self.phase = Phase.TRAINING
         return world
 
+    def alone(self, world: dp.World) -> dp.World:
+        """A replacement's world before it is let in: itself, or its replica's S processes
+        (an HSDP replica builds its state sharded as the others hold it)."""
+        if self.ranks.shard == 1:
+            return world
+        return self.ranks.meet(self.store, self.timeout, world)
+
     def join(self, state: TrainState) -> None:
         """A replacement with its state built alone: wait to be let in at a step boundary,
         then receive the run's state from a member ([Note: live recovery])."""
@@ -149,6 +172,8 @@ class LiveRecovery(Steps):
     def step(self, state: TrainState) -> StepRecord:
         self._check_training()
         before = state.step
+        if self.ranks.shard > 1:  # [Note: HSDP replicas]: the vote before an update
+            state.agree = lambda: self.ranks.agree(state)
         while True:
             mark = self.marks.take(state)
             try:
@@ -160,6 +185,8 @@ class LiveRecovery(Steps):
                 if not lost_peer(error):
                     raise
                 stalled = timed_out(error)
+                if self.ranks.shard > 1 and not isinstance(error, SiblingFailed):
+                    self.ranks.vote(state, failed=True)  # its siblings learn it, then rewind
             mark.rewind(state)
             self._regroup(state, STEP, stalled)
             if state.step < before:
@@ -172,11 +199,16 @@ class LiveRecovery(Steps):
         before = state.step
         while True:
             try:
-                return evaluate(state)
+                record = evaluate(state)
+                if self.ranks.shard == 1 or self.ranks.vote(state, failed=False):
+                    return record
+                raise SiblingFailed("a rank of this replica failed the evaluation's collective")
             except Exception as error:
                 if not lost_peer(error):
                     raise
                 stalled = timed_out(error)
+                if self.ranks.shard > 1 and not isinstance(error, SiblingFailed):
+                    self.ranks.vote(state, failed=True)
             if state.averager is not None:  # the window is redone ([Note: live averaging])
                 self.marks.take(state).rewind(state)
             self._regroup(state, EVAL, stalled)
@@ -257,6 +289,9 @@ class LiveRecovery(Steps):
     def _rebind(self, state: TrainState) -> None:
         """Move the model (and an averager) to the generation's group. Under an averager the
         model trains inside its replica (a group of its own) and the averager spans them."""
+        if state.averager is None and self.ranks.shard > 1:
+            self.ranks.rebind(state)  # [Note: HSDP replicas]
+            return
         if state.averager is None:
             dp.rebind(state.model, state.world.group)
             return
@@ -276,13 +311,15 @@ class LiveRecovery(Steps):
         """
         self.abandoned.append(state.world.group)
         state.world = dp.join_group(dist.HashStore(), 0, 1, self.timeout, state.world)
-        self._rebind(state)
+        if self.ranks.shard == 1:  # a sharded model waits for the next mesh as it is
+            self._rebind(state)
 
     def _meet(self, generation: int, report: Report) -> Membership:
         """Report for `generation` and wait for its decision; a replacement left out (the
         members were evaluating) tries the next one."""
         while True:
-            self.quorum.report(generation, report)
+            if self.ranks.leader:  # index 0 reports for its replica ([Note: HSDP replicas])
+                self.quorum.report(generation, report)
             membership = self.quorum.wait(generation, DECISION_TIMEOUT_S)
             if self.replica in membership.members:
                 return membership
@@ -301,8 +338,8 @@ class LiveRecovery(Steps):
 
     def _form(self, world: dp.World, membership: Membership) -> dp.World:
         store = dist.PrefixStore(group_prefix(membership.generation), self.store)
-        rank = membership.rank_of(self.replica)
-        world = dp.join_group(store, rank, membership.size, self.timeout, world)
+        rank, size = self.ranks.rank(membership, self.replica), self.ranks.size(membership)
+        world = dp.join_group(store, rank, size, self.timeout, world)
         self.membership = membership  # before healing: a failed heal regroups from here
         return world
 
@@ -312,9 +349,10 @@ class LiveRecovery(Steps):
         if not membership.healed:
             return
         payload = [snapshot(state) if self.replica == membership.source else None]
-        dist.broadcast_object_list(
-            payload, src=membership.rank_of(membership.source), group=state.world.group
-        )
+        # By index: rank i of the source to rank i of the healed ([Note: HSDP replicas]).
+        group = state.world.group if self.ranks.shard == 1 else self.ranks.heal_group(state)
+        src = self.ranks.heal_source(membership)
+        dist.broadcast_object_list(payload, src=src, group=group)
         if self.replica in membership.healed:
             load_snapshot(state, payload[0])
             self.healed_record = payload[0]["last_record"]

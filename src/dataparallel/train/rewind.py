@@ -73,6 +73,9 @@ class Mark:
         its samples back and the compression state as it was."""
         state.samples.consumed = self.consumed
         state.optimizer.zero_grad(set_to_none=True)
+        # A sharded optimizer steps pieces of flat shards: the model's own gradients that the
+        # failed backward left (its buckets not reduced yet) would add to the redone ones.
+        state.model.zero_grad(set_to_none=True)
         if state.gradients is not None:
             state.gradients.nonfinite()  # forget the interrupted step's sums
         if self.compression is not None:
@@ -122,6 +125,7 @@ class WindowMark:
     def rewind(self, state: TrainState) -> None:
         """Back to the boundary: every update since is undone, the steps since are redone."""
         state.optimizer.zero_grad(set_to_none=True)
+        state.model.zero_grad(set_to_none=True)
         if state.gradients is not None:
             state.gradients.nonfinite()
         dp.load_full_state_dict(state.model, self.model)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,9 @@ class TrainState:
     # time.perf_counter() when fit began; elapsed_s counts from it (a live run's replacement
     # takes its source's, so that the run's elapsed_s goes on: [Note: live recovery]).
     fit_started: float | None = None
+    # Live recovery of HSDP replicas: called before the update; raises unless every rank of
+    # this replica got through the step's collectives ([Note: HSDP replicas] in replica.py).
+    agree: Callable[[], None] | None = None
 
     @property
     def global_batch(self) -> int:
@@ -248,6 +252,8 @@ def train_step(state: TrainState) -> StepRecord:
         )
     total_loss, size = sums[0], world.world_size
     rank_step_s, bad_ranks = sums[1 : 1 + size], sums[1 + size :]
+    if state.agree is not None:
+        state.agree()
     with trace.span("optimizer"):
         grad_norm, skipped, nonfinite = clip_and_step(state, total_loss)
     if state.averager is not None and not skipped:

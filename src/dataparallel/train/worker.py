@@ -206,6 +206,7 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
         config = agree_on_config(config, world)
         run_dir = Path(config.launch.out)
         if live is not None and live.joining:  # built alone, then healed by a member
+            world = live.alone(world)  # an HSDP replica: its own S processes
             state, callbacks = prepare(config, world, resume=False, joining=True)
             live.join(state)
         else:

@@ -45,6 +45,8 @@ class Mesh:
     shard_group: this rank's shard group (the S ranks of its row).
     replicate_group: this rank's replicate group (the R ranks of its column).
     ranks: the global ranks of the mesh in row-major order (row = replica); () if unknown.
+    elastic: the replicas may change while training (live recovery, train/recovery.py): a
+        strategy keeps three groups even with one replica, so that `rebind` can move each.
     """
 
     shard_size: int
@@ -53,6 +55,7 @@ class Mesh:
     shard_group: dist.ProcessGroup
     replicate_group: dist.ProcessGroup
     ranks: tuple[int, ...] = ()
+    elastic: bool = False
 
     @cached_property
     def device_mesh(self) -> DeviceMesh:
@@ -113,11 +116,13 @@ def as_layout(
     )
 
 
-def init_mesh(shard_size: int, group: dist.ProcessGroup | None = None) -> Mesh:
+def init_mesh(
+    shard_size: int, group: dist.ProcessGroup | None = None, elastic: bool = False
+) -> Mesh:
     """Split `group` (default: every rank) into shard groups of `shard_size` consecutive ranks
     and the replicate groups across them. Collective over `group`: each rank creates the two
     groups it belongs to, synchronising only with their members, so ranks outside `group` need
-    not call it."""
+    not call it. elastic: see `Mesh`."""
     group = group if group is not None else dist.group.WORLD
     n = dist.get_world_size(group)
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
@@ -138,6 +143,7 @@ def init_mesh(shard_size: int, group: dist.ProcessGroup | None = None) -> Mesh:
         shard_group=dist.new_group(row, use_local_synchronization=True),
         replicate_group=dist.new_group(column, use_local_synchronization=True),
         ranks=tuple(ranks),
+        elastic=elastic,
     )
 
 
@@ -162,6 +168,26 @@ class Groups:
                 out.append(comm)
         return out
 
+    def rebind(self, mesh: Mesh, strategy: str) -> None:
+        """Talk through another mesh from now on (a live run's next generation of HSDP
+        replicas, train/recovery.py): `mesh` is built elastic, of this layout's shard size,
+        and puts this rank at its place in its shard group, so each rank keeps its shards; the
+        world and the replicas change (and with them the divisor)."""
+        if not isinstance(mesh, Mesh) or self.replicate is None:
+            raise ValueError(
+                f"strategy {strategy!r} moves only from an elastic mesh to another mesh "
+                "(dp.init_mesh(S, group, elastic=True)); it cannot move its shards"
+            )
+        place = dist.get_rank(mesh.shard_group)
+        if mesh.shard_size != self.shard.world_size or place != self.shard.rank:
+            raise ValueError(
+                f"strategy {strategy!r}: this rank holds shard {self.shard.rank} of "
+                f"{self.shard.world_size}; the new mesh puts it at {place} of {mesh.shard_size}"
+            )
+        self.world.rebind(mesh.group)
+        self.shard.rebind(mesh.shard_group)
+        self.replicate.rebind(mesh.replicate_group)
+
     @property
     def divisor(self) -> int:
         """How many ranks a mean divides by."""
@@ -176,8 +202,9 @@ class Groups:
         pairwise: bool | None = None,
     ) -> Groups:
         world = Comm(mesh.group if mesh is not None else group, tracer, pairwise)
-        if mesh is None or mesh.shard_size == world.world_size:
+        if mesh is None or mesh.shard_size == world.world_size and not mesh.elastic:
             return cls(world, world, None)
         shard = Comm(mesh.shard_group, world.tracer, pairwise)
         replicate = Comm(mesh.replicate_group, world.tracer, pairwise)
-        return cls(world, shard, replicate if mesh.replicate_size > 1 else None)
+        keep = mesh.replicate_size > 1 or mesh.elastic  # one replica now, more later
+        return cls(world, shard, replicate if keep else None)

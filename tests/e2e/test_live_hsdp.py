@@ -1,0 +1,78 @@
+"""Live recovery of HSDP replicas end to end ([Note: HSDP replicas] in train/replica.py): ZeRO-2
+inside replicas of 2 ranks (`--shard-group 2`), 2 replicas; one rank of replica 1 killed with
+SIGKILL. Its sibling is killed with it (a replica is a failure domain), replica 0 goes on in
+the same two processes, a new replica of two processes is healed from it shard by shard, every
+step is done once, and the weights are the uninterrupted run's up to summation order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from dataparallel.train.metrics import read_metrics
+
+from .make_reference_curve import CORPUS
+from .test_live_recovery import ARGS, GENERATION, STEPS, _numbers, _ok, _train_steps
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from workers import live_ranks  # noqa: E402
+
+HSDP = ["--nproc", "4", "--shard-group", "2", "--strategy", "zero2", "--batch", "3"]
+
+
+def _ranks_per_step(run: Path) -> list[int]:
+    return [len(r["rank_step_s"]) for r in read_metrics(run) if r["kind"] == "train"]
+
+
+def _wait(condition, launcher: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + 180
+    while not condition():
+        assert launcher.poll() is None, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within 180 s"
+        time.sleep(0.02)
+
+
+def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path, live_reference):
+    reference = live_reference  # the same global batch on one rank, uninterrupted (conftest.py)
+    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *ARGS]
+    out = tmp_path / "live"
+    live = [*command, *HSDP, "--recovery", "live", "--collective-timeout", "10"]
+    launcher = subprocess.Popen(
+        [*live, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait(lambda: any(s >= 3 for s in _train_steps(out)), launcher, "step 3")
+        before = live_ranks(launcher.pid)
+        os.kill(before[1, 1], signal.SIGKILL)  # one rank of replica 1
+        _wait(lambda: 2 in _ranks_per_step(out), launcher, "a step of replica 0 alone")
+        _wait(lambda: _ranks_per_step(out)[-1] == 4, launcher, "a step with the new replica")
+        after = live_ranks(launcher.pid)
+        stdout, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    _ok(subprocess.CompletedProcess(live, launcher.returncode, stdout, stderr))
+    # Replica 0's two processes went on; replica 1 is two new ones (the sibling was killed too).
+    assert {k: after[k] for k in [(0, 0), (0, 1)]} == {k: before[k] for k in [(0, 0), (0, 1)]}
+    assert not {after[1, 0], after[1, 1]} & set(before.values())
+    generations = [m.groups() for m in GENERATION.finditer(stderr)]
+    assert [_numbers(g[1]) for g in generations[:2]] == [[0, 1], [0]], stderr
+    _, members, _, joined_at, healed = next(g for g in generations if g[4])
+    assert _numbers(members) == [0, 1] and _numbers(healed) == [1], stderr
+    sizes = _ranks_per_step(out)  # 4 ranks, then replica 0's 2, then 4 again
+    assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4, sizes
+    assert _train_steps(out) == list(range(1, STEPS + 1))  # every step once
+    ours, theirs = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(reference / "model.safetensors")),
+    )
+    difference = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+    print(f"max |live HSDP - uninterrupted| = {difference:.2e}, healed at step {joined_at}")
+    assert difference < 1e-4, difference
