@@ -332,6 +332,16 @@ class ZeRO3Strategy(Strategy):
         self.round.reset()
         self.comm.tracer.mark("reduce_end")
 
+    def rebind(self, group) -> None:
+        """Train over another elastic mesh of this model's shard size (`Groups.rebind`); the
+        step in progress, whose collectives failed, is abandoned (`FlatUnit.abandon`)."""
+        self.groups.rebind(group, self.name)
+        for unit in self.units:
+            unit.abandon()
+            unit.bucket.divisor = self.groups.divisor
+        self.schedule.abandon()
+        self.round.reset()
+
     # -- the public calls ---------------------------------------------------------------------
     def build_optimizer(self, optimizer_cls, params=None, **kwargs) -> torch.optim.Optimizer:
         """An optimizer over this rank's shard pieces, with the user's param groups kept.

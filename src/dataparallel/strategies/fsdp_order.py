@@ -118,6 +118,10 @@ class UnitOrder:
         if len(set(ran)) > 1:
             self._raise(position, ran)
 
+    def abandon(self) -> None:
+        """Drop a check in flight on a group whose collectives failed (live recovery)."""
+        self._steady_end = None
+
     def settle(self) -> None:
         """Verify the steady end-of-forward check, if one is in flight: before backward (a rank
         off the order would post other units' collectives there) or the next forward."""

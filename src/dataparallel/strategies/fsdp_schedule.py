@@ -47,6 +47,13 @@ class Schedule:
         self.backward_order: list[int] = []
         self.pending: FlatUnit | None = None  # the unit whose reduction is in flight
 
+    def abandon(self) -> None:
+        """After a round whose collectives failed: forget the step in progress (the units
+        abandon theirs); the orders learned from earlier steps stay."""
+        self.pending = None
+        self.calls, self.forward_order, self.post_forward_order = [], [], []
+        self.order.abandon()
+
     # -- forward ------------------------------------------------------------------------------
     def before_forward(self, unit: FlatUnit) -> bool:
         """Start the gathers of this call and the next; False when `unit` must not gather

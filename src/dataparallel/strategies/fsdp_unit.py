@@ -103,12 +103,7 @@ class FlatUnit:
         values = [p.detach() for p in self.params]
         data = shard_values(self.layout, rank, values, self.dtype, self.device)
         self.shard = FlatShard(self.layout, rank, data, [p.requires_grad for p in self.params])
-        self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
-        self.views = [
-            self.full[off : off + p.numel()].view(shape)
-            for p, off, shape in zip(self.params, self.layout.offsets, self.shapes, strict=True)
-        ]
-        self.full.untyped_storage().resize_(0)
+        self._new_buffer()
         self.nan = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
         self._rest()
         spec = BucketSpec(
@@ -126,6 +121,28 @@ class FlatUnit:
         self._gather_work = None
         self._gather_source: torch.Tensor | None = None
         self.largest_gathered = 0
+
+    def _new_buffer(self) -> None:
+        """The gathered buffer (no memory until a gather) and the parameters' views into it."""
+        self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
+        self.views = [
+            self.full[off : off + p.numel()].view(shape)
+            for p, off, shape in zip(self.params, self.layout.offsets, self.shapes, strict=True)
+        ]
+        self.full.untyped_storage().resize_(0)
+
+    def abandon(self) -> None:
+        """After a round whose collectives failed (live recovery moves the model to another
+        group: `ZeRO3Strategy.rebind`): what was in flight is left to the old group, and the
+        unit starts the next round at rest, in new buffers (a late write lands in the old)."""
+        self._gather_work = self._gather_source = None
+        self._new_buffer()
+        self._rest()
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.pending_backwards = 0
+        self.bucket.release()
+        self.bucket.reset()
 
     @property
     def empty(self) -> bool:

@@ -108,9 +108,8 @@ def check_recovery(config: RunConfig) -> None:
     hsdp = launch.shard_group > 1  # a replica of S ranks ([Note: HSDP replicas] in replica.py)
     sync = config.sync
     blockers = [
-        ("strategy", launch.strategy not in ("ddp", "zero1", "zero2")
-         or launch.strategy != "ddp" and not hsdp,
-         "--strategy ddp, or zero1/zero2 inside replicas of --shard-group S ranks"),
+        ("strategy", launch.strategy != "ddp" and not hsdp,
+         "--strategy ddp, or zero1/2/3 inside replicas of --shard-group S ranks"),
         ("precision", config.train.precision not in ("fp32", "bf16"), "--precision fp32 or bf16"),
         ("nnodes", launch.nnodes != 1, "one machine (--nnodes 1)"),
         ("tp", launch.tp != 1, "--tp 1"),
