@@ -201,3 +201,37 @@ def test_the_sizes_of_a_live_run_are_checked(launch, message):
     check_values(
         RunConfig().replace(launch={"recovery": "live", "min_replicas": 2, "max_replicas": 4})
     )
+
+
+@pytest.mark.parametrize(
+    "launch, sync, message",
+    [
+        (
+            {"strategy": "zero2"},
+            {},
+            "--recovery (launch.recovery): live recovery does not cover strategy yet; use "
+            "--strategy ddp, or zero1/2/3 inside replicas of --shard-group S ranks",
+        ),
+        (
+            {"strategy": "zero2", "shard_group": 2},
+            {"diloco": 10},
+            "--recovery (launch.recovery): live recovery does not cover shard_group yet; use "
+            "--compress, --local-sgd or --diloco without --shard-group",
+        ),
+        (
+            {"strategy": "zero3", "shard_group": 2, "min_replicas": 3},
+            {},
+            "--min-replicas (launch.min_replicas): 3 is above the run's 2 replicas (--nproc / "
+            "--shard-group); use at most 2",
+        ),
+    ],
+)
+def test_live_hsdp_replicas_are_checked(launch, sync, message):
+    """[Note: HSDP replicas]: a replica of --shard-group S ranks under ZeRO; sizes in replicas."""
+    given = {"recovery": "live", "nproc": 4, **launch}
+    with pytest.raises(ConfigError) as error:
+        check_values(RunConfig().replace(launch=given, sync=sync))
+    assert str(error.value) == message
+    for strategy in ("zero1", "zero2", "zero3"):
+        ok = {"recovery": "live", "nproc": 4, "strategy": strategy, "shard_group": 2}
+        check_values(RunConfig().replace(launch={**ok, "min_replicas": 2, "max_replicas": 2}))

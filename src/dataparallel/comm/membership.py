@@ -6,10 +6,10 @@
 
 [Note: membership] A live run (`dataparallel train --recovery live`, train/recovery.py) is a
 sequence of *generations*. Each one is a `Membership`: the replicas that train together, in
-rank order, and the step they all stand at. A replica is a failure domain (one rank under DDP)
-named by its slot: 0..N-1 for the workers started together; a replacement started for a lost
-replica takes its slot, and a replica that joins the run from outside (`dataparallel join`)
-gets a fresh one, N and up. When a collective fails (a peer died, or stalled past the
+rank order, and the step they all stand at. A replica is a failure domain (one rank under DDP,
+the S ranks of an HSDP replica) named by its slot: 0..N-1 for the workers started together; a
+replacement started for a lost replica takes its slot, and a replica that joins the run from
+outside (`dataparallel join`) gets a fresh one, N and up. When a collective fails (a peer died, or stalled past the
 collective timeout), a replacement or a joiner waits to join, or a member was asked to leave
 (`dataparallel leave`), the replicas *report* for the next generation: their slot, the number
 of optimizer steps they have applied, and where they stand (`STEP`: at or inside a training

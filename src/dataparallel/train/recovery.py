@@ -6,11 +6,12 @@
     fit(state, callbacks, recovery)                # steps and evaluations that survive a loss
 
 [Note: live recovery] Under `--recovery live` the launcher (train/live_launch.py) starts the
-workers itself and hosts the store they meet in; a worker is a replica (one rank under DDP)
-and the run a sequence of generations ([Note: membership] in comm/membership.py). Each step is
-guarded: when one of its collectives fails (a peer died: gloo reports the closed connection at
-once; or a peer stalled: the group's timeout is --collective-timeout, so the collective raises
-instead of waiting forever), this replica
+workers itself and hosts the store they meet in; a worker is a replica (one rank under DDP;
+S ranks under ZeRO: [Note: HSDP replicas] in replica.py) and the run a sequence of generations
+([Note: membership] in comm/membership.py). Each step is guarded: when one of its collectives
+fails (a peer died: gloo reports the closed connection at once; or a peer stalled: the group's
+timeout is --collective-timeout, so the collective raises instead of waiting forever), this
+replica
 1. rewinds the step: it applied no update (under DDP every collective of a step comes before
    the optimizer's), so it drops the gradients and puts the data position back, and under
    --compress the compression state as it was at the step's start ([Note: compression across
