@@ -27,7 +27,7 @@ def test_a_rewound_step_puts_its_samples_back_and_drops_its_gradients():
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     samples = SampleStream(100, seed=1, consumed=24)
     state = SimpleNamespace(
-        step=2, samples=samples, skipped_steps=0, optimizer=optimizer, gradients=None
+        step=2, samples=samples, skipped_steps=0, optimizer=optimizer, gradients=None, model=layer
     )
     mark = Mark.of(state)
     samples.take_share(12, 0, 3)  # the interrupted step took its share...
@@ -133,7 +133,7 @@ def test_a_rewound_step_puts_the_compression_state_back():
     layer = torch.nn.Linear(3, 2)
     state = SimpleNamespace(
         step=1, samples=SampleStream(100, seed=1, consumed=12), skipped_steps=0,
-        optimizer=torch.optim.SGD(layer.parameters(), lr=0.1), gradients=None,
+        optimizer=torch.optim.SGD(layer.parameters(), lr=0.1), gradients=None, model=layer,
     )  # fmt: skip
     mark = Mark.of(state, StepCopy(hook))
     reduce(-3.0)  # the interrupted step 2
