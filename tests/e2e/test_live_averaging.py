@@ -159,9 +159,11 @@ def test_streaming_diloco_replica_killed_is_replaced_at_a_boundary(tmp_path):
 
     first, stderr = _run_with(tmp_path / "killed", sync, at=24, event=kill)
     generations = _generations(stderr)
-    _, slots, pids, at, _ = generations[1]
-    assert _numbers(slots) == [0, 2] and int(at) < 24, stderr
-    assert _numbers(pids) == [first[0], first[2]]  # the survivors, in the same processes
+    _, _, _, at, _ = generations[1]  # without slot 1, or with its replacement already healed
+    assert int(at) < 24, stderr  # (when a survivor waited for the other until the timeout)
+    for _, slots, pids, _, _ in generations:  # the survivors, in the same processes throughout
+        got = dict(zip(_numbers(slots), _numbers(pids), strict=True))
+        assert (got[0], got[2]) == (first[0], first[2]), stderr
     lost = int(re.search(r"a replica was lost at step (\d+)", stderr).group(1))
     assert lost >= 24 and f"went back to step {at}," in stderr
     _, slots, pids, joined_at, healed = next(g for g in generations if g[4])
