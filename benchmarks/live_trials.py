@@ -6,6 +6,7 @@
     python benchmarks/live_trials.py --steps 250 --at 10 120 180 --worker 1 2 1   # three kills
     python benchmarks/live_trials.py --pairs 2     # no failure: live mode's cost per step
     python benchmarks/live_trials.py --sync "--diloco 20" --at 40   # under an averager
+    python benchmarks/live_trials.py --sync "--nproc 4 --shard-group 2 --strategy zero2 --batch 3"
 
 Runs gpt-tiny on 3 workers twice with the same flags: uninterrupted, then live with the signal
 sent to worker --worker once the metrics show step --at (several: one after the other; the
@@ -39,12 +40,14 @@ CORPUS = Path(__file__).resolve().parents[1] / "tests" / "e2e" / "data" / "corpu
 GENERATION = re.compile(r"generation (\d+): workers \[([\d, ]+)\] \(pids ([\d, ]+)\) at step (\d+)")
 
 
-def flags(steps: int, sync: str = "") -> list[str]:
-    return [*sync.split(),
+def flags(steps: int, extra: str = "") -> list[str]:
+    """The trials' run; `extra` flags come last and win (e.g. "--nproc 4 --shard-group 2")."""
+    return [
         "--data", str(CORPUS), "--nproc", "3", "--threads", "1", "--model", "gpt-tiny",
         "--block-size", "32", "--batch", "4", "--accum", "1", "--steps", str(steps),
         "--lr", "3e-4", "--warmup-steps", "3", "--val-fraction", "0.1", "--eval-every", "50",
         "--eval-windows", "7", "--checkpoint-every", "0", "--log-every", "50", "--seed", "1",
+        *extra.split(),
     ]  # fmt: skip
 
 
@@ -142,7 +145,9 @@ def main() -> None:
                         help="HANG: the worker sleeps inside a call made by gdb (state S, "
                         "not T: the launcher cannot tell it is stopped)")  # fmt: skip
     parser.add_argument("--collective-timeout", type=float, default=20.0)
-    parser.add_argument("--sync", default="", help='flags added to both runs, e.g. "--diloco 20"')
+    parser.add_argument(
+        "--sync", default="", help='flags added to both runs (they win), e.g. "--diloco 20"'
+    )
     parser.add_argument("--pairs", type=int, default=0, help="no failure: this many interleaved "
                         "restart/live runs, and the cost of live mode per step")  # fmt: skip
     args = parser.parse_args()
