@@ -51,8 +51,18 @@ def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path
         _wait(lambda: any(s >= 3 for s in _train_steps(out)), launcher, "step 3")
         before = live_ranks(launcher.pid)
         os.kill(before[1, 1], signal.SIGKILL)  # one rank of replica 1
-        _wait(lambda: 2 in _ranks_per_step(out), launcher, "a step of replica 0 alone")
-        _wait(lambda: _ranks_per_step(out)[-1] == 4, launcher, "a step with the new replica")
+
+        def replaced() -> bool:
+            now = live_ranks(launcher.pid)
+            return all(now.get((1, i), before[1, i]) != before[1, i] for i in (0, 1))
+
+        _wait(replaced, launcher, "replica 1's replacement")  # its sibling killed with it
+        started = _train_steps(out)[-1]
+        _wait(
+            lambda: _train_steps(out)[-1] > started + 2 and _ranks_per_step(out)[-1] == 4,
+            launcher,
+            "steps with the new replica",
+        )
         after = live_ranks(launcher.pid)
         stdout, stderr = launcher.communicate(timeout=240)
     finally:
@@ -63,11 +73,13 @@ def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path
     assert {k: after[k] for k in [(0, 0), (0, 1)]} == {k: before[k] for k in [(0, 0), (0, 1)]}
     assert not {after[1, 0], after[1, 1]} & set(before.values())
     generations = [m.groups() for m in GENERATION.finditer(stderr)]
-    assert [_numbers(g[1]) for g in generations[:2]] == [[0, 1], [0]], stderr
+    assert _numbers(generations[0][1]) == [0, 1], stderr
+    # Usually replica 0 trains alone first; when its ranks waited for replica 1's survivor
+    # until the collective timeout, the replacement was healed in generation 1 already.
     _, members, _, joined_at, healed = next(g for g in generations if g[4])
     assert _numbers(members) == [0, 1] and _numbers(healed) == [1], stderr
-    sizes = _ranks_per_step(out)  # 4 ranks, then replica 0's 2, then 4 again
-    assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4, sizes
+    sizes = _ranks_per_step(out)  # 4 ranks (then maybe replica 0's 2), then 4 again
+    assert sizes[0] == 4 and sizes[-1] == 4 and set(sizes) <= {2, 4}, sizes
     assert _train_steps(out) == list(range(1, STEPS + 1))  # every step once
     ours, theirs = (
         load_file(str(out / "model.safetensors")),

@@ -47,6 +47,7 @@ import enum
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -67,6 +68,7 @@ from .trainer import TrainState, evaluate, train_step
 ENV_LIVE = "DATAPARALLEL_LIVE"  # {"store": "host:port", "replica": slot, "joining": bool}
 # The launcher decides; if it dies, its workers die with it (worker.die_with_launcher).
 DECISION_TIMEOUT_S = 3600.0
+ABANDONED_GRACE_S = 10.0  # beyond 2 x the collective timeout ([Note: abandoned groups])
 
 
 class Phase(enum.Enum):
@@ -129,7 +131,7 @@ class LiveRecovery(Steps):
         self.membership: Membership | None = None
         self.phase = Phase.STARTING
         self.healed_record: StepRecord | None = None
-        self.abandoned: list[dist.ProcessGroup] = []  # [Note: abandoned groups]
+        self.abandoned: list[tuple[float, dist.ProcessGroup]] = []  # [Note: abandoned groups]
         self.marks = Marks()  # where a failed step goes back to ([Note: live averaging])
 
     @classmethod
@@ -308,9 +310,14 @@ class LiveRecovery(Steps):
         waits for them to time out (up to --collective-timeout). Freed here, that wait held
         this replica's report back until the launcher left it out as stalled (1 trial in 4).
         So the old group is kept in `abandoned`, unregistered and shut down but not freed;
-        its pending work times out on its own threads while the run goes on.
+        its pending work times out on its own threads while the run goes on (and so are the
+        mesh's groups of an HSDP replica or an averager: `_groups_in_use`). A group abandoned longer than twice the
+        collective timeout has nothing pending any more, and is let go at the next regroup:
+        a long run with many regroups does not keep every generation's threads and sockets.
         """
-        self.abandoned.append(state.world.group)
+        now, keep = time.monotonic(), 2 * self.timeout.total_seconds() + ABANDONED_GRACE_S
+        self.abandoned = [(t, group) for t, group in self.abandoned if now - t < keep]
+        self.abandoned += [(now, group) for group in _groups_in_use(state)]
         state.world = dp.join_group(dist.HashStore(), 0, 1, self.timeout, state.world)
         if self.ranks.shard == 1:  # a sharded model waits for the next mesh as it is
             self._rebind(state)
@@ -357,3 +364,13 @@ class LiveRecovery(Steps):
         if self.replica in membership.healed:
             load_snapshot(state, payload[0])
             self.healed_record = payload[0]["last_record"]
+
+
+def _groups_in_use(state: TrainState) -> list[dist.ProcessGroup]:
+    """The process groups the replica talks through: the world, the strategy's and an
+    averager's (each once)."""
+    comms = dp.strategy_of(state.model).comms()
+    if state.averager is not None:
+        comms.append(state.averager.comm)
+    groups = [state.world.group] + [c.group for c in comms]
+    return [g for i, g in enumerate(groups) if all(g is not h for h in groups[:i])]
