@@ -297,3 +297,31 @@ def test_the_ranks_of_an_hsdp_replica_in_a_generation():
     ranks = ReplicaRanks(index=1, shard=2)
     assert ranks.rank(membership, 5) == 5 and ranks.size(membership) == 6
     assert ranks.heal_source(membership) == 3 and not ranks.leader
+
+
+def test_the_ranks_of_an_hsdp_replica_vote_through_the_store():
+    """[Note: HSDP replicas]: every rank of a replica learns whether one failed, round by round;
+    a sibling that never votes loses the replica (one line), it does not hang."""
+    import threading
+
+    import pytest
+
+    from dataparallel.train.replica import ReplicaLost, ReplicaRanks, ReplicaVote
+
+    store = dist.HashStore()
+    votes = [ReplicaVote(store, 1, ReplicaRanks(index=i, shard=2, start=7), 5.0) for i in (0, 1)]
+    for failed in [(False, False), (True, False), (False, False), (False, True)]:
+        results = [None, None]
+
+        def vote(i, failed=failed, results=results):
+            results[i] = votes[i](failed[i])
+
+        threads = [threading.Thread(target=vote, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert results == [not any(failed)] * 2
+    votes[0].wait_s = 0.2
+    with pytest.raises(ReplicaLost, match="replica 1: 1 of its ranks did not vote within 0.2 s"):
+        votes[0](False)

@@ -11,15 +11,16 @@ lost and heals a replacement from a member. What a compressor keeps between step
 equal on every rank, because it was summed or drawn from one seed (*shared*), or this rank's
 own error (*own*):
 
-| state | kind | a replacement | the survivors |
-|---|---|---|---|
-| the hook's `rounds` (exact before `start`) | shared | receives it | keep it |
-| PowerSGD's factors Q (summed) and P (summed, orthogonalised) | shared | receives them | keep them |
-| PowerSGD's draws of fresh Qs (its seeded RandomState) | shared | receives them | keep them |
-| error-feedback residuals (PowerSGD, top-k, int8/fp8: sender's and chunk owner's) | own | start at zero | keep theirs |
-| top-k's DGC velocity (the momentum of its own gradient) | own | starts at zero | keeps its own |
-| int8/fp8's layouts (the group its residuals are laid out for) | own | none yet | re-laid ([Note: quantised residuals after a regroup]) |
-| bf16, fp16 (a cast) | no state | | |
+    state                                            kind    a replacement  the survivors
+    the hook's `rounds` (exact before `start`)       shared  receives it    keep it
+    PowerSGD's factors Q (summed), P (orthogonal)    shared  receives them  keep them
+    PowerSGD's draws of fresh Qs (seeded)            shared  receives them  keep them
+    error-feedback residuals (PowerSGD, top-k,       own     start at zero  keep theirs
+      int8/fp8: the sender's and the chunk owner's)
+    top-k's DGC velocity (its own gradient's)        own     starts at 0    keeps its own
+    int8/fp8's layouts (the group of its residuals)  own     none yet       re-laid (1)
+    bf16, fp16 (a cast)                              none
+(1) [Note: quantised residuals after a regroup] in quantize.py.
 
 Without the shared state a replacement goes wrong at once: its P = M Q on another Q is summed
 with the others' (a wrong gradient on every rank), and with another `rounds` it sends exact

@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from ..comm.membership import JOIN, LEAVE
@@ -139,19 +140,24 @@ def keep(run_dir: Path, restarts: int) -> int:
     K times; the new one joins as a new slot and is healed like any joiner. Right after a loss
     the launcher may still count the lost replica (until its heartbeat has been silent for
     HEARTBEAT_TIMEOUT_S) and refuse a join at --max-replicas: the keeper asks again each second
-    for REJOIN_WAIT_S. SIGTERM to the keeper is passed to its replica and ends both.
-    Status: 0 (the run ended, or the replica left), 1 (refused, or lost K + 1 times), 2 (bad input).
+    for REJOIN_WAIT_S. SIGTERM to the keeper is passed to its replica and ends both (143).
+    Status: 0 (the run ended, or the replica left), 1 (refused, or lost K + 1 times), 2 (bad
+    input), 143 (SIGTERM).
     """
     from .worker import run_worker  # noqa: F401  (torch and the trainer, imported once)
 
-    lost, rejoin_until, child = 0, 0.0, 0
+    lost, rejoin_until, child, stopping = 0, 0.0, 0, False
 
     def forward(signum, _frame):
+        nonlocal stopping
+        stopping = True  # the keeper ends with its replica, and joins no other
         if child:
             os.kill(child, signum)
 
     signal.signal(signal.SIGTERM, forward)
     while True:
+        if stopping:
+            return 128 + signal.SIGTERM
         child = os.fork()
         if child == 0:  # the replica
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -160,12 +166,16 @@ def keep(run_dir: Path, restarts: int) -> int:
                 code = join(run_dir)
             except SystemExit as end:
                 code = end.code if isinstance(end.code, int) else int(end.code is not None)
+            except BaseException:  # a bug: its traceback, then status 1
+                traceback.print_exc()
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
         _, status = os.waitpid(child, 0)
         code, child = os.waitstatus_to_exitcode(status), 0
+        if stopping:
+            return 128 + signal.SIGTERM
         if code == REFUSED and time.monotonic() < rejoin_until:
             time.sleep(1.0)  # the lost replica may still be counted: ask again
             continue

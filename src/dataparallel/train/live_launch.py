@@ -94,7 +94,7 @@ class Worker:
 
 class Replica:
     """The `--shard-group` S processes of one HSDP replica, a failure domain, with Popen's verbs
-    ([Note: HSDP replicas] in recovery.py): it has ended when all of its processes ended with 0,
+    ([Note: HSDP replicas] in replica.py): it has ended when all of its processes ended with 0,
     or as soon as one ended otherwise, and then the others are killed (their shard group is
     broken: the replica is lost as a whole and replaced as a whole). Its pid is its first
     process's, the one that reports for it."""

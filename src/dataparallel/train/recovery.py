@@ -60,7 +60,7 @@ from ..comm.quorum import Quorum, client_store, group_prefix, run_store
 from .config import LaunchConfig
 from .loop import Rewound, Steps
 from .records import EvalRecord, StepRecord
-from .replica import ReplicaRanks, SiblingFailed
+from .replica import ReplicaRanks, ReplicaVote, SiblingFailed
 from .rewind import Marks, forget_after, load_snapshot, snapshot
 from .tensor_parallel import DataRanks
 from .trainer import TrainState, evaluate, train_step
@@ -82,6 +82,10 @@ class Phase(enum.Enum):
 
 class LeftOut(RuntimeError):
     """This replica was left out of a generation (it reported too late: stalled)."""
+
+
+class LetIn(Exception):
+    """The members regroup at this step boundary: a replica waits to join, or one leaves."""
 
 
 class Left(Exception):
@@ -123,9 +127,11 @@ class LiveRecovery(Steps):
         ranks: ReplicaRanks | None = None,
     ):
         self.store, self.replica, self.joining = store, replica, joining
-        self.ranks = (
-            ranks or ReplicaRanks()
-        )  # this process's place in its replica ([Note: HSDP replicas])
+        # This process's place in its replica, whose ranks agree on each attempt's outcome
+        # ([Note: HSDP replicas] in replica.py).
+        self.ranks = ranks or ReplicaRanks()
+        shard = self.ranks.shard > 1
+        self.vote = ReplicaVote(store, replica, self.ranks, timeout_s) if shard else None
         self.quorum = Quorum(store, replica)
         self.timeout = timedelta(seconds=timeout_s)
         self.membership: Membership | None = None
@@ -175,22 +181,24 @@ class LiveRecovery(Steps):
     def step(self, state: TrainState) -> StepRecord:
         self._check_training()
         before = state.step
-        if self.ranks.shard > 1:  # [Note: HSDP replicas]: the vote before an update
-            state.agree = lambda: self.ranks.agree(state)
+        if self.vote is not None:  # [Note: HSDP replicas]: the vote before an update
+            state.agree = self._agree
         while True:
             mark = self.marks.take(state)
             try:
                 if self._at_boundary(state) and self._replacement_waits(state):
-                    self._regroup(state, STEP)
-                    continue  # every member, the new one too, starts a step with this check
+                    # Every member, the new one too, starts a step with this check.
+                    raise LetIn("a replica waits to join, or a member leaves")
                 return train_step(state)
             except Exception as error:
-                if not lost_peer(error):
+                asked = isinstance(error, LetIn)
+                if not asked and not lost_peer(error):
                     raise
-                stalled = timed_out(error)
-                if self.ranks.shard > 1 and not isinstance(error, SiblingFailed):
-                    self.ranks.vote(state, failed=True)  # its siblings learn it, then rewind
-            mark.rewind(state)
+                stalled = not asked and timed_out(error)
+                if self.vote is not None and not isinstance(error, SiblingFailed):
+                    self.vote(failed=True)  # its siblings learn it: all of them regroup
+            if not asked:
+                mark.rewind(state)
             self._regroup(state, STEP, stalled)
             if state.step < before:
                 raise self._rewound(state, before)
@@ -203,15 +211,15 @@ class LiveRecovery(Steps):
         while True:
             try:
                 record = evaluate(state)
-                if self.ranks.shard == 1 or self.ranks.vote(state, failed=False):
+                if self.vote is None or self.vote(failed=False):
                     return record
                 raise SiblingFailed("a rank of this replica failed the evaluation's collective")
             except Exception as error:
                 if not lost_peer(error):
                     raise
                 stalled = timed_out(error)
-                if self.ranks.shard > 1 and not isinstance(error, SiblingFailed):
-                    self.ranks.vote(state, failed=True)
+                if self.vote is not None and not isinstance(error, SiblingFailed):
+                    self.vote(failed=True)
             if state.averager is not None:  # the window is redone ([Note: live averaging])
                 self.marks.take(state).rewind(state)
             self._regroup(state, EVAL, stalled)
@@ -229,6 +237,11 @@ class LiveRecovery(Steps):
                 flush=True,
             )
         return Rewound(state.step)
+
+    def _agree(self) -> None:
+        """`state.agree`: before the update, unless every rank of the replica got through."""
+        if not self.vote(failed=False):
+            raise SiblingFailed("a rank of this replica failed a collective of the step")
 
     def _at_boundary(self, state: TrainState) -> bool:
         """Where replicas may be let in: every step under DDP, an averager's boundaries."""
@@ -257,13 +270,17 @@ class LiveRecovery(Steps):
         the failed collective timed out (the report says so: `QuorumPolicy.grace_s`)."""
         self.phase = Phase.REGROUPING
         while True:
+            failed = False
             try:
                 self._regroup_once(state, where, stalled)
-                break
             except Exception as error:
                 if not lost_peer(error):
                     raise
-                stalled = timed_out(error)
+                stalled, failed = timed_out(error), True
+            if self.vote is not None:  # a replica regroups again as a whole, never split
+                failed = not self.vote(failed)
+            if not failed:
+                break
         self.phase = Phase.TRAINING
 
     def _regroup_once(self, state: TrainState, where: str, stalled: bool = False) -> None:
@@ -311,9 +328,10 @@ class LiveRecovery(Steps):
         this replica's report back until the launcher left it out as stalled (1 trial in 4).
         So the old group is kept in `abandoned`, unregistered and shut down but not freed;
         its pending work times out on its own threads while the run goes on (and so are the
-        mesh's groups of an HSDP replica or an averager: `_groups_in_use`). A group abandoned longer than twice the
-        collective timeout has nothing pending any more, and is let go at the next regroup:
-        a long run with many regroups does not keep every generation's threads and sockets.
+        mesh's groups of an HSDP replica or an averager: `_groups_in_use`). A group abandoned
+        longer than twice the collective timeout has nothing pending any more, and is let go
+        at the next regroup: a long run with many regroups does not keep every generation's
+        threads and sockets.
         """
         now, keep = time.monotonic(), 2 * self.timeout.total_seconds() + ABANDONED_GRACE_S
         self.abandoned = [(t, group) for t, group in self.abandoned if now - t < keep]

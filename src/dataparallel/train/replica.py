@@ -4,9 +4,10 @@
     world = ranks.meet(store, timeout, world)           # a replacement: its own S ranks first
     rank = ranks.rank(membership, slot)                 # its rank in a generation
     ranks.rebind(state)                                 # the model onto the generation's mesh
-    if not ranks.vote(state, failed=False): ...         # every rank of the replica got through?
+    vote = ReplicaVote(store, slot, ranks, timeout_s)   # every rank of the replica got through?
+    if not vote(failed=False): ...
 
-[Note: HSDP replicas] Under `--recovery live --shard-group S` (ZeRO-1/2 inside each replica) a
+[Note: HSDP replicas] Under `--recovery live --shard-group S` (ZeRO-1/2/3 inside each replica) a
 replica is S processes, one shard group, and the failure domain. The launcher starts them
 together, and when one of them ends otherwise than with 0 it kills the others and starts S new
 ones (`Replica` in live_launch.py). Each process knows its slot and its index i in 0..S-1:
@@ -19,15 +20,23 @@ ones (`Replica` in live_launch.py). Each process knows its slot and its index i 
   gradients' all-reduce across replicas) may fail on some ranks of a replica and not on the
   others. A rank that went on would apply its update while its siblings rewind, and its shard
   would be a step ahead of theirs. So before any rank applies its update, the replica's ranks
-  agree in one all-reduce of one number over their shard group that every one of them got
-  through (`vote`, called by the trainer as `state.agree`); a rank that failed votes from its
-  error path instead, and then all of them rewind together. A rank's siblings are alive
-  whenever its replica is (a lost sibling loses the replica), so the vote completes. An
-  evaluation ends with the same vote. Replicas may still differ by a step (one replica's
-  all-reduce completed where another's failed): the one behind is healed, as under DDP;
-- the heal goes by index: rank i of the source replica broadcasts its own part of the state
-  (the parameters, its optimizer shard, the data position) to rank i of each healed replica,
-  over the replicate group of index i;
+  agree that every one of them got through (`ReplicaVote`, called by the trainer through
+  `state.agree`); a rank that failed votes from its error path instead, and then all of them
+  rewind together. The vote goes through the launcher's store, not a collective: a collective
+  on the shard group could pair with a sibling's gradient reduction still in flight there, and
+  would fail as the failed collectives do. Every attempt at a step, an evaluation or a regroup
+  ends with exactly one vote on every rank of the replica (a replacement asked in is voted as a
+  way out of the step, like a failure), so the rounds pair; a sibling silent for the
+  collective timeout + 10 s is lost, and with it the replica (`ReplicaLost`: the process ends,
+  the launcher kills the others and replaces them). A regroup's outcome is voted too: if one
+  rank's regroup failed (a heal broadcast cut short), all of them regroup again, so a replica
+  never splits. Replicas may still differ by a step (one replica's all-reduce completed where
+  another's failed): the one behind is healed, as under DDP;
+- the heal goes by index: rank i of the source replica broadcasts the parameters (whole, as
+  `full_state_dict` gathers them over its shard group: S times the bytes one broadcast would
+  need), its own optimizer shard, the data position and the counters to rank i of each healed
+  replica, over the replicate group of index i; the optimizer state matches by index because
+  the shard layout is the same in every replica;
 - a replacement's S processes first meet among themselves (a group of S under
   `start/<n>/pg`, n counting the launcher's starts) and build the model sharded as the others
   hold it, on an elastic mesh of one replica; then they enter as any replacement does.
@@ -35,10 +44,10 @@ ones (`Replica` in live_launch.py). Each process knows its slot and its index i 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 import dataparallel as dp
@@ -46,9 +55,15 @@ import dataparallel as dp
 from ..comm.membership import Membership
 from .trainer import TrainState
 
+VOTE_GRACE_S = 10.0  # beyond the collective timeout, for a sibling blocked in a collective
+
 
 class SiblingFailed(RuntimeError):
     """Another rank of this replica failed a collective of the step: every rank rewinds."""
+
+
+class ReplicaLost(RuntimeError):
+    """A sibling did not vote in time: it is lost or hung, and with it this replica."""
 
 
 @dataclass(frozen=True)
@@ -66,12 +81,15 @@ class ReplicaRanks:
 
     @property
     def leader(self) -> bool:
+        """Index 0: it reports for its replica."""
         return self.index == 0
 
     def rank(self, membership: Membership, slot: int) -> int:
+        """The rank of this process in `membership`, where `slot` is its replica."""
         return membership.rank_of(slot) * self.shard + self.index
 
     def size(self, membership: Membership) -> int:
+        """The ranks of `membership`: S per replica."""
         return membership.size * self.shard
 
     def meet(self, store: dist.Store, timeout: timedelta, world: dp.World) -> dp.World:
@@ -83,19 +101,6 @@ class ReplicaRanks:
         """The model onto the mesh of the generation `state.world` is the group of."""
         dp.rebind(state.model, dp.init_mesh(self.shard, state.world.group, elastic=True))
 
-    def vote(self, state: TrainState, failed: bool) -> bool:
-        """Whether every rank of this replica got through (one all-reduce over its shard
-        group); `failed`: this one did not."""
-        shard_group = dp.strategy_of(state.model).groups.shard.group
-        flag = torch.tensor([int(failed)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard_group)
-        return int(flag.item()) == 0
-
-    def agree(self, state: TrainState) -> None:
-        """`state.agree`: before the update, raise SiblingFailed unless every rank got through."""
-        if not self.vote(state, failed=False):
-            raise SiblingFailed("a rank of this replica failed a collective of the step")
-
     def heal_source(self, membership: Membership) -> int:
         """The global rank that sends this index's part of the state."""
         return self.rank(membership, membership.source)
@@ -103,3 +108,38 @@ class ReplicaRanks:
     def heal_group(self, state: TrainState) -> dist.ProcessGroup:
         """The ranks of this index in every replica (the replicate group)."""
         return dp.strategy_of(state.model).groups.replicate.group
+
+
+class ReplicaVote:
+    """The ranks of one HSDP replica agree, through the launcher's store, that every one of
+    them got through ([Note: HSDP replicas]): `vote(failed)` is True when none failed.
+
+    store: the run's store; slot: the replica's; ranks: this process's place in it.
+    timeout_s: --collective-timeout (a sibling has VOTE_GRACE_S more to vote).
+    """
+
+    def __init__(self, store: dist.Store, slot: int, ranks: ReplicaRanks, timeout_s: float):
+        self.store = dist.PrefixStore(f"vote/{slot}/{ranks.start}", store)
+        self.ranks, self.wait_s, self.round = ranks, timeout_s + VOTE_GRACE_S, 0
+        self.slot = slot
+
+    def __call__(self, failed: bool) -> bool:
+        self.round += 1
+        n = self.round
+        if failed:
+            self.store.set(f"{n}/failed", "1")  # before the count: whoever sees all, sees it
+        deadline = time.monotonic() + self.wait_s
+        count = self.store.add(f"{n}/count", 1)
+        while count < self.ranks.shard:
+            if time.monotonic() > deadline:
+                raise ReplicaLost(
+                    f"replica {self.slot}: {self.ranks.shard - count} of its ranks did not vote "
+                    f"within {self.wait_s:g} s (lost or hung); the replica ends and is replaced"
+                )
+            time.sleep(0.001)
+            count = self.store.add(f"{n}/count", 0)
+        ok = not self.store.check([f"{n}/failed"])
+        if self.ranks.leader and n > 2:  # every sibling is past round n - 2: forget it
+            self.store.delete_key(f"{n - 2}/count")
+            self.store.delete_key(f"{n - 2}/failed")
+        return ok

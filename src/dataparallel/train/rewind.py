@@ -177,7 +177,8 @@ def snapshot(state: TrainState) -> dict:
     return {
         "model": dp.full_state_dict(state.model),
         # Under DDP (and inside each replica under an averager) the optimizer is a plain torch
-        # one over the whole model, so its own state dict is exact.
+        # one over the whole model, so its own state dict is exact; under ZeRO inside HSDP
+        # replicas it is this rank's shard's, exact for the rank of the same index.
         "optimizer": state.optimizer.state_dict(),
         "averager": state.averager.shared() if state.averager is not None else None,
         "samples": state.samples.state_dict(),

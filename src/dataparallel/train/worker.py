@@ -28,6 +28,7 @@ from .config import RunConfig, field_label
 from .config_toml import apply_mapping, to_toml
 from .loop import Callback, fit
 from .recovery import Left, LeftOut, LiveRecovery
+from .replica import ReplicaLost
 from .report import RUN_INFO, make_report
 from .tensor_parallel import parameter_count
 from .tracing import TraceWriter, parse_steps
@@ -225,13 +226,13 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
             if latest:
                 print(f"continue with: dataparallel train --resume {config.launch.out}", flush=True)
         raise SystemExit(130) from None
-    except LeftOut as error:  # the others went on without this stalled replica
+    except (LeftOut, ReplicaLost) as error:  # the others go on without this replica
         print(f"dataparallel train: live: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except Left as error:  # asked to leave (dataparallel leave): the others go on
-        _finish_saving(callbacks)
         for callback in callbacks or []:
-            callback.on_leave(state)  # the writer hands its role over
+            callback.on_leave(state)  # the writer hands its role over at once
+        _finish_saving(callbacks)
         print(f"dataparallel train: live: {error}", file=sys.stderr, flush=True)
         raise SystemExit(0) from None
     except (FloatingPointError, CollectiveMismatch) as error:  # the user's to fix, not a bug
