@@ -45,7 +45,8 @@ def add_join_parser(commands) -> None:
         description="Join the live run in RUN_DIR as one more replica (up to its "
         "--max-replicas): this process trains with the others until the run ends. Its state is "
         "received from them over the network; the run directory is where it writes its part "
-        "of the checkpoints.",
+        "of the checkpoints. In a run with --shard-group S, a replica is S processes: this one "
+        "forks them.",
     )
     parser.add_argument("run", metavar="RUN_DIR", help=f"the run's directory (holds {RUN_FILE})")
     parser.add_argument(
@@ -125,7 +126,46 @@ def join(run_dir: Path) -> int:
         print(f"dataparallel join: refused: {answer.message}", file=sys.stderr)
         return REFUSED
     print(f"dataparallel join: {answer.message}", file=sys.stderr, flush=True)
-    return train_joined(run_dir, address, store, answer.replica)
+    from .worker import decode_run
+
+    shard = max(decode_run(store.get(RUN_KEY))[0].launch.shard_group, 1)
+    if shard == 1:
+        return train_joined(run_dir, address, store, answer.replica)
+    return train_replica(run_dir, address, answer.replica, shard)
+
+
+def train_replica(run_dir: Path, address: str, replica: int, shard: int) -> int:
+    """Join as an HSDP replica of `shard` processes ([Note: HSDP replicas] in replica.py): each
+    is forked here and trains as its index; they meet among themselves, then enter the run as
+    one replica. The replica ends as a whole: when one of them ends otherwise than with 0 the
+    others are killed, and that status is this process's."""
+    owner, children = os.getpid(), []
+    for index in range(shard):
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                store = run_store(client_store(address, CONNECT_TIMEOUT_S))  # its own socket
+                code = train_joined(run_dir, address, store, replica, index, shard, owner)
+            except SystemExit as end:
+                code = end.code if isinstance(end.code, int) else int(end.code is not None)
+            except BaseException:  # a bug: its traceback, then status 1
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children.append(child)
+    codes: dict[int, int] = {}
+    while len(codes) < len(children):
+        child, status = os.wait()
+        codes[child] = os.waitstatus_to_exitcode(status)
+        if codes[child] != 0:  # the replica is lost: its other processes too
+            for other in children:
+                if other not in codes:
+                    os.kill(other, signal.SIGKILL)
+    failed = [code for code in codes.values() if code != 0]
+    return (failed[0] if failed[0] > 0 else 1) if failed else 0
 
 
 def keep(run_dir: Path, restarts: int) -> int:
@@ -187,8 +227,18 @@ def keep(run_dir: Path, restarts: int) -> int:
               f"({lost} of --restarts {restarts})", file=sys.stderr, flush=True)  # fmt: skip
 
 
-def train_joined(run_dir: Path, address: str, store, replica: int) -> int:
-    """Train as replica `replica` of the live run until it ends, beating meanwhile."""
+def train_joined(
+    run_dir: Path,
+    address: str,
+    store,
+    replica: int,
+    index: int = 0,
+    shard: int = 1,
+    owner: int | None = None,
+) -> int:
+    """Train as replica `replica` of the live run until it ends, beating meanwhile; under
+    --shard-group as its process `index` of `shard`, forked by the process `owner` that asked
+    to join (the launcher knows the replica by that pid)."""
     import torch
 
     from .launch import fair_threads, worker_environment
@@ -203,7 +253,10 @@ def train_joined(run_dir: Path, address: str, store, replica: int) -> int:
     environment = worker_environment(launch)
     environment.pop(ENV_LAUNCHER)  # not the launcher's child: its heartbeat ties it to the run
     os.environ.update(environment)
-    os.environ[ENV_LIVE] = json.dumps({"store": address, "replica": replica, "joining": True})
+    live = {"store": address, "replica": replica, "joining": True}
+    if shard > 1:  # [Note: HSDP replicas]: its first group is its own, named by its slot
+        live.update(index=index, shard=shard, start=f"join-{replica}", owner=owner)
+    os.environ[ENV_LIVE] = json.dumps(live)
     torch.set_num_threads(launch.threads or fair_threads(launch.nproc))
     beat_store = run_store(client_store(address, CONNECT_TIMEOUT_S))
     heartbeat = Heartbeat(beat_store, replica).start()

@@ -276,13 +276,6 @@ class LiveLauncher:
     def _admit(self, request: Request) -> Answer:
         """A new replica, within --max-replicas: the next unused slot, watched by heartbeat."""
         who = f"pid {request.pid} on {request.host}"
-        if self.shard > 1:
-            refusal = (
-                f"a replica of this run is {self.shard} processes (--shard-group), and "
-                "`dataparallel join` starts one; joining HSDP replicas is not covered yet"
-            )
-            self._say(f"a replica asked to join ({who}): refused: {refusal}")
-            return Answer(ok=False, message=refusal)
         counted = [w for w in self.workers.values() if w.life in (Life.STARTING, Life.MEMBER)]
         refusal = refuse_join(len(counted), self.policy)
         if refusal:
@@ -300,8 +293,6 @@ class LiveLauncher:
         # The writer (rank 0, the lowest member) may leave too: the role moves to the next
         # lowest ([Note: the writer role] in writer.py).
         refusal = refuse_leave(request.replica, members, self.policy)
-        if not refusal and self.shard > 1:
-            refusal = "a leave of an HSDP replica (--shard-group) is not covered yet"
         if refusal:
             self._say(f"replica {request.replica} asked to leave: refused: {refusal}")
             return Answer(ok=False, message=refusal)

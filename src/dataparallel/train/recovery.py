@@ -115,6 +115,8 @@ class LiveRecovery(Steps):
     joining: a replacement (built alone, then healed) rather than one of the first workers.
     timeout_s: --collective-timeout, the timeout of every generation's group.
     ranks: its index among the --shard-group processes of its replica ([Note: HSDP replicas]).
+    owner: the pid the launcher knows the replica by, when not this process's (a replica
+        joined with `dataparallel join` under --shard-group: the process that asked).
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class LiveRecovery(Steps):
         joining: bool,
         timeout_s: float,
         ranks: ReplicaRanks | None = None,
+        owner: int | None = None,
     ):
         self.store, self.replica, self.joining = store, replica, joining
         # This process's place in its replica, whose ranks agree on each attempt's outcome
@@ -132,6 +135,7 @@ class LiveRecovery(Steps):
         self.ranks = ranks or ReplicaRanks()
         shard = self.ranks.shard > 1
         self.vote = ReplicaVote(store, replica, self.ranks, timeout_s) if shard else None
+        self.pid = owner or os.getpid()  # the pid the launcher knows this replica by
         self.quorum = Quorum(store, replica)
         self.timeout = timedelta(seconds=timeout_s)
         self.membership: Membership | None = None
@@ -149,18 +153,18 @@ class LiveRecovery(Steps):
         given = json.loads(text)
         store = run_store(client_store(given["store"]))
         ranks = ReplicaRanks(
-            int(given.get("index", 0)), int(given.get("shard", 1)), int(given.get("start", 0))
+            int(given.get("index", 0)), int(given.get("shard", 1)), given.get("start", 0)
         )
         return cls(
             store, int(given["replica"]), joining=bool(given["joining"]),
-            timeout_s=launch.collective_timeout, ranks=ranks,
+            timeout_s=launch.collective_timeout, ranks=ranks, owner=given.get("owner"),
         )  # fmt: skip
 
     # -- entering the run -----------------------------------------------------------------
     def enter(self, world: dp.World) -> dp.World:
         """One of the workers started together: meet the others in generation 0 and return the
         world of its group (the model is then built and broadcast as in any run)."""
-        membership = self._meet(0, Report(replica=self.replica, step=0, pid=os.getpid()))
+        membership = self._meet(0, Report(replica=self.replica, step=0, pid=self.pid))
         world = self._form(world, membership)
         self.phase = Phase.TRAINING
         return world
@@ -295,7 +299,7 @@ class LiveRecovery(Steps):
                 replica=self.replica,
                 step=state.step,
                 where=where,
-                pid=os.getpid(),
+                pid=self.pid,
                 timed_out=stalled,
             ),  # fmt: skip
         )

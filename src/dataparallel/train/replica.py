@@ -72,12 +72,13 @@ class ReplicaRanks:
 
     index: its index in the replica's shard group, 0..shard - 1 (0 reports for the replica).
     shard: S, the processes of a replica (1: a replica is one process, as under DDP).
-    start: the launcher's count of replica starts when this one began (names its first group).
+    start: names the replica's first group: the launcher's count of replica starts when it
+        began, or "join-<slot>" for one joined with `dataparallel join`.
     """
 
     index: int = 0
     shard: int = 1
-    start: int = 0
+    start: int | str = 0
 
     @property
     def leader(self) -> bool:
