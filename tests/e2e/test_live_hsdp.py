@@ -1,8 +1,9 @@
 """Live recovery of HSDP replicas end to end ([Note: HSDP replicas] in train/replica.py): ZeRO-2
 inside replicas of 2 ranks (`--shard-group 2`), 2 replicas; one rank of replica 1 killed with
 SIGKILL. Its sibling is killed with it (a replica is a failure domain), replica 0 goes on in
-the same two processes, a new replica of two processes is healed from it shard by shard, every
-step is done once, and the weights are the uninterrupted run's up to summation order.
+the same two processes, a new replica of two processes is healed from it shard by shard; then
+replica 0, the writer's, leaves (`dataparallel leave`) and the new replica finishes the run.
+Every step is done once, and the weights are the uninterrupted run's up to summation order.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from dataparallel.cli import main
 from dataparallel.train.metrics import read_metrics
 
 from .make_reference_curve import CORPUS
@@ -64,6 +66,7 @@ def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path
             "steps with the new replica",
         )
         after = live_ranks(launcher.pid)
+        assert main(["leave", str(out), "--replica", "0"]) == 0  # the writer's replica leaves
         stdout, stderr = launcher.communicate(timeout=240)
     finally:
         if launcher.poll() is None:
@@ -78,9 +81,13 @@ def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path
     # until the collective timeout, the replacement was healed in generation 1 already.
     _, members, _, joined_at, healed = next(g for g in generations if g[4])
     assert _numbers(members) == [0, 1] and _numbers(healed) == [1], stderr
-    sizes = _ranks_per_step(out)  # 4 ranks (then maybe replica 0's 2), then 4 again
-    assert sizes[0] == 4 and sizes[-1] == 4 and set(sizes) <= {2, 4}, sizes
+    assert _numbers(generations[-1][1]) == [1], stderr  # replica 0 left: the new one goes on
+    assert "worker 0 left with status 0; not replaced" in stderr
+    sizes = _ranks_per_step(out)  # 4 ranks (maybe replica 0's 2), 4 again, replica 1's 2
+    assert sizes[0] == 4 and 4 in sizes[1:] and sizes[-1] == 2 and set(sizes) <= {2, 4}, sizes
     assert _train_steps(out) == list(range(1, STEPS + 1))  # every step once
+    vals = [r["step"] for r in read_metrics(out) if r["kind"] == "val"]
+    assert vals == [0, 25, 50, 75, 100] and stdout.count("dataparallel train: done") == 1
     ours, theirs = (
         load_file(str(out / "model.safetensors")),
         load_file(str(reference / "model.safetensors")),
