@@ -137,7 +137,8 @@ def _check_sizes(config: RunConfig) -> None:
             "add --recovery live, or leave it out",
         )
     replicas, what, zero = launch.nproc, f"--nproc {launch.nproc}", "--nproc"
-    if launch.shard_group > 1:  # a replica of S ranks ([Note: HSDP replicas] in replica.py)
+    divides = launch.shard_group > 1 and launch.nproc % launch.shard_group == 0
+    if launch.recovery == "live" and divides:  # [Note: HSDP replicas] (else: --shard-group's)
         replicas = launch.nproc // launch.shard_group
         what = f"the run's {replicas} replicas (--nproc / --shard-group)"
         zero = "as many"
