@@ -144,14 +144,16 @@ def keep(run_dir: Path, restarts: int) -> int:
     """
     from .worker import run_worker  # noqa: F401  (torch and the trainer, imported once)
 
-    lost, rejoin_until, child = 0, 0.0, 0
+    lost, rejoin_until, child, stopping = 0, 0.0, 0, False
 
     def forward(signum, _frame):
+        nonlocal stopping
+        stopping = True  # the replica's end is then no loss: no new one is joined
         if child:
             os.kill(child, signum)
 
     signal.signal(signal.SIGTERM, forward)
-    while True:
+    while not stopping:
         child = os.fork()
         if child == 0:  # the replica
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -169,12 +171,13 @@ def keep(run_dir: Path, restarts: int) -> int:
         if code == REFUSED and time.monotonic() < rejoin_until:
             time.sleep(1.0)  # the lost replica may still be counted: ask again
             continue
-        if code in (0, 2, REFUSED) or lost == restarts:
+        if code in (0, 2, REFUSED) or lost == restarts or stopping:
             return 1 if code == REFUSED or code < 0 else code
         lost += 1
         rejoin_until = time.monotonic() + REJOIN_WAIT_S
         print(f"dataparallel join: the replica was lost (status {code}); joining again "
               f"({lost} of --restarts {restarts})", file=sys.stderr, flush=True)  # fmt: skip
+    return 1  # told to stop between two replicas
 
 
 def train_joined(run_dir: Path, address: str, store, replica: int) -> int:
