@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import two_hosts
-from live_trials import flags
+from live_trials import flags, records
 from punisher import OneHost, exponential_wait, last_step, parser, punish, report, train_steps
 from safetensors.torch import load_file
 from workers import children, workers_by_rank
@@ -153,7 +153,21 @@ class Restart:
     at_s: float  # after the first step
     pid: int
     step: int  # the last step in the metrics
-    back_s: float | None = None  # until the metrics showed a step again
+    before: list[dict]  # the metrics' train records then
+    back_s: float | None = None  # until the metrics showed a step trained after the restart
+    resumed_at: int | None = None  # the step the restarted workers started from
+
+    def look(self, now: float, train: list[dict]) -> None:
+        """Note the first record trained after the restart: the metrics are cut back to the
+        checkpoint, and a restarted worker's elapsed_s starts again from 0 (a step that
+        finished as the kill came is not one)."""
+        if self.back_s is not None:
+            return
+        last = self.before[-1]["elapsed_s"] if self.before else math.inf
+        was = self.before
+        new = next((r for n, r in enumerate(train) if n >= len(was) or r != was[n]), None)
+        if new is not None and new["elapsed_s"] < last:
+            self.back_s, self.resumed_at = now - self.at_s, new["step"] - 1
 
 
 def kill_second_host(args, run: Path, kills: list[Restart]):
@@ -165,13 +179,13 @@ def kill_second_host(args, run: Path, kills: list[Restart]):
             if any(p.poll() is not None for p in procs):
                 return
             time.sleep(0.02)
-        started, next_kill, records = time.monotonic(), exponential_wait(rng, args.mean_s), 0
+        started, next_kill = time.monotonic(), exponential_wait(rng, args.mean_s)
         while all(p.poll() is None for p in procs):
             time.sleep(0.02)
-            now, done = time.monotonic() - started, train_steps(run)
-            step = done[-1] if done else 0
-            if kills and kills[-1].back_s is None and len(done) > records:
-                kills[-1].back_s = now - kills[-1].at_s
+            now, train = time.monotonic() - started, records(run)
+            step = train[-1]["step"] if train else 0
+            if kills:
+                kills[-1].look(now, train)
             # The next kill once the run has trained past the last one's step.
             after = kills[-1].step if kills else 0
             if now < next_kill or step >= args.steps - args.quiet_tail or step <= after:
@@ -183,8 +197,8 @@ def kill_second_host(args, run: Path, kills: list[Restart]):
                 os.kill(victim, signal.SIGKILL)
             except ProcessLookupError:
                 continue
-            kills.append(Restart(now, victim, step))
-            records, next_kill = len(done), now + exponential_wait(rng, args.mean_s)
+            kills.append(Restart(now, victim, step, train))
+            next_kill = now + exponential_wait(rng, args.mean_s)
 
     return during
 
@@ -204,21 +218,22 @@ def restart(args, rate: str | None) -> dict:
             if (node0, node1) != (0, 0):
                 print(output[-4000:], file=sys.stderr)
                 raise SystemExit(f"{run.name}: the nodes ended with status {node0} and {node1}")
-        resumed = [int(step) for step in RESUMED.findall(output)]
         print(f"{'kill':>4} {'at s':>6} {'pid':>7} {'step':>5} {'resumed at':>10} "
               f"{'back after s':>12}")  # fmt: skip
         for n, kill in enumerate(kills, start=1):
-            at = str(resumed[n - 1]) if n <= len(resumed) else "-"
+            at = "-" if kill.resumed_at is None else str(kill.resumed_at)
             back = "-" if kill.back_s is None else f"{kill.back_s:.1f}"
             print(f"{n:>4} {kill.at_s:>6.1f} {kill.pid:>7} {kill.step:>5} {at:>10} {back:>12}")
+        back = [k for k in kills if k.back_s is not None]
         ours, theirs = (load_file(str(run / "model.safetensors")) for run in (out, reference))
         identical = ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in theirs)
         done = train_steps(out)
         return {
             "kills (all on host 1)": len(kills),
-            "restarts (resumed lines)": len(resumed),
-            "steps trained again": len(done) - args.steps,
-            "every step done": sorted(set(done)) == list(range(1, args.steps + 1)),
+            "restarts from a checkpoint": len(RESUMED.findall(output)),
+            "steps trained again": sum(k.step - k.resumed_at for k in back),
+            "back after s (max)": round(max((k.back_s for k in back), default=0), 1),
+            "every step in the metrics once": done == list(range(1, args.steps + 1)),
             "bit-identical": identical,
             "max |difference|": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
             "wall s, uninterrupted": round(seconds[reference], 1),
