@@ -28,6 +28,7 @@ docs/faults.md, "Live recovery", describes it.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -120,9 +121,40 @@ def train_steps(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run) if r["kind"] == "train"]
 
 
-def last_step(run: Path) -> int:
-    done = train_steps(run)
-    return done[-1] if done else 0
+class MetricsTail:
+    """A run's train records, read on from where the last look stopped: a look every 20 ms
+    costs the new lines only (reading the whole metrics.jsonl each time took a fifth of a
+    core by step 3,000, beside the run it measures). The file grows by whole lines; when it is
+    replaced (cut back at a rewind, or at a restart's resume) it is read again from the start."""
+
+    def __init__(self, run: Path):
+        self.path = run / "metrics.jsonl"
+        self.train: list[dict] = []
+        self.file: tuple[int, int] | None = None  # (device, inode) of the file read
+        self.offset = 0
+
+    def look(self) -> list[dict]:
+        """The train records so far (a line being written is not read)."""
+        try:
+            with open(self.path, "rb") as handle:
+                stat = os.fstat(handle.fileno())
+                if (stat.st_dev, stat.st_ino) != self.file or stat.st_size < self.offset:
+                    self.file, self.offset, self.train = (stat.st_dev, stat.st_ino), 0, []
+                handle.seek(self.offset)
+                for line in handle:
+                    if not line.endswith(b"\n"):
+                        break
+                    record = json.loads(line) if line.strip() else {}
+                    self.offset += len(line)
+                    if record.get("kind") == "train":
+                        self.train.append(record)
+        except FileNotFoundError:
+            pass
+        return self.train
+
+    def last_step(self) -> int:
+        train = self.look()
+        return train[-1]["step"] if train else 0
 
 
 class OneHost:
@@ -162,7 +194,8 @@ def punish(
     with open(out.with_suffix(".stdout"), "w") as stdout:
         launcher = hosts.start(live, stdout)
     lines = LauncherLines(launcher, out.with_suffix(".stderr"))
-    while last_step(out) < 1 or not hosts.ready(lines):  # kills count from the first step
+    metrics = MetricsTail(out)
+    while metrics.last_step() < 1 or not hosts.ready(lines):  # kills count from the first step
         if launcher.poll() is not None:
             raise SystemExit("the live run ended before the punisher's clock started")
         time.sleep(0.02)
@@ -172,7 +205,7 @@ def punish(
     next_kill = exponential_wait(rng, args.mean_s)
     while launcher.poll() is None:
         time.sleep(0.02)
-        now, step = time.monotonic() - started, last_step(out)
+        now, step = time.monotonic() - started, metrics.last_step()
         if now < next_kill or step >= args.steps - args.quiet_tail:
             continue
         last = lines.generations[-1] if lines.generations else None

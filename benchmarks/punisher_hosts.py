@@ -47,8 +47,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import two_hosts
-from live_trials import flags, records
-from punisher import OneHost, exponential_wait, last_step, parser, punish, report, train_steps
+from live_trials import flags
+from punisher import (
+    MetricsTail,
+    OneHost,
+    exponential_wait,
+    parser,
+    punish,
+    report,
+    train_steps,
+)
 from safetensors.torch import load_file
 from workers import children, workers_by_rank
 
@@ -164,10 +172,11 @@ class Restart:
         if self.back_s is not None:
             return
         last = self.before[-1]["elapsed_s"] if self.before else math.inf
-        was = self.before
-        new = next((r for n, r in enumerate(train) if n >= len(was) or r != was[n]), None)
-        if new is not None and new["elapsed_s"] < last:
-            self.back_s, self.resumed_at = now - self.at_s, new["step"] - 1
+        was, first = self.before, len(train)  # the new records are a tail: read it backwards
+        while first > 0 and (first > len(was) or train[first - 1] != was[first - 1]):
+            first -= 1
+        if first < len(train) and train[first]["elapsed_s"] < last:
+            self.back_s, self.resumed_at = now - self.at_s, train[first]["step"] - 1
 
 
 def kill_second_host(args, run: Path, kills: list[Restart]):
@@ -175,14 +184,15 @@ def kill_second_host(args, run: Path, kills: list[Restart]):
     rng = random.Random(args.seed)
 
     def during(procs) -> None:
-        while last_step(run) < 1:
+        metrics = MetricsTail(run)
+        while metrics.last_step() < 1:
             if any(p.poll() is not None for p in procs):
                 return
             time.sleep(0.02)
         started, next_kill = time.monotonic(), exponential_wait(rng, args.mean_s)
         while all(p.poll() is None for p in procs):
             time.sleep(0.02)
-            now, train = time.monotonic() - started, records(run)
+            now, train = time.monotonic() - started, metrics.look()
             step = train[-1]["step"] if train else 0
             if kills:
                 kills[-1].look(now, train)
@@ -197,7 +207,7 @@ def kill_second_host(args, run: Path, kills: list[Restart]):
                 os.kill(victim, signal.SIGKILL)
             except ProcessLookupError:
                 continue
-            kills.append(Restart(now, victim, step, train))
+            kills.append(Restart(now, victim, step, list(train)))
             next_kill = now + exponential_wait(rng, args.mean_s)
 
     return during
