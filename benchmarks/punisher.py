@@ -12,9 +12,10 @@ from the first step, and seeded (--seed). A kill waits while fewer than --min-me
 replicas are members that hold the run's state (a replacement still starting is not a
 member, and one just let in holds the state once it has trained a step: a run whose every
 holder is lost has nothing to heal from), and none is sent once the metrics show step
---steps - --quiet-tail (a failure inside the final save is not recovered: docs/faults.md). It prints one line per
-kill (when, which slot and pid, at which step, and how long the replacement took to rejoin,
-in seconds and in steps), then whether
+--steps - --quiet-tail (a failure inside the final save is not recovered: docs/faults.md). It
+prints one line per kill (when, on which host (0 here; benchmarks/punisher_hosts.py runs the
+trial across two), which slot and pid, at which step, and how long the replacement took to
+rejoin, in seconds and in steps), then whether
 - the run ended with status 0;
 - no survivor was restarted: every process seen as a member and never killed is a member of
   the last generation (so each slot's pid changed only when it was killed);
