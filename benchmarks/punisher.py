@@ -219,6 +219,8 @@ def punish(
         healing = set(last.healed) if last and step <= last.step else set()
         if len(set(choices) - healing) < args.min_members:
             continue  # wait for a replacement to be let in, and to train
+        if args.spare_forming and last and step <= last.step:
+            continue  # the last generation's group may still be forming
         slot = rng.choice(choices)
         try:
             os.kill(members[slot], signal.SIGKILL)
@@ -255,6 +257,10 @@ def parser() -> argparse.ArgumentParser:
                         "this many members hold the state")  # fmt: skip
     parser.add_argument("--quiet-tail", type=int, default=10, help="no kill in the last steps")
     parser.add_argument("--collective-timeout", type=float, default=20.0)
+    parser.add_argument("--spare-forming", action="store_true", help="no kill until the last "
+                        "generation has trained a step: a member killed while the next group "
+                        "forms leaves the others waiting in gloo's rendezvous for good "
+                        "(docs/faults.md, 'Live recovery')")  # fmt: skip
     return parser
 
 
