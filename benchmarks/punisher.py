@@ -219,8 +219,8 @@ def punish(
         healing = set(last.healed) if last and step <= last.step else set()
         if len(set(choices) - healing) < args.min_members:
             continue  # wait for a replacement to be let in, and to train
-        if args.spare_forming and last and step <= last.step:
-            continue  # the last generation's group may still be forming
+        if args.spare_regroups and not settled(kills, lines, started, step):
+            continue
         slot = rng.choice(choices)
         try:
             os.kill(members[slot], signal.SIGKILL)
@@ -240,6 +240,18 @@ def punish(
     return launcher.returncode, kills, lines, first
 
 
+def settled(kills: list[Kill], lines: LauncherLines, started: float, step: int) -> bool:
+    """Whether the run has regrouped after the last kill: a generation decided after it has
+    trained a step (its group formed). A member killed after it reported for the next
+    generation, before the launcher knows it is dead (a joiner's silent heartbeat takes 10 s),
+    is counted in that generation, and the others wait for it in gloo's rendezvous for good
+    (docs/faults.md, "Live recovery")."""
+    if not kills:
+        return True
+    since = [g for g in lines.generations if g.at - started > kills[-1].at_s]
+    return bool(since) and step > since[-1].step
+
+
 def survivors_kept(first: dict, kills: list[Kill], lines: LauncherLines) -> bool:
     """Whether every process seen as a member and never killed is in the last generation."""
     seen = set(first.values()) | {p for g in lines.generations for p in g.members.values()}
@@ -257,10 +269,10 @@ def parser() -> argparse.ArgumentParser:
                         "this many members hold the state")  # fmt: skip
     parser.add_argument("--quiet-tail", type=int, default=10, help="no kill in the last steps")
     parser.add_argument("--collective-timeout", type=float, default=20.0)
-    parser.add_argument("--spare-forming", action="store_true", help="no kill until the last "
-                        "generation has trained a step: a member killed while the next group "
-                        "forms leaves the others waiting in gloo's rendezvous for good "
-                        "(docs/faults.md, 'Live recovery')")  # fmt: skip
+    parser.add_argument("--spare-regroups", action="store_true", help="no kill between a "
+                        "kill and the first step trained by a generation decided after it: a "
+                        "member killed then can be counted in the next generation, whose group "
+                        "then never forms (docs/faults.md, 'Live recovery')")  # fmt: skip
     return parser
 
 
