@@ -221,6 +221,10 @@ def punish(
             continue  # wait for a replacement to be let in, and to train
         if args.spare_regroups and not settled(kills, lines, started, step):
             continue
+        hosts_now = sorted({alive[members[s]] for s in choices})
+        if len(hosts_now) > 1:  # a host first, then a member on it: each host as often
+            host = rng.choice(hosts_now)
+            choices = [s for s in choices if alive[members[s]] == host]
         slot = rng.choice(choices)
         try:
             os.kill(members[slot], signal.SIGKILL)
