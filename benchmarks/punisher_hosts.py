@@ -1,22 +1,24 @@
 """The punisher across two hosts: benchmarks/punisher.py's trial with the run spread over two
 network namespaces joined by a veth pair (benchmarks/two_hosts.py), the kills on both.
 
-    python benchmarks/punisher_hosts.py --steps 1500 --mean-s 30 --seed 1          # live
-    python benchmarks/punisher_hosts.py --steps 400 --mean-s 30 --seed 1 --rate 100mbit
-    python benchmarks/punisher_hosts.py --restart --steps 600 --mean-s 30 --seed 1  # restart
+    python benchmarks/punisher_hosts.py --steps 2000 --mean-s 30 --seed 1 --spare-regroups
+    python benchmarks/punisher_hosts.py --steps 300 --mean-s 20 --seed 1 --spare-regroups \
+        --rate 100mbit
+    python benchmarks/punisher_hosts.py --restart --steps 2000 --mean-s 30 --seed 1
 
 Live mode (the default): gpt-tiny with live_trials.py's flags (a global batch of 12) under
 `--recovery live --max-restarts 1000`, the launcher and --nproc 2 workers on the first host
 (its store at 10.77.0.1, `--max-replicas 3`), and on the second host a keeper, `dataparallel
 join RUN --restarts 1000`, whose replica is the third member ([Note: the machine's keeper] in
 train/elastic.py). punisher.py's punisher, its clock started once the second host's replica is
-a member, sends SIGKILL to a random member on either host at exponential, seeded moments (with
-its --min-members and --quiet-tail rules): a launcher's worker is replaced by the launcher in
-its slot; the keeper's replica by the keeper's next one, which joins as a new slot. The
-reference is the same layout uninterrupted (the same link, so the efficiency compares like with
-like; the weights differ in summation order only: 2 replicas sum the first steps, then 3). It
-prints punisher.py's figures with the host of each kill (0 first, 1 second), and the keeper's
-status and how many replicas it joined again.
+a member, sends SIGKILL at exponential, seeded moments to a random host's random member (with
+its --min-members, --quiet-tail and --spare-regroups rules; without --spare-regroups a kill in
+the window that rule spares can hang the run: docs/faults.md): a launcher's worker is replaced
+by the launcher in its slot; the keeper's replica by the keeper's next one, which joins as a
+new slot. The reference is the same layout uninterrupted (the same link, so the efficiency
+compares like with like; the weights differ in summation order only: 2 replicas sum the first
+steps, then 3). It prints punisher.py's figures with the host of each kill (0 first, 1
+second), and the keeper's status and how many replicas it joined again.
 
 Restart mode (--restart): the same run as `dataparallel train --nnodes 2 --nproc 1`, one node
 per host, a checkpoint every --checkpoint-every steps, `--max-restarts 1000`; the punisher
