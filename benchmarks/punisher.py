@@ -12,7 +12,9 @@ from the first step, and seeded (--seed). A kill waits while fewer than --min-me
 replicas are members that hold the run's state (a replacement still starting is not a
 member, and one just let in holds the state once it has trained a step: a run whose every
 holder is lost has nothing to heal from), and none is sent once the metrics show step
---steps - --quiet-tail (a failure inside the final save is not recovered: docs/faults.md). It
+--steps - --quiet-tail (a failure inside the final save is not recovered: docs/faults.md).
+With --spare-regroups none is sent either from a kill until a generation decided after it has
+trained a step (a member killed in that window can hang the run: docs/faults.md). It
 prints one line per kill (when, on which host (0 here; benchmarks/punisher_hosts.py runs the
 trial across two), which slot and pid, at which step, and how long the replacement took to
 rejoin, in seconds and in steps), then whether
