@@ -40,14 +40,20 @@ CORPUS = Path(__file__).resolve().parents[1] / "tests" / "e2e" / "data" / "corpu
 GENERATION = re.compile(r"generation (\d+): workers \[([\d, ]+)\] \(pids ([\d, ]+)\) at step (\d+)")
 
 
-def flags(steps: int, extra: str = "") -> list[str]:
-    """The trials' run; `extra` flags come last and win (e.g. "--nproc 4 --shard-group 2")."""
+def flags(
+    steps: int, extra: str = "", nproc: int = 3, ranks: int = 0, checkpoint_every: int = 0
+) -> list[str]:
+    """The trials' run: gpt-tiny, a global batch of 12 windows over `ranks` (0: `nproc`);
+    `extra` flags come last and win (e.g. "--nproc 4 --shard-group 2")."""
+    ranks = ranks or nproc
+    if 12 % ranks:
+        raise ValueError(f"{ranks} ranks do not divide the global batch of 12")
     return [
-        "--data", str(CORPUS), "--nproc", "3", "--threads", "1", "--model", "gpt-tiny",
-        "--block-size", "32", "--batch", "4", "--accum", "1", "--steps", str(steps),
+        "--data", str(CORPUS), "--nproc", str(nproc), "--threads", "1", "--model", "gpt-tiny",
+        "--block-size", "32", "--batch", str(12 // ranks), "--accum", "1", "--steps", str(steps),
         "--lr", "3e-4", "--warmup-steps", "3", "--val-fraction", "0.1", "--eval-every", "50",
-        "--eval-windows", "7", "--checkpoint-every", "0", "--log-every", "50", "--seed", "1",
-        *extra.split(),
+        "--eval-windows", "7", "--checkpoint-every", str(checkpoint_every), "--log-every", "50",
+        "--seed", "1", *extra.split(),
     ]  # fmt: skip
 
 
