@@ -325,3 +325,19 @@ def test_the_ranks_of_an_hsdp_replica_vote_through_the_store():
     votes[0].wait_s = 0.2
     with pytest.raises(ReplicaLost, match="replica 1: 1 of its ranks did not vote within 0.2 s"):
         votes[0](False)
+
+
+def test_a_generation_forms_once_every_rank_has_arrived():
+    """[Note: quorum keys]: a rank lost after the decision never arrives; the others stop
+    waiting at the timeout (gloo would wait for it for good) and regroup without it."""
+    import time
+
+    from dataparallel.comm.quorum import Quorum
+
+    store = dist.HashStore()
+    first, second = Quorum(store, 0), Quorum(store, 1)
+    second.store.set("gen/4/arrived/1", "1")  # rank 1 came first
+    assert first.arrive(4, 0, 2, timeout_s=5.0)
+    started = time.monotonic()
+    assert not first.arrive(5, 0, 2, timeout_s=0.2)  # rank 1 was lost: nobody comes
+    assert 0.2 <= time.monotonic() - started < 2.0

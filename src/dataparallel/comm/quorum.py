@@ -13,6 +13,9 @@
     gen/g/decision        the Membership (JSON), written once, by the launcher;
     gen/g/regroup         set by the launcher when a replacement waits: the members of g
                           regroup at their next step boundary to let it in;
+    gen/g/arrived/<rank>  set by each rank of g before it forms g's group: it forms the group
+                          only once every rank has arrived, within the collective timeout
+                          (gloo waits for a rank that never comes for good);
     gen/g/pg/...          the keys of generation g's process group (runtime.join_group).
 and `latest` holds the last decided generation's number (where a replacement reports next).
 A joiner or a leaver asks through keys of its own ([Note: membership requests] in requests.py);
@@ -46,6 +49,10 @@ def decision_key(generation: int) -> str:
 
 def regroup_key(generation: int) -> str:
     return f"gen/{generation}/regroup"
+
+
+def arrived_key(generation: int, rank: int) -> str:
+    return f"gen/{generation}/arrived/{rank}"
 
 
 def group_prefix(generation: int) -> str:
@@ -82,6 +89,19 @@ class Quorum:
                 )
             time.sleep(self.poll_s)
         return Membership.from_json(self.store.get(key))
+
+    def arrive(self, generation: int, rank: int, size: int, timeout_s: float) -> bool:
+        """Say that `rank` is here to form generation `generation`'s group of `size` ranks,
+        and wait for the others: False when one of them has not come within `timeout_s` (it
+        was lost after the decision: a joiner's death is known only from its heartbeat)."""
+        self.store.set(arrived_key(generation, rank), "1")
+        keys, deadline = [arrived_key(generation, r) for r in range(size)], time.monotonic()
+        deadline += timeout_s
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(self.poll_s)
+        return True
 
     def regroup_asked(self, generation: int) -> bool:
         """Whether the launcher asked the members of `generation` to regroup (a replacement

@@ -80,6 +80,10 @@ class Phase(enum.Enum):
     LEFT = "left"  # left the run by request: no longer a member of any generation
 
 
+class GroupNotFormed(RuntimeError):
+    """A rank of the decided generation never came to form its group: regroup without it."""
+
+
 class LeftOut(RuntimeError):
     """This replica was left out of a generation (it reported too late: stalled)."""
 
@@ -95,7 +99,7 @@ class Left(Exception):
 def lost_peer(error: BaseException) -> bool:
     """Whether `error` is a collective that failed because a peer is gone or stalled (gloo's
     closed connections and timeouts), not a fault of this process."""
-    if isinstance(error, (dist.DistError, SiblingFailed)):
+    if isinstance(error, (dist.DistError, SiblingFailed, GroupNotFormed)):
         return True
     return isinstance(error, RuntimeError) and "gloo" in str(error)
 
@@ -367,11 +371,18 @@ class LiveRecovery(Steps):
             generation += 1
 
     def _form(self, world: dp.World, membership: Membership) -> dp.World:
-        store = dist.PrefixStore(group_prefix(membership.generation), self.store)
+        """Form `membership`'s group, once every rank of it has arrived ([Note: quorum keys])."""
+        g = membership.generation
+        store = dist.PrefixStore(group_prefix(g), self.store)
         rank, size = self.ranks.rank(membership, self.replica), self.ranks.size(membership)
-        world = dp.join_group(store, rank, size, self.timeout, world)
-        self.membership = membership  # before healing: a failed heal regroups from here
-        return world
+        self.membership = membership  # a failed formation or heal regroups from here
+        timeout_s = self.timeout.total_seconds()
+        if not self.quorum.arrive(g, rank, size, timeout_s):
+            raise GroupNotFormed(
+                f"generation {g}: a rank did not come to form its group; timed out after "
+                f"{timeout_s:g} s (lost after the decision)"
+            )
+        return dp.join_group(store, rank, size, self.timeout, world)
 
     def _heal(self, state: TrainState, membership: Membership) -> None:
         """The source's state to the members behind or new, in one broadcast."""
