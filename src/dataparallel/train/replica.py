@@ -44,7 +44,6 @@ ones (`Replica` in live_launch.py). Each process knows its slot and its index i 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -56,6 +55,7 @@ from ..comm.membership import Membership
 from .trainer import TrainState
 
 VOTE_GRACE_S = 10.0  # beyond the collective timeout, for a sibling blocked in a collective
+FAILED = 1 << 20  # what a failed rank adds to a vote's sum (more than any replica's ranks)
 
 
 class SiblingFailed(RuntimeError):
@@ -125,22 +125,26 @@ class ReplicaVote:
         self.slot = slot
 
     def __call__(self, failed: bool) -> bool:
+        """One round: each rank adds 1 (plus FAILED if it failed) to the round's sum; the last
+        to add publishes the verdict, the others wait for it on the store (no polling)."""
         self.round += 1
         n = self.round
-        if failed:
-            self.store.set(f"{n}/failed", "1")  # before the count: whoever sees all, sees it
-        deadline = time.monotonic() + self.wait_s
-        count = self.store.add(f"{n}/count", 1)
-        while count < self.ranks.shard:
-            if time.monotonic() > deadline:
+        total = self.store.add(f"{n}/sum", 1 + FAILED * int(failed))
+        if total % FAILED == self.ranks.shard:  # the last of the replica's ranks to vote
+            verdict = "failed" if total >= FAILED else "ok"
+            self.store.set(f"{n}/verdict", verdict)
+        else:
+            try:
+                self.store.wait([f"{n}/verdict"], timedelta(seconds=self.wait_s))
+            except (dist.DistError, RuntimeError):  # DistStoreError: the wait timed out
+                arrived = self.store.add(f"{n}/sum", 0) % FAILED
                 raise ReplicaLost(
-                    f"replica {self.slot}: {self.ranks.shard - count} of its ranks did not vote "
-                    f"within {self.wait_s:g} s (lost or hung); the replica ends and is replaced"
-                )
-            time.sleep(0.001)
-            count = self.store.add(f"{n}/count", 0)
-        ok = not self.store.check([f"{n}/failed"])
+                    f"replica {self.slot}: {self.ranks.shard - arrived} of its ranks did not "
+                    f"vote within {self.wait_s:g} s (lost or hung); the replica ends and is "
+                    "replaced"
+                ) from None
+            verdict = self.store.get(f"{n}/verdict").decode()
         if self.ranks.leader and n > 2:  # every sibling is past round n - 2: forget it
-            self.store.delete_key(f"{n - 2}/count")
-            self.store.delete_key(f"{n - 2}/failed")
-        return ok
+            self.store.delete_key(f"{n - 2}/sum")
+            self.store.delete_key(f"{n - 2}/verdict")
+        return verdict == "ok"
