@@ -24,31 +24,19 @@ from safetensors.torch import load_file
 from dataparallel.cli import main
 
 from .make_reference_curve import CORPUS
+from .test_live_recovery import ARGS as LIVE_ARGS
 from .test_live_recovery import GENERATION, _numbers, _ok, _train_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from workers import live_workers  # noqa: E402
 
 STEPS, EVERY = 40, 10
+# test_live_recovery.py's run, shorter, on 3 workers in live mode.
+CHANGED = {"--steps": str(STEPS), "--eval-every": "15", "--log-every": "10"}
 ARGS = [
-    "--threads", "1",
-    "--model", "gpt-tiny",
-    "--block-size", "32",
-    "--accum", "1",
-    "--steps", str(STEPS),
-    "--lr", "3e-4",
-    "--warmup-steps", "3",
-    "--val-fraction", "0.1",
-    "--eval-every", "15",
-    "--eval-windows", "7",
-    "--checkpoint-every", "0",
-    "--log-every", "10",
-    "--seed", "1",
-    "--nproc", "3",
-    "--batch", "4",
-    "--recovery", "live",
-    "--collective-timeout", "10",
-]  # fmt: skip
+    CHANGED.get(flag, value) for flag, value in zip(["", *LIVE_ARGS[:-1]], LIVE_ARGS, strict=True)
+]
+ARGS += ["--nproc", "3", "--batch", "4", "--recovery", "live", "--collective-timeout", "10"]
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:

@@ -25,6 +25,8 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from ..comm.membership import JOIN, LEAVE
@@ -139,23 +141,13 @@ def train_replica(run_dir: Path, address: str, replica: int, shard: int) -> int:
     is forked here and trains as its index; they meet among themselves, then enter the run as
     one replica. The replica ends as a whole: when one of them ends otherwise than with 0 the
     others are killed, and that status is this process's."""
-    owner, children = os.getpid(), []
-    for index in range(shard):
-        child = os.fork()
-        if child == 0:
-            code = 1
-            try:
-                store = run_store(client_store(address, CONNECT_TIMEOUT_S))  # its own socket
-                code = train_joined(run_dir, address, store, replica, index, shard, owner)
-            except SystemExit as end:
-                code = end.code if isinstance(end.code, int) else int(end.code is not None)
-            except BaseException:  # a bug: its traceback, then status 1
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        children.append(child)
+    owner = os.getpid()
+
+    def train(index: int) -> int:
+        store = run_store(client_store(address, CONNECT_TIMEOUT_S))  # its own socket
+        return train_joined(run_dir, address, store, replica, index, shard, owner)
+
+    children = [fork(partial(train, index)) for index in range(shard)]
     codes: dict[int, int] = {}
     while len(codes) < len(children):
         child, status = os.wait()
@@ -198,20 +190,7 @@ def keep(run_dir: Path, restarts: int) -> int:
     while True:
         if stopping:
             return 128 + signal.SIGTERM
-        child = os.fork()
-        if child == 0:  # the replica
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            code = 1
-            try:
-                code = join(run_dir)
-            except SystemExit as end:
-                code = end.code if isinstance(end.code, int) else int(end.code is not None)
-            except BaseException:  # a bug: its traceback, then status 1
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+        child = fork(partial(join, run_dir))  # the replica
         _, status = os.waitpid(child, 0)
         code, child = os.waitstatus_to_exitcode(status), 0
         if stopping:
@@ -225,6 +204,26 @@ def keep(run_dir: Path, restarts: int) -> int:
         rejoin_until = time.monotonic() + REJOIN_WAIT_S
         print(f"dataparallel join: the replica was lost (status {code}); joining again "
               f"({lost} of --restarts {restarts})", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def fork(run: Callable[[], int]) -> int:
+    """Fork a child that runs `run` and exits with its status (a bug: its traceback, then
+    status 1; SIGTERM ends it as by default); return the child's pid."""
+    child = os.fork()
+    if child:
+        return child
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    code = 1
+    try:
+        code = run()
+    except SystemExit as end:
+        code = end.code if isinstance(end.code, int) else int(end.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def train_joined(
