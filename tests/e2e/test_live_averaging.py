@@ -30,13 +30,13 @@ from .test_live_recovery import GENERATION, _numbers, _ok, _train_steps
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from workers import live_workers  # noqa: E402
 
-STEPS, EVERY = 40, 10
+STEPS, EVERY = 30, 10
 # test_live_recovery.py's run, shorter, on 3 workers in live mode.
 CHANGED = {"--steps": str(STEPS), "--eval-every": "15", "--log-every": "10"}
 ARGS = [
     CHANGED.get(flag, value) for flag, value in zip(["", *LIVE_ARGS[:-1]], LIVE_ARGS, strict=True)
 ]
-ARGS += ["--nproc", "3", "--batch", "4", "--recovery", "live", "--collective-timeout", "10"]
+ARGS += ["--nproc", "3", "--batch", "4", "--recovery", "live", "--collective-timeout", "6"]
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
