@@ -68,7 +68,7 @@ from .base import (
 from .fsdp_order import CHECK_MODES
 from .fsdp_plan import plan_units, select_units
 from .fsdp_schedule import Schedule
-from .fsdp_unit import FlatUnit
+from .fsdp_unit import FlatUnit, PostBackward
 from .parts.clip import clip_shards_
 from .parts.footprint import Footprint, unitwise
 from .parts.geometry import Geometry, build_geometry, optimized_ids
@@ -166,20 +166,6 @@ class ZeRO3:
             gathered_units=(2 if self.prefetch else 1) if self.reshard_after_forward else None,
             **given,
         )  # fmt: skip
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward calls back once their gradient exists."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
 
 
 class ZeRO3Strategy(Strategy):
@@ -288,7 +274,7 @@ class ZeRO3Strategy(Strategy):
         positions = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
         if not positions:
             return args, kwargs
-        wrapped = _PostBackward.apply(
+        wrapped = PostBackward.apply(
             partial(self._post_backward, unit), *(flat[i] for i in positions)
         )
         for i, t in zip(positions, wrapped, strict=True):

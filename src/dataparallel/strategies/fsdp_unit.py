@@ -283,3 +283,17 @@ class FlatUnit:
         if self.bucket.buffer is not None:
             grads.append(self.bucket.buffer)
         return params, grads
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward calls back once their gradient exists."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)

@@ -42,7 +42,6 @@ from .base import (
 )
 from .parts.buckets import MB, Bucket, plan_buckets
 from .parts.clip import clip_shards_
-from .parts.flat_shard import FlatShard
 from .parts.footprint import Footprint, bucketed
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
@@ -50,58 +49,12 @@ from .parts.opaque import opaque
 from .parts.precision import MixedPrecision, check_precision, install_casts, norm_params
 from .parts.reducer import GradientReducer
 from .parts.tensor_parallel import to_local
+from .zero_keepers import FreeBuckets, KeepBuckets
 from .zero_step import BucketShard, ShardedStep, flatten_bucket
 
 # Bucket reductions in flight at once in backward: bounds ZeRO-2's full-size buckets and the
 # receive buffers of pairwise reduce-scatters (`max_in_flight` in reducer.py).
 MAX_IN_FLIGHT = 2
-
-
-class KeepBuckets:
-    """ZeRO-1: full-size gradient buckets stay allocated; the reduced slice of each becomes the
-    shard's gradient in place (no copy) when the dtypes agree. The model's own `.grad` are None
-    after a synchronised round, as under ZeRO-2: [Note: consumed sums]."""
-
-    lazy = False
-
-    def reduced(self, shard: FlatShard, bucket: Bucket) -> None:
-        shard.take_reduced(bucket.reduced(), borrow=True)
-
-    def after_round(self, shard: FlatShard, bucket: Bucket) -> None:
-        """[Note: consumed sums] What the buckets hold outside this rank's slice are its local
-        sums, already reduced into other ranks' slices, and the slice itself is the shard's
-        gradient. Left as the model's `.grad`, code that reads them would see neither the
-        gradient nor its shard, and code that scales them would scale the shard: PyTorch's AMP
-        recipe (`scaler.unscale_(opt)`, then `clip_grad_norm_(model.parameters(), ...)`)
-        measured the still-scaled local sums and multiplied each rank's shard by its own
-        factor, 6e-2 off one process where torch's DDP is 2.8e-4 (tests/dist/test_amp.py).
-        So they go: the reduced gradient is the optimizer's (its pieces' `.grad`), cleared by
-        `optimizer.zero_grad()`, and `dp.clip_grad_norm_` clips it."""
-        for param in bucket.params:
-            param.grad = None
-
-    def before_round(self, shard: FlatShard, bucket: Bucket) -> None:
-        """First forward after a synchronised round: the next backward writes into the bucket,
-        so the shard's gradient moves out of it if the pieces still hold it (accumulating
-        across synchronised backwards)."""
-        shard.stop_borrowing()
-
-
-class FreeBuckets:
-    """ZeRO-2: a bucket lives only from its first gradient to its reduction; the shard keeps a
-    copy of its slice ([Note: lazy buckets] in parts/buckets.py)."""
-
-    lazy = True
-
-    def reduced(self, shard: FlatShard, bucket: Bucket) -> None:
-        shard.take_reduced(bucket.reduced())
-        bucket.release()
-
-    def after_round(self, shard: FlatShard, bucket: Bucket) -> None:
-        pass
-
-    def before_round(self, shard: FlatShard, bucket: Bucket) -> None:
-        pass
 
 
 @dataclass(frozen=True, kw_only=True)

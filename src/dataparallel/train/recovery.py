@@ -16,10 +16,11 @@ replica
    the optimizer's), so it drops the gradients and puts the data position back, and under
    --compress the compression state as it was at the step's start ([Note: compression across
    replicas] in compression/live.py);
-2. leaves the broken group for a world of its own ([Note: abandoned groups]), reports for the
-   next generation and waits for the launcher's decision. A survivor blocked on another
-   survivor rather than on the lost peer fails only at the collective timeout (gloo gives no
-   way to cancel a wait), so the launcher waits that long, plus a grace, for every member;
+2. leaves the broken group for a world of its own ([Note: abandoned groups] in groups.py),
+   reports for the next generation and waits for the launcher's decision. A survivor blocked
+   on another survivor rather than on the lost peer fails only at the collective timeout (gloo
+   gives no way to cancel a wait), so the launcher waits that long, plus a grace, for every
+   member;
 3. forms the generation's process group (a new default gloo group on the store under
    gen/<g>/pg, [Note: quorum keys] in comm/quorum.py) and moves the model to it
    (`dataparallel.rebind`: same state, new rank, new size, the mean's new divisor);
@@ -47,7 +48,6 @@ import enum
 import json
 import os
 import sys
-import time
 from datetime import timedelta
 
 import torch
@@ -58,6 +58,7 @@ import dataparallel as dp
 from ..comm.membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
 from ..comm.quorum import Quorum, client_store, group_prefix, run_store
 from .config import LaunchConfig
+from .groups import Abandoned, move_to_world
 from .loop import Rewound, Steps
 from .records import EvalRecord, StepRecord
 from .replica import ReplicaRanks, ReplicaVote, SiblingFailed
@@ -68,7 +69,6 @@ from .trainer import TrainState, evaluate, train_step
 ENV_LIVE = "DATAPARALLEL_LIVE"  # {"store": "host:port", "replica": slot, "joining": bool}
 # The launcher decides; if it dies, its workers die with it (worker.die_with_launcher).
 DECISION_TIMEOUT_S = 3600.0
-ABANDONED_GRACE_S = 10.0  # beyond 2 x the collective timeout ([Note: abandoned groups])
 
 
 class Phase(enum.Enum):
@@ -145,7 +145,7 @@ class LiveRecovery(Steps):
         self.membership: Membership | None = None
         self.phase = Phase.STARTING
         self.healed_record: StepRecord | None = None
-        self.abandoned: list[tuple[float, dist.ProcessGroup]] = []  # [Note: abandoned groups]
+        self.abandoned = Abandoned(timeout_s)  # [Note: abandoned groups] in groups.py
         self.marks = Marks()  # where a failed step goes back to ([Note: live averaging])
 
     @classmethod
@@ -309,44 +309,18 @@ class LiveRecovery(Steps):
         )
         state.world = self._form(state.world, membership)
         state.data = DataRanks(rank=state.world.rank, size=state.world.world_size)
-        self._rebind(state)
+        move_to_world(state, self.ranks)
         self.marks.forget()
         self._heal(state, membership)
         forget_after(state, state.step)
 
-    def _rebind(self, state: TrainState) -> None:
-        """Move the model (and an averager) to the generation's group. Under an averager the
-        model trains inside its replica (a group of its own) and the averager spans them."""
-        if state.averager is None and self.ranks.shard > 1:
-            self.ranks.rebind(state)  # [Note: HSDP replicas]
-            return
-        if state.averager is None:
-            dp.rebind(state.model, state.world.group)
-            return
-        mesh = dp.init_mesh(1, state.world.group)
-        dp.rebind(state.model, mesh.shard_group)
-        state.averager.rebind(mesh.replicate_group)
-
     def _leave(self, state: TrainState) -> None:
-        """Leave the broken group for a world of one, without waiting for it.
-
-        [Note: abandoned groups] A DDP step has several bucket all-reduces in flight; when one
-        fails, the others are still pending on the gloo group's threads, and its destructor
-        waits for them to time out (up to --collective-timeout). Freed here, that wait held
-        this replica's report back until the launcher left it out as stalled (1 trial in 4).
-        So the old group is kept in `abandoned`, unregistered and shut down but not freed;
-        its pending work times out on its own threads while the run goes on (and so are the
-        mesh's groups of an HSDP replica or an averager: `_groups_in_use`). A group abandoned
-        longer than twice the collective timeout has nothing pending any more, and is let go
-        at the next regroup: a long run with many regroups does not keep every generation's
-        threads and sockets.
-        """
-        now, keep = time.monotonic(), 2 * self.timeout.total_seconds() + ABANDONED_GRACE_S
-        self.abandoned = [(t, group) for t, group in self.abandoned if now - t < keep]
-        self.abandoned += [(now, group) for group in _groups_in_use(state)]
+        """Leave the broken group for a world of one, without waiting for it ([Note:
+        abandoned groups] in groups.py)."""
+        self.abandoned.keep(state)
         state.world = dp.join_group(dist.HashStore(), 0, 1, self.timeout, state.world)
         if self.ranks.shard == 1:  # a sharded model waits for the next mesh as it is
-            self._rebind(state)
+            move_to_world(state, self.ranks)
 
     def _meet(self, generation: int, report: Report) -> Membership:
         """Report for `generation` and wait for its decision; a replacement left out (the
@@ -397,13 +371,3 @@ class LiveRecovery(Steps):
         if self.replica in membership.healed:
             load_snapshot(state, payload[0])
             self.healed_record = payload[0]["last_record"]
-
-
-def _groups_in_use(state: TrainState) -> list[dist.ProcessGroup]:
-    """The process groups the replica talks through: the world, the strategy's and an
-    averager's (each once)."""
-    comms = dp.strategy_of(state.model).comms()
-    if state.averager is not None:
-        comms.append(state.averager.comm)
-    groups = [state.world.group] + [c.group for c in comms]
-    return [g for i, g in enumerate(groups) if all(g is not h for h in groups[:i])]
