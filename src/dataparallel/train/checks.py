@@ -21,7 +21,7 @@ from ..data.tokens import TOKEN_DTYPES
 from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
 from .model_source import check_model, meta_model, run_tokenizer
-from .sync import averaging, check_sync
+from .sync import averaging, check_recipe
 from .tensor_parallel import check_tp
 from .tracing import parse_steps
 
@@ -228,7 +228,7 @@ def check_values(config: RunConfig) -> None:
         fix = "use zero1, zero2 or zero3" if ddp_alone else "use a divisor"
         raise ConfigError(field_label("launch", "shard_group"), why, f"{fix}, or 0 for none")
     check_tp(config)
-    check_sync(config, check_model(config))  # reads an hf:DIR's config, nothing else
+    check_recipe(config, check_model(config))  # reads an hf:DIR's config, nothing else
 
 
 def _check_trace(config: RunConfig) -> None:

@@ -71,9 +71,9 @@ def open_source(config: RunConfig) -> HFSource:
         ) from None
 
 
-def check_model(config: RunConfig) -> list:
-    """Check the model fields against each other and the data; return the parameter shapes
-    (built on the meta device: no memory), which the sync checks need."""
+def check_model(config: RunConfig) -> nn.Module:
+    """Check the model fields against each other and the data; return the model built on the
+    meta device (no memory), which the recipe's checks need (`dp.check_recipe`)."""
     model = config.model
     label = field_label("model", "name")
     if hf_path(model.name) is None:
@@ -92,14 +92,14 @@ def check_model(config: RunConfig) -> list:
         source = open_source(config)
         context = getattr(source.config, "max_position_embeddings", None)
         check_tokenizer(source)
-    shapes = [p.shape for p in meta_model(config).parameters()]
+    meta = meta_model(config)
     if context and config.data.block_size > context:
         raise ConfigError(
             field_label("data", "block_size"),
             f"{config.data.block_size} exceeds {short_name(config)}'s context of {context}",
             f"use at most {context}",
         )
-    return shapes
+    return meta
 
 
 def check_tokenizer(source: HFSource) -> None:
