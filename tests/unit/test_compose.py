@@ -96,7 +96,7 @@ def test_a_sync_field_names_itself_in_the_recipe_and_as_its_flag(name):
     """dp.Recipe raises a RecipeError whose field is the one at fault; the CLI spells it as
     the flag and the TOML key, with the fix's field names as flags too."""
     from dataparallel.train.config import ConfigError, RunConfig
-    from dataparallel.train.sync import check_recipe
+    from dataparallel.train.sync import check_run_recipe
 
     with pytest.raises(dp.RecipeError) as caught:
         dp.Recipe(**SYNC_CASES[name])
@@ -104,7 +104,7 @@ def test_a_sync_field_names_itself_in_the_recipe_and_as_its_flag(name):
     assert str(caught.value).startswith(f"Recipe.{name}: ")
     assert "{" not in str(caught.value)
     with pytest.raises(ConfigError) as cli:
-        check_recipe(RunConfig().replace(sync=SYNC_CASES[name]))
+        check_run_recipe(RunConfig().replace(sync=SYNC_CASES[name]))
     flag = "--" + name.replace("_", "-")
     assert cli.value.field == f"{flag} (sync.{name})"
     assert caught.value.problem_text.replace("{", "").replace("}", "") in str(caught.value)

@@ -21,7 +21,7 @@ from ..data.tokens import TOKEN_DTYPES
 from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
 from .model_source import ModelSource, check_model
-from .sync import averaging, check_recipe
+from .sync import averaging, check_run_recipe
 from .tensor_parallel import check_tp
 from .tracing import parse_steps
 
@@ -230,7 +230,7 @@ def check_values(config: RunConfig, source: ModelSource | None = None) -> None:
         raise ConfigError(field_label("launch", "shard_group"), why, f"{fix}, or 0 for none")
     check_tp(config)
     source = source or ModelSource(config.model)
-    check_recipe(config, check_model(config, source))  # reads an hf:DIR's config, tokenizer
+    check_run_recipe(config, check_model(config, source))  # reads an hf:DIR's config, tokenizer
 
 
 def _check_trace(config: RunConfig) -> None:

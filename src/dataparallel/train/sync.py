@@ -4,7 +4,7 @@ spelled with the flags.
 The rules on the [sync] section (and on the precision and the mesh they combine with) are the
 library's, in one home ([Note: one home for the recipe's rules] in dataparallel/compose.py):
 `dp.Recipe` checks its fields, `dp.check_recipe` the ones that need the model; each raises a
-`dp.RecipeError` naming its field, which `check_recipe` below turns into the one-line
+`dp.RecipeError` naming its field, which `check_run_recipe` below turns into the one-line
 `ConfigError` of the field's flag. The composition itself (in which order precision, the mesh,
 compression and an averager apply) is [Note: composition], which the trainer calls.
 """
@@ -36,13 +36,13 @@ FLAGS = {name: flag_name(*where) for name, where in FIELDS.items()}
 def recipe_of(config: RunConfig, strategy) -> dp.Recipe:
     """What `dp.compose` is given for this run ([Note: composition]): the [sync] section, the
     precision and the mesh; `strategy` is the config's name or the policy the model needs.
-    A `dp.RecipeError` if a field breaks a rule (`check_recipe` spells it with the flags)."""
+    A `dp.RecipeError` if a field breaks a rule (`check_run_recipe` spells it with the flags)."""
     given = {name: getattr(getattr(config, s), n) for name, (s, n) in FIELDS.items()}
     given.update(strategy=strategy, elastic=config.launch.recovery == "live")
     return dp.Recipe(**given)
 
 
-def check_recipe(config: RunConfig, model: nn.Module | None = None) -> dp.Recipe:
+def check_run_recipe(config: RunConfig, model: nn.Module | None = None) -> dp.Recipe:
     """The run's recipe, checked by the library (`dp.Recipe`, and `dp.check_recipe` against
     `model`, built on the meta device, when given); its error as a `ConfigError` that names
     the flag and the TOML key."""
