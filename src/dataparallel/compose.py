@@ -113,7 +113,8 @@ class Recipe:
         # [Note: one home for the recipe's rules] Every rule on these fields is here (and, for
         # the ones that need the model, in `check_recipe`), raising a `RecipeError` that names
         # its field; `dataparallel train` maps the field to its flag (train/sync.py FIELDS)
-        # and writes no rule of its own.
+        # and writes no rule of its own on [sync]. (Its checks of --strategy and --precision
+        # as choices, train/checks.py, run first, in the words its tests pin.)
         if isinstance(self.strategy, str) and self.strategy not in POLICIES:
             _bad("strategy", f"{self.strategy!r} is unknown", f"choose one of {STRATEGIES}")
         if self.precision not in PRECISIONS:
