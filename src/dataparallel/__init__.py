@@ -31,7 +31,16 @@ from .api import (
 )
 from .averaging import LocalSGD
 from .comm import Tracer
-from .compose import OUTER_COMPRESS, PRECISIONS, STRATEGIES, Composed, Recipe, compose
+from .compose import (
+    OUTER_COMPRESS,
+    PRECISIONS,
+    STRATEGIES,
+    Composed,
+    Recipe,
+    RecipeError,
+    check_recipe,
+    compose,
+)
 from .data import DistributedSampler
 from .diloco import DiLoCo
 from .plan import plan
@@ -44,6 +53,7 @@ __all__ = [
     "OUTER_COMPRESS",
     "PRECISIONS",
     "Recipe",
+    "RecipeError",
     "STRATEGIES",
     "DDP",
     "DiLoCo",
@@ -59,6 +69,7 @@ __all__ = [
     "ZeRO3",
     "build_optimizer",
     "bytes_sent",
+    "check_recipe",
     "wire_bytes",
     "clip_grad_norm_",
     "comm",

@@ -174,10 +174,10 @@ def _torchrun_world() -> dict | None:
 
 def default_out(config: RunConfig) -> str:
     """runs/<date>-<time>-<model>, with a suffix if that exists already."""
-    from .train.model_source import short_name
+    from .train.model_source import ModelSource
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path("runs") / f"{stamp}-{short_name(config)}"
+    base = Path("runs") / f"{stamp}-{ModelSource(config.model).short_name}"
     candidate, n = base, 1
     while candidate.exists():
         n += 1

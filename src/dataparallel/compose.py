@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from .api import build_optimizer, parallelize
 from .averaging import LocalSGD
 from .comm import Tracer
-from .compression import build_hook
+from .compression import SPEC_HELP, PowerSGD, build_hook, parse_spec
 from .diloco import DiLoCo
 from .strategies import POLICIES, Mesh, MixedPrecision, init_mesh, resolve_policy
 from .streaming import OUTER_COMPRESS, RECIPE, Streaming, check_streaming, short_run_recipe
@@ -110,52 +110,73 @@ class Recipe:
     elastic: bool = False
 
     def __post_init__(self):
+        # [Note: one home for the recipe's rules] Every rule on these fields is here (and, for
+        # the ones that need the model, in `check_recipe`), raising a `RecipeError` that names
+        # its field; `dataparallel train` maps the field to its flag (train/sync.py FIELDS)
+        # and writes no rule of its own on [sync]. (Its checks of --strategy and --precision
+        # as choices, train/checks.py, run first, in the words its tests pin.)
         if isinstance(self.strategy, str) and self.strategy not in POLICIES:
             _bad("strategy", f"{self.strategy!r} is unknown", f"choose one of {STRATEGIES}")
         if self.precision not in PRECISIONS:
             _bad(
                 "precision", f"{self.precision!r} is unknown", f"choose one of {tuple(PRECISIONS)}"
             )
-        for name in ("shard_size", "local_sgd", "diloco"):
+        if self.shard_size < 0:
+            _bad("shard_size", f"{self.shard_size} is negative", "give 0 (off) or more")
+        for name in ("local_sgd", "diloco"):
             if getattr(self, name) < 0:
-                _bad(name, f"{getattr(self, name)} is negative", "give 0 (off) or more")
+                _bad(name, f"{getattr(self, name)} is below 1", "give H >= 1 steps, or 0 for off")
         if self.local_sgd and self.diloco:
-            _bad("diloco", "local SGD and DiLoCo are both asked for", "choose one")
-        if self.compress and self.averaging:
-            _bad("compress", "gradients are reduced only inside a replica under an averager",
-                 "drop compress; compress DiLoCo's outer gradients with outer_compress")  # fmt: skip
+            _bad("diloco", "local SGD and DiLoCo are both asked for",
+                 "choose one: {local_sgd} H or {diloco} H")  # fmt: skip
         if not self.outer_lr > 0:
             _bad("outer_lr", f"{self.outer_lr} is not positive", "use e.g. 0.7")
         if not 0 <= self.outer_momentum < 1:
-            _bad("outer_momentum", f"{self.outer_momentum} is outside [0, 1)", "use e.g. 0.9")
+            _bad("outer_momentum", f"{self.outer_momentum} is outside [0, 1)",
+                 "use e.g. 0.9, or 0 for plain SGD")  # fmt: skip
         if self.outer_compress not in OUTER_COMPRESS:
-            _bad("outer_compress", f"{self.outer_compress!r} is unknown", f"choose one of {OUTER_COMPRESS}")  # fmt: skip
+            _bad("outer_compress", f"{self.outer_compress!r} is unknown",
+                 "choose recipe, fp32, bf16, int8, fp8 or int4")  # fmt: skip
         if self.outer_compress not in ("recipe", "") and not self.diloco:
-            _bad("outer_compress", "only DiLoCo has outer gradients", "set diloco, or drop it")
-        for name, off in (("fragments", 1), ("overlap", 0), ("outer_warmup", 0)):
-            if getattr(self, name) not in (RECIPE, off) and not self.diloco:
-                _bad(name, "only DiLoCo streams fragments", "set diloco, or drop it")
-        if (
-            isinstance(self.lr_warmup, bool)
-            or not isinstance(self.lr_warmup, int)
-            or self.lr_warmup < 0
-        ):
-            _bad("lr_warmup", f"{self.lr_warmup!r} is not an integer >= 0", "give the LR's warm-up steps")  # fmt: skip
-        if (
-            isinstance(self.run_steps, bool)
-            or not isinstance(self.run_steps, int)
-            or self.run_steps < 0
-        ):
-            _bad("run_steps", f"{self.run_steps!r} is not an integer >= 0", "give the run's steps, or 0")  # fmt: skip
+            _bad("outer_compress", "only DiLoCo has outer gradients",
+                 "add {diloco} H, or drop {outer_compress}")  # fmt: skip
+        self._check_streaming()
+        self._check_compress()
+
+    def _check_streaming(self) -> None:
+        """fragments, overlap, mix and outer_warmup against diloco ([Note: streaming DiLoCo])."""
+        if not self.diloco:
+            for name, off in (("fragments", 1), ("overlap", 0), ("outer_warmup", 0)):
+                if getattr(self, name) not in (RECIPE, off):
+                    _bad(name, "only DiLoCo streams fragments", f"add {{diloco}} H, or drop {{{name}}}")  # fmt: skip
+        for name, fix in (("lr_warmup", "give the LR's warm-up steps"),
+                          ("run_steps", "give the run's steps, or 0")):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                _bad(name, f"{value!r} is not an integer >= 0", fix)
+        if not self.diloco:
+            return
         if self.outer_warmup < RECIPE:
-            _bad("outer_warmup", f"{self.outer_warmup} is negative", "give N >= 0, or -1")
-        if self.diloco:
-            streaming = self.streaming
-            try:
-                check_streaming(self.diloco, streaming.fragments, streaming.overlap, self.mix)
-            except ValueError as error:
-                text = str(error).removeprefix("diloco: ")
-                _bad(text.split("=", 1)[0], text, "see docs/compression.md")
+            _bad("outer_warmup", f"{self.outer_warmup} is negative", "give N >= 0, or -1 for the recipe's")  # fmt: skip
+        streaming = self.streaming
+        try:
+            check_streaming(self.diloco, streaming.fragments, streaming.overlap, self.mix)
+        except ValueError as error:
+            text = str(error).removeprefix("diloco: ")
+            _bad(text.split("=", 1)[0], text, "see docs/compression.md")  # the field it names
+
+    def _check_compress(self) -> None:
+        """compress: a spec the compressors accept, and only where gradients cross replicas."""
+        if not self.compress:
+            return
+        if self.averaging:
+            _bad("compress", "gradients are reduced only inside a replica under local SGD or DiLoCo",
+                 "drop {compress}; compress DiLoCo's outer gradients with {outer_compress}")  # fmt: skip
+        try:
+            parse_spec(self.compress)
+            build_hook(self.compress)  # the compressors check their own options
+        except ValueError as error:
+            _bad("compress", str(error), f"write it as {SPEC_HELP}")
 
     @property
     def streaming(self) -> Streaming:
@@ -186,8 +207,59 @@ class Recipe:
         return replace(policy, precision=PRECISIONS[self.precision][0], comm_hook=hook)
 
 
+class RecipeError(ValueError):
+    """A recipe that cannot compose: `field` (a `Recipe` field), the problem and the fix.
+
+    The problem and the fix name other fields as "{name}": `str(error)` spells them as the
+    recipe's fields ("Recipe.diloco: ...; choose one: local_sgd H or diloco H"), `spelled`
+    as a caller's (`dataparallel train` gives its flags: "--local-sgd H or --diloco H").
+    """
+
+    def __init__(self, field: str, problem: str, fix: str):
+        self.field, self.problem_text, self.fix_text = field, problem, fix
+        problem, fix = self.spelled({})
+        super().__init__(f"Recipe.{field}: {problem}; {fix}")
+
+    def spelled(self, names: dict[str, str]) -> tuple[str, str]:
+        """The problem and the fix, each "{field}" written as names[field] (else field)."""
+        spell = _Names(names)
+        return self.problem_text.format_map(spell), self.fix_text.format_map(spell)
+
+
+class _Names(dict):
+    def __missing__(self, key: str) -> str:
+        return key
+
+
 def _bad(field_name: str, problem: str, fix: str) -> None:
-    raise ValueError(f"Recipe.{field_name}: {problem}; {fix}")
+    raise RecipeError(field_name, problem.replace("{", "{{").replace("}", "}}"), fix)
+
+
+def check_recipe(recipe: Recipe, model: nn.Module) -> None:
+    """The recipe's rules that need the model (a `RecipeError` naming the field); `compose`
+    calls it first, `dataparallel train` before it launches (on the model built on the meta
+    device: only dtypes and shapes are read)."""
+    if not recipe.compress:
+        return
+    name, options = parse_spec(recipe.compress)
+    if name in ("bf16", "fp16") and recipe.precision in ("bf16-params", "fp16"):
+        dtype = recipe.precision.removesuffix("-params")
+        raise RecipeError(
+            "compress",
+            f"gradients are already {dtype} under {{precision}} {recipe.precision}",
+            "drop {compress}, or compress further with int8, topk or powersgd",
+        )
+    if name == "powersgd" and "rank" in options:
+        # the default rank is cut to each matrix's smaller side; a rank asked for is checked
+        rank = options["rank"]
+        largest = PowerSGD.largest_rank([p.shape for p in model.parameters()])
+        if rank > largest:
+            raise RecipeError(
+                "compress",
+                f"rank={rank} exceeds what any gradient matrix of the model allows "
+                f"(at most {largest}, its smaller side)",
+                f"use rank <= {largest}",
+            )
 
 
 @dataclass
@@ -238,6 +310,7 @@ def compose(
     model split over "tp" beforehand), over which everything below runs as over a group, the
     HSDP layout and an averager's replicas included; `tracer` records the collectives.
     Collective: every rank calls it with the same model and recipe."""
+    check_recipe(recipe, model)
     tracer = tracer or Tracer()
     if mesh is not None:  # [Note: device mesh] in strategies/parts/mesh.py: 1-D = its group
         if mesh.ndim != 1:

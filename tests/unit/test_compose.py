@@ -65,3 +65,76 @@ def test_diloco_h_streams_as_the_recipe_says_and_the_paper_stays_reachable():
     assert dp.Recipe(diloco=20, run_steps=2000, outer_warmup=5).streaming.warmup == 5
     # an old config's "off" values stay accepted without DiLoCo
     dp.Recipe(fragments=1, overlap=0, outer_warmup=0, outer_compress="")
+
+
+# One bad value per [sync] field ([Note: one home for the recipe's rules]): the error names it.
+SYNC_CASES = {
+    "compress": {"compress": "zip"},
+    "local_sgd": {"local_sgd": -1},
+    "diloco": {"diloco": -1},
+    "outer_lr": {"outer_lr": 0},
+    "outer_momentum": {"outer_momentum": 1.0},
+    "outer_compress": {"outer_compress": "int2"},
+    "fragments": {"fragments": 2},
+    "overlap": {"overlap": 1},
+    "mix": {"diloco": 4, "mix": 2.0},
+    "outer_warmup": {"diloco": 4, "outer_warmup": -2},
+}
+
+
+def test_every_sync_field_has_a_case():
+    from dataclasses import fields
+
+    from dataparallel.train.config import SyncConfig
+
+    assert sorted(SYNC_CASES) == sorted(f.name for f in fields(SyncConfig))
+    assert len(SYNC_CASES) == 10
+
+
+@pytest.mark.parametrize("name", sorted(SYNC_CASES))
+def test_a_sync_field_names_itself_in_the_recipe_and_as_its_flag(name):
+    """dp.Recipe raises a RecipeError whose field is the one at fault; the CLI spells it as
+    the flag and the TOML key, with the fix's field names as flags too."""
+    from dataparallel.train.config import ConfigError, RunConfig
+    from dataparallel.train.sync import check_run_recipe
+
+    with pytest.raises(dp.RecipeError) as caught:
+        dp.Recipe(**SYNC_CASES[name])
+    assert caught.value.field == name
+    assert str(caught.value).startswith(f"Recipe.{name}: ")
+    assert "{" not in str(caught.value)
+    with pytest.raises(ConfigError) as cli:
+        check_run_recipe(RunConfig().replace(sync=SYNC_CASES[name]))
+    flag = "--" + name.replace("_", "-")
+    assert cli.value.field == f"{flag} (sync.{name})"
+    assert caught.value.problem_text.replace("{", "").replace("}", "") in str(caught.value)
+
+
+def test_fixes_name_fields_as_the_caller_spells_them():
+    with pytest.raises(dp.RecipeError) as caught:
+        dp.Recipe(local_sgd=2, diloco=2)
+    assert str(caught.value) == (
+        "Recipe.diloco: local SGD and DiLoCo are both asked for; choose one: local_sgd H or "
+        "diloco H"
+    )
+    assert caught.value.spelled({"local_sgd": "--local-sgd", "diloco": "--diloco"}) == (
+        "local SGD and DiLoCo are both asked for",
+        "choose one: --local-sgd H or --diloco H",
+    )
+
+
+def test_the_rules_that_need_the_model_are_the_compositions():
+    """bf16 compression under bf16 parameters, and a PowerSGD rank above every matrix's smaller
+    side (here 8 x 4: at most 4), refused by dp.check_recipe, which compose calls first."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    with pytest.raises(dp.RecipeError, match=r"Recipe.compress: gradients are already bf16 "
+                       "under precision bf16-params; drop compress"):  # fmt: skip
+        dp.check_recipe(dp.Recipe(compress="bf16", precision="bf16-params"), model)
+    with pytest.raises(dp.RecipeError, match=r"rank=5 exceeds .* \(at most 4, its smaller side\); "
+                       "use rank <= 4"):  # fmt: skip
+        dp.check_recipe(dp.Recipe(compress="powersgd:rank=5"), model)
+    dp.check_recipe(dp.Recipe(compress="powersgd:rank=4"), model)
+    dp.check_recipe(dp.Recipe(compress="powersgd"), model)  # the default rank is cut to fit
+    dp.check_recipe(dp.Recipe(compress="bf16", precision="bf16"), model)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import geometry, strategy_of
-from ..strategies import SCALAR_STATE_KEYS, elementwise, tensor_parallel_of, whole_shape
+from ..held import placement, state_kind, whole_shape
 from .dcp import Chunk, load_chunks, stored_tensors
 
 
@@ -38,11 +38,8 @@ def model_shapes(model: nn.Module) -> dict[str, list[int]]:
 def _piece_chunk(flat: torch.Tensor, piece) -> Chunk:
     """The chunk of a run `flat` held for `piece`: at its offset in the parameter, or, for a
     tensor-parallel parameter, in parts of the whole tensor ([Note: chunks] in dcp.py)."""
-    spec = tensor_parallel_of(piece.param)
-    if spec is None:
-        return Chunk(flat, piece.offset, piece.shape.numel())
-    runs = spec.runs(piece.offset, piece.offset + piece.value.numel())
-    return Chunk(flat, 0, spec.shape.numel(), tuple(runs))
+    where = placement(piece)
+    return Chunk(flat, where.offset, where.numel, where.runs)
 
 
 def _held(model, optimizer, prefix: str) -> tuple[dict[str, Chunk], dict[int, object]]:
@@ -78,9 +75,10 @@ def state_chunks(model, optimizer, averager=None, *, rank: int, prefix: str = ""
 
 
 def _state_chunk(name: str, key: str, value, piece) -> Chunk:
-    if elementwise(key, value, piece.key):
+    kind = state_kind(key, value, piece)
+    if kind == "elementwise":
         return _piece_chunk(value.detach().reshape(-1), piece)
-    if torch.is_tensor(value) and (value.dim() == 0 or key in SCALAR_STATE_KEYS):
+    if kind == "scalar":
         return Chunk(value.detach().reshape(()))
     raise ValueError(
         f"checkpoint: optimizer state {name!r} is neither elementwise nor a scalar tensor; "

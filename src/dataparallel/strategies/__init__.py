@@ -1,13 +1,16 @@
-"""Strategies: one module each, chosen by name or by a policy object."""
+"""Strategies: one module each, chosen by name or by a policy object.
+
+What this package exports is what the public API (api.py, compose.py, held.py) needs; the
+job, checkpoints and inference use the public API, never these names or `parts/` directly.
+"""
 
 from .base import Strategy
-from .ddp import DDP, DDPStrategy
-from .fsdp import ZeRO3, ZeRO3Strategy
-from .parts.geometry import SCALAR_STATE_KEYS, Geometry, HeldPiece, elementwise
+from .ddp import DDP
+from .fsdp import ZeRO3
+from .parts.geometry import SCALAR_STATE_KEYS, Geometry, elementwise
 from .parts.mesh import Groups, Mesh, as_layout, init_mesh
 from .parts.precision import MixedPrecision
 from .parts.tensor_parallel import (
-    TensorParallel,
     bind_dtensor_views,
     check_apart,
     localize_parameters,
@@ -15,25 +18,20 @@ from .parts.tensor_parallel import (
     whole_shape,
 )
 from .resolve import POLICIES, apply_policy, resolve_policy
-from .zero import ZeRO1, ZeRO2, ZeROStrategy
+from .zero import ZeRO1, ZeRO2
 
 __all__ = [
     "DDP",
-    "DDPStrategy",
     "Geometry",
     "Groups",
-    "HeldPiece",
     "Mesh",
     "MixedPrecision",
     "POLICIES",
     "SCALAR_STATE_KEYS",
     "Strategy",
-    "TensorParallel",
     "ZeRO1",
     "ZeRO2",
     "ZeRO3",
-    "ZeRO3Strategy",
-    "ZeROStrategy",
     "apply_policy",
     "bind_dtensor_views",
     "check_apart",

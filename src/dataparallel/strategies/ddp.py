@@ -64,7 +64,8 @@ class DDP:
         precision policy names a narrower one). `dataparallel.comm.bf16_compress_hook` halves
         the bytes.
     hook_state: the state passed to `comm_hook`; None builds a `HookState` for the group.
-    precision: a `MixedPrecision` ([Note: mixed precision]); None computes in the model's dtype.
+    precision: a `MixedPrecision` ([Note: mixed precision]); None computes in the model's dtype
+        (held as `MixedPrecision()` once the policy is made: [Note: full precision]).
     """
 
     name: ClassVar[str] = "ddp"
@@ -83,7 +84,7 @@ class DDP:
             raise ValueError(f"DDP: first_bucket_mb={self.first_bucket_mb} must be > 0")
         if self.reduce_op not in ("mean", "sum"):
             raise ValueError(f"DDP: reduce_op={self.reduce_op!r} must be 'mean' or 'sum'")
-        check_precision(self.precision, "DDP")
+        object.__setattr__(self, "precision", check_precision(self.precision, "DDP"))
 
     def apply(self, model: nn.Module, groups: Groups) -> Strategy:
         self.check_groups(groups)
@@ -100,7 +101,7 @@ class DDP:
         """Bytes one rank holds ([Note: footprint] in parts/footprint.py; `given`: `bucketed`'s
         optimizer_bytes, rank); with a low `param_dtype`, ZeRO-1's on shard groups of one rank,
         as policy resolution builds it (strategies/resolve.py)."""
-        masters = check_precision(self.precision, "DDP").masters(model_dtype) is not None
+        masters = self.precision.masters(model_dtype) is not None
         return bucketed(
             shapes, self.precision, stage=1 if masters else 0, shards=1, in_flight=1,
             bucket_bytes=(int(self.bucket_mb * MB), int(self.first_bucket_mb * MB)),
@@ -116,7 +117,7 @@ class DDPStrategy(Strategy):
         self.policy = policy
         verify_same_model(model, comm)
         broadcast_model(model, comm)
-        precision = check_precision(policy.precision, "DDP")
+        precision = policy.precision
         trainable = [p for p in model.parameters() if p.requires_grad]
         planned = list(reversed(trainable))  # [Note: bucket order]
         specs = plan_buckets(

@@ -146,7 +146,7 @@ class ZeRO3:
                     f"ZeRO3: wrap={self.wrap!r} must be None, a tuple of nn.Module classes, or "
                     "a callable module -> bool"
                 )
-        check_precision(self.precision, "ZeRO3")
+        object.__setattr__(self, "precision", check_precision(self.precision, "ZeRO3"))
         if self.reduce not in REDUCE_KINDS:
             raise ValueError(f"ZeRO3: reduce={self.reduce!r} must be one of {REDUCE_KINDS}")
         if self.check_order not in CHECK_MODES:
@@ -176,7 +176,7 @@ class ZeRO3Strategy(Strategy):
     def __init__(self, model: nn.Module, groups: Groups, policy: ZeRO3):
         super().__init__(model, groups.world, groups)
         self.policy = policy
-        self.precision = precision = check_precision(policy.precision, "ZeRO3")
+        self.precision = precision = policy.precision  # [Note: full precision]
         verify_same_model(model, groups.world)
         lazy = policy.materialize is not None
         if lazy:  # the parameters are broadcast unit by unit below

@@ -18,7 +18,6 @@ from .base import Strategy
 from .ddp import DDP
 from .fsdp import ZeRO3
 from .parts.mesh import Groups, init_mesh
-from .parts.precision import check_precision
 from .zero import ZeRO1, ZeRO2, ZeROStrategy
 
 # Registry: strategy name -> policy class (called with no arguments for the defaults).
@@ -51,8 +50,7 @@ def apply_policy(policy, model: nn.Module, groups: Groups) -> Strategy:
 
 def _needs_masters(policy: DDP, model: nn.Module) -> bool:
     first = next(model.parameters(), None)
-    precision = check_precision(policy.precision, "DDP")
-    return first is not None and precision.masters(first.dtype) is not None
+    return first is not None and policy.precision.masters(first.dtype) is not None
 
 
 def ddp_with_masters(policy: DDP) -> ZeRO1:

@@ -101,7 +101,7 @@ class ZeROPolicy:
             raise ValueError(f"{who}: bucket_mb={self.bucket_mb} must be > 0 (MiB per bucket)")
         if not self.first_bucket_mb > 0:
             raise ValueError(f"{who}: first_bucket_mb={self.first_bucket_mb} must be > 0")
-        check_precision(self.precision, who)
+        object.__setattr__(self, "precision", check_precision(self.precision, who))
         if self.grad_reduce not in ("auto", "reduce_scatter", "all_reduce"):
             raise ValueError(
                 f"{who}: grad_reduce={self.grad_reduce!r} must be 'auto', 'reduce_scatter' "
@@ -153,7 +153,7 @@ class ZeROStrategy(Strategy):
         super().__init__(model, groups.world, groups)
         self.name = name or policy.name
         self.policy = policy
-        self.precision = check_precision(policy.precision, type(policy).__name__)
+        self.precision = policy.precision  # a MixedPrecision ([Note: full precision])
         self.keeper = policy.keeper()
         verify_same_model(model, groups.world)
         broadcast_model(model, groups.world)

@@ -20,8 +20,8 @@ from ..data.loading import check_sources, reads_bytes
 from ..data.tokens import TOKEN_DTYPES
 from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
-from .model_source import check_model, meta_model, run_tokenizer
-from .sync import averaging, check_sync
+from .model_source import ModelSource, check_model
+from .sync import averaging, check_run_recipe
 from .tensor_parallel import check_tp
 from .tracing import parse_steps
 
@@ -156,8 +156,9 @@ def _check_sizes(config: RunConfig) -> None:
         )
 
 
-def check_values(config: RunConfig) -> None:
-    """Check every value on its own and against the others (no I/O)."""
+def check_values(config: RunConfig, source: ModelSource | None = None) -> None:
+    """Check every value on its own and against the others (no I/O but an hf:DIR's config and
+    tokenizer); `source`: the run's model, resolved once (default: resolved here)."""
     _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(dp.STRATEGIES))
     check_recovery(config)
     _choose(field_label("train", "precision"), config.train.precision, sorted(dp.PRECISIONS))
@@ -228,7 +229,8 @@ def check_values(config: RunConfig) -> None:
         fix = "use zero1, zero2 or zero3" if ddp_alone else "use a divisor"
         raise ConfigError(field_label("launch", "shard_group"), why, f"{fix}, or 0 for none")
     check_tp(config)
-    check_sync(config, check_model(config))  # reads an hf:DIR's config, nothing else
+    source = source or ModelSource(config.model)
+    check_run_recipe(config, check_model(config, source))  # reads an hf:DIR's config, tokenizer
 
 
 def _check_trace(config: RunConfig) -> None:
@@ -249,13 +251,13 @@ def _check_trace(config: RunConfig) -> None:
         )
 
 
-def check_data(config: RunConfig) -> None:
+def check_data(config: RunConfig, source: ModelSource | None = None) -> None:
     """The data exists and is readable, its formats open and every record not yet cached has
     its fields, token files hold only ids of the run's tokenizer (data/loading.py
     check_sources), and text read as bytes gives every rank at least one window (other data is
     counted once tokenized, by the loader)."""
     label = field_label("data", "paths")
-    tokenizer = run_tokenizer(config)
+    tokenizer = (source or ModelSource(config.model)).tokenizer()
     try:
         files = check_sources(
             list(config.data.paths), tokenizer, token_dtype=config.data.token_dtype
@@ -351,7 +353,7 @@ def keep_global_batch(base: RunConfig, config: RunConfig, flags: dict) -> RunCon
     return resolve_batch(config.replace(train={"accum": accum, "global_batch": target}))
 
 
-def check_checkpoint(config: RunConfig, name: str = "") -> None:
+def check_checkpoint(config: RunConfig, name: str = "", source: ModelSource | None = None) -> None:
     """The checkpoint a --resume continues from: intact, readable without running code, and of
     this model (one line naming the file, or the first differing parameter)."""
     from ..checkpoint import CheckpointError, check_same_model, read_metadata, verify
@@ -370,16 +372,17 @@ def check_checkpoint(config: RunConfig, name: str = "") -> None:
             "resume from a checkpoint that dataparallel wrote",
         ) from None
     try:
-        check_same_model(meta_model(config), plain["shapes"])
+        check_same_model((source or ModelSource(config.model)).meta_model(), plain["shapes"])
     except ValueError as error:
         raise ConfigError(field_label("model", "name"), str(error), "keep the model") from None
 
 
 def preflight(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None:
-    """Every check, cheapest first."""
-    check_values(config)
+    """Every check, cheapest first, on the run's model resolved once ([Note: a run's model])."""
+    source = ModelSource(config.model)
+    check_values(config, source)
     if config.launch.node_rank == 0:  # only node 0 writes the run directory
         check_run_dir(Path(config.launch.out), resume=resume)
         if resume:
-            check_checkpoint(config, checkpoint)
-    check_data(config)
+            check_checkpoint(config, checkpoint, source)
+    check_data(config, source)

@@ -1,7 +1,8 @@
 """The model a run trains: a built-in one by name, or a Hugging Face directory (`hf:DIR`).
 
-    check_model(config)                   # before launch: ConfigError naming the field
-    built = build_for_run(config, world)  # on every rank: model, the strategy, the tokenizer
+    source = ModelSource(config.model)            # once per process: the name read, DIR opened
+    check_model(config, source)                   # before launch: ConfigError naming the field
+    built = build_for_run(config, world, source)  # on every rank: model, strategy, tokenizer
 
 [Note: a run's model] A built-in model is built whole on every rank (the same seed) and
 broadcast by the strategy. An `hf:DIR` model is built with its parameters on the meta device
@@ -23,7 +24,7 @@ import dataparallel as dp
 from ..data.tokenizer import ByteTokenizer, HFTokenizer
 from ..models import MODEL_CONFIGS, build_model
 from ..models.hf import HFSource, first_line, hf_path
-from .config import ConfigError, RunConfig, field_label
+from .config import ConfigError, ModelConfig, RunConfig, field_label
 
 
 @dataclass
@@ -45,38 +46,83 @@ class BuiltModel:
     source: HFSource | None = None
 
 
-def short_name(config: RunConfig) -> str:
-    """A name fit for a folder: the built-in name, or hf-<the directory's name>."""
-    path = hf_path(config.model.name)
-    return config.model.name if path is None else f"hf-{path.resolve().name}"
+class ModelSource:
+    """The run's model as [model] names it, resolved once per process and passed down: the
+    name read once (`hf_path`), an hf:DIR opened and checked once, its tokenizer loaded once.
+
+    model: the [model] section.
+    path: the hf:DIR directory, or None for a built-in model.
+    """
+
+    def __init__(self, model: ModelConfig):
+        self.model = model
+        self.path = hf_path(model.name)  # the one place the name is read
+        self._opened: HFSource | None = None
+        self._tokenizer = None
+
+    @property
+    def short_name(self) -> str:
+        """A name fit for a folder: the built-in name, or hf-<the directory's name>."""
+        return self.model.name if self.path is None else f"hf-{self.path.resolve().name}"
+
+    def opened(self) -> HFSource:
+        """The checked hf:DIR (ConfigError on anything wrong with it), opened once."""
+        if self._opened is None:
+            self._opened = self._open()
+        return self._opened
+
+    def tokenizer(self) -> ByteTokenizer | HFTokenizer:
+        """The tokenizer of the run's data (data/loading.py): an hf:DIR model's, loaded once,
+        else bytes."""
+        if self._tokenizer is None:
+            self._tokenizer = ByteTokenizer() if self.path is None else HFTokenizer.load(self.path)
+        return self._tokenizer
+
+    def meta_model(self) -> nn.Module:
+        """The run's model with its parameters on the meta device (shapes, names; no memory)."""
+        if self.path is None:
+            with torch.device("meta"):
+                return build_model(self.model.name)
+        return self._build_hf()
+
+    def _open(self) -> HFSource:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                field_label("model", "name"),
+                "Hugging Face models need transformers",
+                'install them with pip install "dataparallel[hf]"',
+            ) from None
+        try:
+            return HFSource.open(self.path, self.model.init)
+        except ValueError as error:
+            field = "init" if "init" in str(error).split(" ")[0] else "name"
+            raise ConfigError(
+                field_label("model", field), str(error), "see docs/workloads.md"
+            ) from None
+
+    def _build_hf(self) -> nn.Module:
+        from ..models.lora import LoraSpec
+
+        lora = None
+        if self.model.lora:
+            try:
+                lora = LoraSpec.parse(self.model.lora)
+            except ValueError as error:
+                raise ConfigError(field_label("model", "lora"), str(error), "see --help") from None
+        try:
+            return self.opened().build(lora=lora)
+        except ValueError as error:  # targets that match no layer
+            raise ConfigError(field_label("model", "lora"), str(error), "fix --lora") from None
 
 
-def open_source(config: RunConfig) -> HFSource:
-    """The checked `hf:DIR` of the config (ConfigError on anything wrong with it)."""
-    model = config.model
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            field_label("model", "name"),
-            "Hugging Face models need transformers",
-            'install them with pip install "dataparallel[hf]"',
-        ) from None
-    try:
-        return HFSource.open(hf_path(model.name), model.init)
-    except ValueError as error:
-        field = "init" if "init" in str(error).split(" ")[0] else "name"
-        raise ConfigError(
-            field_label("model", field), str(error), "see docs/workloads.md"
-        ) from None
-
-
-def check_model(config: RunConfig) -> list:
-    """Check the model fields against each other and the data; return the parameter shapes
-    (built on the meta device: no memory), which the sync checks need."""
+def check_model(config: RunConfig, source: ModelSource) -> nn.Module:
+    """Check the model fields against each other and the data; return the model built on the
+    meta device (no memory), which the recipe's checks need (`dp.check_recipe`)."""
     model = config.model
     label = field_label("model", "name")
-    if hf_path(model.name) is None:
+    if source.path is None:
         if model.name not in MODEL_CONFIGS:
             known = ", ".join(sorted(MODEL_CONFIGS))
             raise ConfigError(
@@ -89,31 +135,31 @@ def check_model(config: RunConfig) -> list:
                 )
         context = getattr(MODEL_CONFIGS[model.name], "block_size", None)
     else:
-        source = open_source(config)
-        context = getattr(source.config, "max_position_embeddings", None)
+        opened = source.opened()
+        context = getattr(opened.config, "max_position_embeddings", None)
         check_tokenizer(source)
-    shapes = [p.shape for p in meta_model(config).parameters()]
+    meta = source.meta_model()
     if context and config.data.block_size > context:
         raise ConfigError(
             field_label("data", "block_size"),
-            f"{config.data.block_size} exceeds {short_name(config)}'s context of {context}",
+            f"{config.data.block_size} exceeds {source.short_name}'s context of {context}",
             f"use at most {context}",
         )
-    return shapes
+    return meta
 
 
-def check_tokenizer(source: HFSource) -> None:
+def check_tokenizer(source: ModelSource) -> None:
     """DIR holds a tokenizer whose ids all fit the model's vocabulary."""
     label = field_label("model", "name")
     try:
-        tokenizer = HFTokenizer.load(source.path)
+        tokenizer = source.tokenizer()
     except Exception as error:  # no tokenizer files, or unreadable ones
         raise ConfigError(
             label,
             f"{source.path} holds no tokenizer that AutoTokenizer loads ({first_line(error)})",
             "save the model's tokenizer there with tokenizer.save_pretrained(DIR)",
         ) from None
-    vocab = getattr(source.config, "vocab_size", None)
+    vocab = getattr(source.opened().config, "vocab_size", None)
     if vocab is not None and tokenizer.vocab_size > vocab:
         raise ConfigError(
             label,
@@ -123,49 +169,19 @@ def check_tokenizer(source: HFSource) -> None:
         )
 
 
-def meta_model(config: RunConfig) -> nn.Module:
-    """The run's model with its parameters on the meta device (shapes, names; no memory)."""
-    if hf_path(config.model.name) is None:
-        with torch.device("meta"):
-            return build_model(config.model.name)
-    return _build_hf(config, open_source(config))
-
-
-def _build_hf(config: RunConfig, source: HFSource) -> nn.Module:
-    from ..models.lora import LoraSpec
-
-    lora = None
-    if config.model.lora:
-        try:
-            lora = LoraSpec.parse(config.model.lora)
-        except ValueError as error:
-            raise ConfigError(field_label("model", "lora"), str(error), "see --help") from None
-    try:
-        return source.build(lora=lora)
-    except ValueError as error:  # targets that match no layer
-        raise ConfigError(field_label("model", "lora"), str(error), "fix --lora") from None
-
-
-def run_tokenizer(config: RunConfig) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer of the run's data (data/loading.py): an hf:DIR model's, else bytes."""
-    path = hf_path(config.model.name)
-    return ByteTokenizer() if path is None else HFTokenizer.load(path)
-
-
-def build_for_run(config: RunConfig, world: dp.World) -> BuiltModel:
+def build_for_run(config: RunConfig, world: dp.World, source: ModelSource) -> BuiltModel:
     """The run's model, the strategy that fills and shards it, and its tokenizer ([Note: a
     run's model]); every rank builds the same (the same seed)."""
     torch.manual_seed(config.train.seed)  # the same initial weights on every rank and run
     strategy = config.launch.strategy
-    if hf_path(config.model.name) is None:
+    if source.path is None:
         model = build_model(config.model.name).to(world.device)
-        return BuiltModel(model, strategy, ByteTokenizer(), config.model.name)
-    source = open_source(config)
-    model = _build_hf(config, source)
-    fill = source.materializer(model, world.device)
+        return BuiltModel(model, strategy, source.tokenizer(), config.model.name)
+    model = source.meta_model()
+    opened = source.opened()
+    fill = opened.materializer(model, world.device)
     if strategy == "zero3":
         strategy = dp.ZeRO3(materialize=fill)
     else:
         fill(list(model.parameters()))
-    tokenizer = HFTokenizer.load(source.path)
-    return BuiltModel(model, strategy, tokenizer, short_name(config), source)
+    return BuiltModel(model, strategy, source.tokenizer(), source.short_name, opened)

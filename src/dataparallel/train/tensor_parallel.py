@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import dataparallel as dp
 
-from ..models import MODEL_CONFIGS
+from ..models import MODEL_CONFIGS, build_model
 from .config import ConfigError, RunConfig, field_label
-from .model_source import meta_model
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,7 @@ def mesh_text(world_size: int, tp: int) -> str:
 def parameter_count(model: nn.Module, config: RunConfig) -> int:
     """The whole model's parameters: under --tp a rank holds parts, so the run's model is
     counted on the meta device."""
-    if config.launch.tp > 1:
-        model = meta_model(config)
+    if config.launch.tp > 1:  # a reference GPT (check_tp): its whole model on the meta device
+        with torch.device("meta"):
+            model = build_model(config.model.name)
     return sum(p.numel() for p in model.parameters())

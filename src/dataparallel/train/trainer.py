@@ -41,7 +41,7 @@ from ..data.stream import SampleStream, split_evenly
 from .config import RunConfig
 from .gradient_watch import GradientWatch
 from .loss import all_reduce_sum, token_loss_sum
-from .model_source import BuiltModel, build_for_run, run_tokenizer
+from .model_source import BuiltModel, ModelSource, build_for_run
 from .records import EvalRecord, StepRecord
 from .schedule import WarmupCosine, scaled_lr
 from .sync import recipe_of
@@ -119,10 +119,11 @@ def setup(
         Build yours after `torch.manual_seed(config.train.seed)` for reproducible runs.
     """
     launch, data, block = config.launch, config.data, config.data.block_size
+    source = ModelSource(config.model)  # resolved once: the name, DIR, its tokenizer
     if corpus is None:  # data/loading.py: every format, tokenized once and cached
         train_windows, val_windows, corpus = load_datasets(
             list(data.paths),
-            run_tokenizer(config),
+            source.tokenizer(),
             block,
             data.val_fraction,
             world=world,
@@ -133,7 +134,7 @@ def setup(
         train_windows = TokenWindows(train_tokens, block)
         val_windows = TokenWindows(val_tokens, block)
     if model is None:  # [Note: a run's model] in model_source.py
-        built = build_for_run(config, world)
+        built = build_for_run(config, world, source)
     else:
         built = BuiltModel(model.to(world.device), launch.strategy, None, type(model).__name__)
     model, model_name = built.model, built.name

@@ -25,7 +25,7 @@ import torch
 
 from .buckets import plan_buckets
 from .layout import ShardLayout
-from .precision import FULL, MixedPrecision
+from .precision import MixedPrecision
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,9 @@ class Footprint:
         return self.params + self.grads + self.optimizer + self.masters
 
 
-def dtypes(precision: MixedPrecision | None, model_dtype: torch.dtype) -> tuple:
+def dtypes(precision: MixedPrecision, model_dtype: torch.dtype) -> tuple:
     """(compute, masters or None, bucket, wire) dtypes under `precision` ([Note: mixed
     precision] in precision.py)."""
-    precision = precision or FULL
     compute = precision.compute_dtype(model_dtype)
     bucket = precision.bucket_dtype(compute)
     return compute, precision.masters(model_dtype), bucket, precision.wire_dtype(compute) or bucket
@@ -121,7 +120,7 @@ def received(layout: ShardLayout, dtype: torch.dtype) -> int:
 
 
 def bucketed(
-    shapes: ParamShapes, precision: MixedPrecision | None, *, stage: int,
+    shapes: ParamShapes, precision: MixedPrecision, *, stage: int,
     bucket_bytes: tuple[int, int], shards: int, in_flight: int, pairwise: bool,
     optimizer_bytes: float, model_dtype: torch.dtype = torch.float32, rank: int = 0,
 ) -> Footprint:  # fmt: skip
@@ -159,7 +158,7 @@ def bucketed(
 
 
 def unitwise(
-    shapes: ParamShapes, precision: MixedPrecision | None, *, shards: int,
+    shapes: ParamShapes, precision: MixedPrecision, *, shards: int,
     gathered_units: int | None, pairwise: bool, optimizer_bytes: float,
     model_dtype: torch.dtype = torch.float32, rank: int = 0,
 ) -> Footprint:  # fmt: skip

@@ -136,7 +136,13 @@ def norm_params(model: nn.Module) -> set[int]:
 
 
 def check_precision(policy, who: str) -> MixedPrecision:
-    """The policy's `precision` field, checked: a MixedPrecision or None (full precision)."""
+    """The policy's `precision` field, checked and resolved ([Note: full precision]).
+
+    [Note: full precision] A policy's `precision=None` means full precision: the model's own
+    dtype, no masters, no casts. It is mapped to `MixedPrecision()` (FULL) here, once, by each
+    policy's `__post_init__` (DDP, ZeRO1/2, ZeRO3), which keeps the result in its field; the
+    strategies, policy resolution and the footprints then read a `MixedPrecision`, never None.
+    """
     if policy is None:
         return FULL
     if not isinstance(policy, MixedPrecision):
