@@ -9,7 +9,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from dataparallel.comm.membership import (
+from dataparallel.train.live.membership import (
     EVAL,
     JOIN,
     LEAVE,
@@ -26,8 +26,8 @@ from dataparallel.comm.membership import (
     refuse_leave,
     waiting_to_join,
 )
-from dataparallel.comm.quorum import Quorum, QuorumHost
-from dataparallel.comm.requests import Answer, Desk, Request, ask, request_key
+from dataparallel.train.live.quorum import Quorum, QuorumHost
+from dataparallel.train.live.requests import Answer, Desk, Request, ask, request_key
 
 POLICY = QuorumPolicy(join_timeout_s=30.0)
 
@@ -252,7 +252,7 @@ def test_joins_and_leaves_are_asked_and_answered_through_the_store():
 
 
 def test_a_member_let_leave_reports_leave_and_ends_once_the_others_went_on():
-    from dataparallel.train.recovery import Left, LiveRecovery, Phase
+    from dataparallel.train.live.recovery import Left, LiveRecovery, Phase
 
     store = dist.HashStore()
     member = LiveRecovery(store, replica=1, joining=False, timeout_s=5.0)
@@ -273,7 +273,7 @@ def test_an_hsdp_replica_ends_as_a_whole():
     import sys
     import time
 
-    from dataparallel.train.live_launch import Replica
+    from dataparallel.train.live.launcher import Replica
 
     def start(code: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", code])
@@ -291,7 +291,7 @@ def test_an_hsdp_replica_ends_as_a_whole():
 def test_the_ranks_of_an_hsdp_replica_in_a_generation():
     """Index i of the replica at position p is rank p x S + i: every rank keeps its place in
     its shard group from one generation to the next."""
-    from dataparallel.train.replica import ReplicaRanks
+    from dataparallel.train.live.replica import ReplicaRanks
 
     membership = Membership(generation=3, members=(0, 2, 5), source=2)
     ranks = ReplicaRanks(index=1, shard=2)
@@ -306,7 +306,7 @@ def test_the_ranks_of_an_hsdp_replica_vote_through_the_store():
 
     import pytest
 
-    from dataparallel.train.replica import ReplicaLost, ReplicaRanks, ReplicaVote
+    from dataparallel.train.live.replica import ReplicaLost, ReplicaRanks, ReplicaVote
 
     store = dist.HashStore()
     votes = [ReplicaVote(store, 1, ReplicaRanks(index=i, shard=2, start=7), 5.0) for i in (0, 1)]
@@ -332,7 +332,7 @@ def test_a_generation_forms_once_every_rank_has_arrived():
     waiting at the timeout (gloo would wait for it for good) and regroup without it."""
     import time
 
-    from dataparallel.comm.quorum import Quorum
+    from dataparallel.train.live.quorum import Quorum
 
     store = dist.HashStore()
     first, second = Quorum(store, 0), Quorum(store, 1)

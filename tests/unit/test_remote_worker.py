@@ -1,5 +1,5 @@
 """A joined worker without processes: the run file that points at the launcher's store, the
-joiner's heartbeat and the launcher's handle on it (train/remote.py), on an in-memory store."""
+joiner's heartbeat and the launcher's handle on it (train/live/remote.py), on an in-memory store."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from dataparallel.train.config import ConfigError
-from dataparallel.train.remote import (
+from dataparallel.train.live.remote import (
     RUN_FILE,
     SILENT,
     Heartbeat,

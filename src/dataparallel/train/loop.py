@@ -55,7 +55,7 @@ def should_evaluate(config: RunConfig, step: int) -> bool:
 class Steps:
     """How `fit` runs one training step and one evaluation: `train_step` and `evaluate`.
 
-    Live recovery (train/recovery.py) is a subclass that redoes either after the ranks regroup;
+    Live recovery (train/live/recovery.py) is a subclass that redoes either after the ranks regroup;
     the loop itself does not change.
     """
 

@@ -26,9 +26,9 @@ from ..data.formats import DataError
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
 from .config import RunConfig, field_label
 from .config_toml import apply_mapping, to_toml
+from .live.recovery import Left, LeftOut, LiveRecovery
+from .live.replica import ReplicaLost
 from .loop import Callback, fit
-from .recovery import Left, LeftOut, LiveRecovery
-from .replica import ReplicaLost
 from .report import RUN_INFO, make_report
 from .tensor_parallel import parameter_count
 from .tracing import TraceWriter, parse_steps

@@ -4,7 +4,7 @@ each generation, and starts replacements ([Note: live recovery] in recovery.py).
 torchrun's agent stops every worker when one fails, which is what live recovery must not do;
 so in live mode the launcher starts the workers itself (one machine in this version), hosts
 the store they meet in, and is the quorum's one decider ([Note: membership] in
-comm/membership.py). Each worker is a slot 0..N-1; the loop, every `poll_s`:
+train/live/membership.py). Each worker is a slot 0..N-1; the loop, every `poll_s`:
 - reaps the workers that ended: 0 is a finished run, 2 is bad input (all workers stop
   together), anything else is a loss: the slot gets a replacement (up to --max-restarts in
   all), which builds its state alone and asks to join;
@@ -15,9 +15,9 @@ comm/membership.py). Each worker is a slot 0..N-1; the loop, every `poll_s`:
 - when a replacement or a joiner waits, or a member was let leave, asks the members to regroup
   at their next step boundary;
 - answers the requests to join or leave made from outside it (`dataparallel join RUN_DIR`,
-  `dataparallel leave RUN_DIR --replica K`; [Note: membership requests] in comm/requests.py),
+  `dataparallel leave RUN_DIR --replica K`; [Note: membership requests] in train/live/requests.py),
   within --min-replicas and --max-replicas. A joiner gets the next unused slot; it is not the
-  launcher's child, so it is watched through its heartbeat (train/remote.py). A leaver is not
+  launcher's child, so it is watched through its heartbeat (train/live/remote.py). A leaver is not
   replaced, and its leave is not counted against --max-restarts.
 Every slot is replaced alike, slot 0 too: the run's records are written by rank 0 of the
 current generation, so that role moves with the membership ([Note: the writer role] in
@@ -38,7 +38,10 @@ from pathlib import Path
 
 import dataparallel as dp
 
-from ..comm.membership import (
+from ..config import RunConfig
+from ..stopped_workers import is_stopped
+from ..worker import ENV_RUN
+from .membership import (
     JOIN,
     Membership,
     QuorumError,
@@ -50,13 +53,10 @@ from ..comm.membership import (
     refuse_leave,
     waiting_to_join,
 )
-from ..comm.quorum import QuorumHost, host_store, run_store
-from ..comm.requests import RUN_KEY, Answer, Desk, Request
-from .config import RunConfig
+from .quorum import QuorumHost, host_store, run_store
 from .recovery import ENV_LIVE
 from .remote import RUN_FILE, RemoteProcess, write_run_file
-from .stopped_workers import is_stopped
-from .worker import ENV_RUN
+from .requests import RUN_KEY, Answer, Desk, Request
 
 WORKER_MODULE = "dataparallel.train.worker"
 STOP_GRACE_S = 30.0  # what a worker told to stop has to finish (a checkpoint write)

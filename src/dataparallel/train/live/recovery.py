@@ -5,10 +5,10 @@
     recovery.join(state)                           # or: a replacement, built alone, healed
     fit(state, callbacks, recovery)                # steps and evaluations that survive a loss
 
-[Note: live recovery] Under `--recovery live` the launcher (train/live_launch.py) starts the
+[Note: live recovery] Under `--recovery live` the launcher (train/live/launcher.py) starts the
 workers itself and hosts the store they meet in; a worker is a replica (one rank under DDP;
 S ranks under ZeRO: [Note: HSDP replicas] in replica.py) and the run a sequence of generations
-([Note: membership] in comm/membership.py). Each step is guarded: when one of its collectives
+([Note: membership] in train/live/membership.py). Each step is guarded: when one of its collectives
 fails (a peer died: gloo reports the closed connection at once; or a peer stalled: the group's
 timeout is --collective-timeout, so the collective raises instead of waiting forever), this
 replica
@@ -22,7 +22,7 @@ replica
    gives no way to cancel a wait), so the launcher waits that long, plus a grace, for every
    member;
 3. forms the generation's process group (a new default gloo group on the store under
-   gen/<g>/pg, [Note: quorum keys] in comm/quorum.py) and moves the model to it
+   gen/<g>/pg, [Note: quorum keys] in train/live/quorum.py) and moves the model to it
    (`dataparallel.rebind`: same state, new rank, new size, the mean's new divisor);
 4. heals: if a member is behind or new, the source broadcasts its parameters, optimizer state,
    data position, counters and the compression state shared by all ranks (`snapshot` in
@@ -34,7 +34,7 @@ An evaluation interrupted the same way is redone after the regroup. Between step
 member asks the store whether a replacement waits (`Quorum.regroup_asked`), and the members
 agree on the answer in one small all-reduce, so that all of them regroup at the same step
 boundary and the replacement is healed and trains from the next step. A replica that joins
-from outside the launcher (`dataparallel join`, train/elastic.py) enters the same way; a member
+from outside the launcher (`dataparallel join`, train/live/elastic.py) enters the same way; a member
 let leave (`dataparallel leave`) reports LEAVE at that boundary instead of STEP, waits for the
 generation formed without it, and ends (`Left`): nothing is rewound, nobody waits for a timeout.
 Under local SGD or DiLoCo step 1 goes back further, to the window's start, the steps since are
@@ -55,16 +55,16 @@ import torch.distributed as dist
 
 import dataparallel as dp
 
-from ..comm.membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
-from ..comm.quorum import Quorum, client_store, group_prefix, run_store
-from .config import LaunchConfig
+from ..config import LaunchConfig
+from ..loop import Rewound, Steps
+from ..records import EvalRecord, StepRecord
+from ..tensor_parallel import DataRanks
+from ..trainer import TrainState, evaluate, train_step
 from .groups import Abandoned, move_to_world
-from .loop import Rewound, Steps
-from .records import EvalRecord, StepRecord
+from .membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
+from .quorum import Quorum, client_store, group_prefix, run_store
 from .replica import ReplicaRanks, ReplicaVote, SiblingFailed
 from .rewind import Marks, forget_after, load_snapshot, snapshot
-from .tensor_parallel import DataRanks
-from .trainer import TrainState, evaluate, train_step
 
 ENV_LIVE = "DATAPARALLEL_LIVE"  # {"store": "host:port", "replica": slot, "joining": bool}
 # The launcher decides; if it dies, its workers die with it (worker.die_with_launcher).

@@ -23,7 +23,7 @@ command prints. Under the store's prefix:
 A joiner is not the launcher's child: the launcher cannot wait for it or signal it, and its pid
 may be on another machine. Its heartbeat tells the launcher that it lives, `signal/<slot>`
 carries the launcher's SIGTERM or SIGKILL to it, and `bye/<slot>` its exit status back
-(train/remote.py). A number taken by a client that died before writing its request is looked
+(train/live/remote.py). A number taken by a client that died before writing its request is looked
 at again on every poll, which costs one `check` and blocks nobody.
 """
 

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 import dataparallel as dp
 
+from ..trainer import TrainState
 from .replica import ReplicaRanks
-from .trainer import TrainState
 
 GRACE_S = 10.0  # beyond 2 x the collective timeout: an abandoned group has nothing pending
 

@@ -1,6 +1,6 @@
 """A worker of a live run that its launcher did not start (`dataparallel join`): where it finds
 the launcher, its heartbeat, and the launcher's handle on it ([Note: membership requests] in
-comm/requests.py).
+train/live/requests.py).
 
     write_run_file(run_dir, "10.0.0.7:41234")          # the launcher, when it starts
     address = read_run_file(run_dir)                    # dataparallel join / leave
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..comm.requests import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, beat_key, bye_key, signal_key
-from .config import ConfigError
+from ..config import ConfigError
+from .requests import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, beat_key, bye_key, signal_key
 
 RUN_FILE = "live.json"  # in the run directory while its live launcher runs
 SILENT = 1  # the exit status the launcher gives a joiner whose heartbeat stopped
