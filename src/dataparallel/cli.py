@@ -39,8 +39,8 @@ from .train.config import (
     flag_name,
 )
 from .train.config_toml import load_toml, to_toml
+from .train.elastic import add_join_parser, add_leave_parser, cmd_join, cmd_leave
 from .train.launch_flags import add_launcher_flags, launcher_config
-from .train.live.elastic import add_join_parser, add_leave_parser, cmd_join, cmd_leave
 
 TYPES = {"int": int, "float": float, "str": str}
 

@@ -27,7 +27,8 @@ from dataparallel.train.live.membership import (
     waiting_to_join,
 )
 from dataparallel.train.live.quorum import Quorum, QuorumHost
-from dataparallel.train.live.requests import Answer, Desk, Request, ask, request_key
+from dataparallel.train.live.requests import Answer, Desk, Request, ask
+from dataparallel.train.live.store import request_key
 
 POLICY = QuorumPolicy(join_timeout_s=30.0)
 

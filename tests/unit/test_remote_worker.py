@@ -1,5 +1,6 @@
 """A joined worker without processes: the run file that points at the launcher's store, the
-joiner's heartbeat and the launcher's handle on it (train/live/remote.py), on an in-memory store."""
+joiner's heartbeat and the launcher's handle on it (train/live/store.py, remote.py),
+on an in-memory store."""
 
 from __future__ import annotations
 
@@ -10,14 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from dataparallel.train.config import ConfigError
-from dataparallel.train.live.remote import (
-    RUN_FILE,
-    SILENT,
-    Heartbeat,
-    RemoteProcess,
-    read_run_file,
-    write_run_file,
-)
+from dataparallel.train.live.remote import SILENT, Heartbeat, RemoteProcess
+from dataparallel.train.live.store import RUN_FILE, read_run_file, write_run_file
 
 
 def test_the_run_file_names_the_store_and_its_absence_is_one_line(tmp_path):

@@ -114,8 +114,8 @@ def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
 
         # The global batch is the run's, whatever the number of replicas left.
         config = config.replace(train={"global_batch": config.global_batch})
-        env = {**worker_environment(config.launch), ENV_RUN: encode_run(config, resume, checkpoint)}
-        return launch_live(config, env)
+        run = encode_run(config, resume, checkpoint)
+        return launch_live(config, {**worker_environment(config.launch), ENV_RUN: run}, run)
     env = {ENV_RUN: encode_run(config, resume, checkpoint)}
     return start_workers(config.launch, ["--module", WORKER_MODULE], env)
 

@@ -1,16 +1,22 @@
-"""Live recovery (`dataparallel train --recovery live`, `dataparallel join`, `leave`): a run that
-loses, gains or lets go of replicas while it trains, and goes on without a restart.
+"""Live recovery (`dataparallel train --recovery live`): a run that loses, gains or lets go of
+replicas while it trains, and goes on without a restart. Its files, by side, each importing only
+the files listed before it:
 
-    membership.py  who trains in the next generation: the quorum's rule, pure   [Note: membership]
-    quorum.py      the quorum's keys in the launcher's store                    [Note: quorum keys]
-    requests.py    joins and leaves asked from outside the launcher    [Note: membership requests]
-    remote.py      a joiner's run file, heartbeat, and the launcher's handle on it
-    launcher.py    the launcher: starts, watches and replaces the workers, decides
-    replica.py     an HSDP replica's S processes: their ranks and vote         [Note: HSDP replicas]
-    groups.py      the process groups a replica talks through and left     [Note: abandoned groups]
-    rewind.py      what a failed step goes back to, what a heal sends       [Note: live averaging]
-    recovery.py    a worker's guarded steps: rewind, regroup, heal, redo      [Note: live recovery]
-    elastic.py     `dataparallel join` and `leave`               [Note: the machine's keeper]
+    shared         membership.py  who trains in the next generation: the quorum's rule, pure
+                   store.py       the launcher's store: where it is, how to reach it, every key
+                   quorum.py      reports in, one decision out, through the store
+                   requests.py    joins and leaves asked from outside the launcher
+                   remote.py      a joiner's heartbeat, and the launcher's handle on it
+    the launcher   launcher.py    starts, watches and replaces the replicas; decides
+    the worker     replica.py     an HSDP replica's S processes: their places and their vote
+                   groups.py      the process groups a replica talks through, and left
+                   rewind.py      what a failed step goes back to, what a heal sends
+                   recovery.py    the guarded steps: rewind, regroup, heal, redo
 
-Start at [Note: live recovery] in recovery.py; docs/faults.md describes the behaviour.
+The commands `dataparallel join` and `leave` (train/elastic.py) stand above the worker they run.
+Its notes: [Note: live recovery] in recovery.py (start there), [Note: membership] in
+membership.py, [Note: quorum keys] in quorum.py, [Note: membership requests] in requests.py,
+[Note: HSDP replicas] in replica.py, [Note: abandoned groups] in groups.py, [Note: live
+averaging] in rewind.py; [Note: the machine's keeper] in train/elastic.py. docs/faults.md
+describes what a run does.
 """

@@ -40,7 +40,6 @@ import dataparallel as dp
 
 from ..config import RunConfig
 from ..stopped_workers import is_stopped
-from ..worker import ENV_RUN
 from .membership import (
     JOIN,
     Membership,
@@ -53,10 +52,10 @@ from .membership import (
     refuse_leave,
     waiting_to_join,
 )
-from .quorum import QuorumHost, host_store, run_store
-from .recovery import ENV_LIVE
-from .remote import RUN_FILE, RemoteProcess, write_run_file
-from .requests import RUN_KEY, Answer, Desk, Request
+from .quorum import QuorumHost
+from .remote import RemoteProcess
+from .requests import Answer, Desk, Request
+from .store import ENV_LIVE, RUN_FILE, RUN_KEY, host_store, run_store, write_run_file
 
 WORKER_MODULE = "dataparallel.train.worker"
 STOP_GRACE_S = 30.0  # what a worker told to stop has to finish (a checkpoint write)
@@ -147,11 +146,12 @@ class LiveLauncher:
         launch.collective_timeout the time a member has to report, launch.min_replicas and
         launch.max_replicas the sizes, launch.store_host where joiners reach the store.
     env: added to every worker's environment (the resolved config, the thread count...).
+    run: the encoded run the workers train (in `env` too), which a joiner reads from the store.
     poll_s: how often the workers and the store are looked at.
     """
 
-    def __init__(self, config: RunConfig, env: dict[str, str], poll_s: float = 0.02):
-        self.config, self.env, self.poll_s = config, env, poll_s
+    def __init__(self, config: RunConfig, env: dict[str, str], run: str, poll_s: float = 0.02):
+        self.config, self.env, self.run_text, self.poll_s = config, env, run, poll_s
         self.shard = max(config.launch.shard_group, 1)  # processes per replica
         self.slots = config.launch.nproc // self.shard
         self.starts = 0  # replicas started: each replacement replica meets its own ranks
@@ -176,7 +176,7 @@ class LiveLauncher:
     def run(self) -> int:
         """Start the workers and watch them; the exit status (0, 1, 2, or 130 on Ctrl-C)."""
         run_dir = Path(self.config.launch.out)
-        self.host.store.set(RUN_KEY, self.env[ENV_RUN])  # what a joiner trains
+        self.host.store.set(RUN_KEY, self.run_text)  # what a joiner trains
         write_run_file(run_dir, f"{self.config.launch.store_host or '127.0.0.1'}:{self.port}")
         for slot in range(self.slots):
             self._start(slot, joining=False)
@@ -371,6 +371,7 @@ class LiveLauncher:
         print(f"dataparallel train: live: {line}", file=sys.stderr, flush=True)
 
 
-def launch_live(config: RunConfig, env: dict[str, str]) -> int:
-    """Run `dataparallel train --recovery live` on this machine ([Note: live recovery])."""
-    return LiveLauncher(config, env).run()
+def launch_live(config: RunConfig, env: dict[str, str], run: str) -> int:
+    """Run `dataparallel train --recovery live` on this machine ([Note: live recovery]): the
+    workers train `run` (encoded, as in `env`)."""
+    return LiveLauncher(config, env, run).run()

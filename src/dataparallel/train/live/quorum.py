@@ -29,34 +29,11 @@ The rule that turns reports into a decision is pure ([Note: membership] in membe
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from .membership import Membership, Report
-from .requests import leave_key
-
-LATEST = "latest"
-
-
-def report_key(generation: int, replica: int) -> str:
-    return f"gen/{generation}/report/{replica}"
-
-
-def decision_key(generation: int) -> str:
-    return f"gen/{generation}/decision"
-
-
-def regroup_key(generation: int) -> str:
-    return f"gen/{generation}/regroup"
-
-
-def arrived_key(generation: int, rank: int) -> str:
-    return f"gen/{generation}/arrived/{rank}"
-
-
-def group_prefix(generation: int) -> str:
-    return f"gen/{generation}/pg"
+from .store import LATEST, arrived_key, decision_key, leave_key, regroup_key, report_key
 
 
 class Quorum:
@@ -143,26 +120,3 @@ class QuorumHost:
 
     def let_leave(self, replica: int) -> None:
         self.store.set(leave_key(replica), "1")
-
-
-STORE_PREFIX = "dataparallel/live"  # a live run's keys, under its launcher's store
-
-
-def run_store(store: dist.Store) -> dist.PrefixStore:
-    """The run's keys ([Note: quorum keys]) in the launcher's store, seen from any process."""
-    return dist.PrefixStore(STORE_PREFIX, store)
-
-
-def host_store(port: int, timeout_s: float = 60.0) -> dist.TCPStore:
-    """The store a live run's launcher hosts on `port` (it listens on every interface; the
-    launcher's own connection goes through 127.0.0.1)."""
-    return dist.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-    )  # fmt: skip
-
-
-def client_store(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
-    """A worker's connection to the launcher's store at "host:port"."""
-    host, _, port = address.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))

@@ -34,7 +34,7 @@ An evaluation interrupted the same way is redone after the regroup. Between step
 member asks the store whether a replacement waits (`Quorum.regroup_asked`), and the members
 agree on the answer in one small all-reduce, so that all of them regroup at the same step
 boundary and the replacement is healed and trains from the next step. A replica that joins
-from outside the launcher (`dataparallel join`, train/live/elastic.py) enters the same way; a member
+from outside the launcher (`dataparallel join`, train/elastic.py) enters the same way; a member
 let leave (`dataparallel leave`) reports LEAVE at that boundary instead of STEP, waits for the
 generation formed without it, and ends (`Left`): nothing is rewound, nobody waits for a timeout.
 Under local SGD or DiLoCo step 1 goes back further, to the window's start, the steps since are
@@ -62,11 +62,11 @@ from ..tensor_parallel import DataRanks
 from ..trainer import TrainState, evaluate, train_step
 from .groups import Abandoned, move_to_world
 from .membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
-from .quorum import Quorum, client_store, group_prefix, run_store
+from .quorum import Quorum
 from .replica import ReplicaRanks, ReplicaVote, SiblingFailed
 from .rewind import Marks, forget_after, load_snapshot, snapshot
+from .store import ENV_LIVE, client_store, group_prefix, run_store
 
-ENV_LIVE = "DATAPARALLEL_LIVE"  # {"store": "host:port", "replica": slot, "joining": bool}
 # The launcher decides; if it dies, its workers die with it (worker.die_with_launcher).
 DECISION_TIMEOUT_S = 3600.0
 

@@ -1,9 +1,6 @@
-"""A worker of a live run that its launcher did not start (`dataparallel join`): where it finds
-the launcher, its heartbeat, and the launcher's handle on it ([Note: membership requests] in
-train/live/requests.py).
+"""A worker of a live run that its launcher did not start (`dataparallel join`): its heartbeat,
+and the launcher's handle on it ([Note: membership requests] in requests.py).
 
-    write_run_file(run_dir, "10.0.0.7:41234")          # the launcher, when it starts
-    address = read_run_file(run_dir)                    # dataparallel join / leave
     heartbeat = Heartbeat(store, replica=3).start()     # the joiner, until it ends...
     heartbeat.stop(code)                                # ...then its exit status, for the launcher
     process = RemoteProcess(store, replica=3, pid=4242)   # the launcher: Popen's verbs
@@ -11,50 +8,21 @@ train/live/requests.py).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch.distributed as dist
 
-from ..config import ConfigError
-from .requests import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, beat_key, bye_key, signal_key
+from .store import beat_key, bye_key, signal_key
 
-RUN_FILE = "live.json"  # in the run directory while its live launcher runs
+HEARTBEAT_S = 0.5  # how often a joiner beats
+HEARTBEAT_TIMEOUT_S = 10.0  # beats missed this long: the joiner is taken for dead
+
 SILENT = 1  # the exit status the launcher gives a joiner whose heartbeat stopped
-
-
-def write_run_file(run_dir: Path, address: str) -> Path:
-    """Write RUN_DIR/live.json, where `dataparallel join` and `leave` find the launcher's store
-    ("host:port"); written whole or not at all (a reader never sees half of it)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path, partial = run_dir / RUN_FILE, run_dir / f".{RUN_FILE}.{os.getpid()}"
-    partial.write_text(json.dumps({"store": address, "launcher_pid": os.getpid()}) + "\n")
-    os.replace(partial, path)
-    return path
-
-
-def read_run_file(run_dir: Path) -> str:
-    """The launcher's store address from RUN_DIR/live.json (ConfigError when there is none)."""
-    path = run_dir / RUN_FILE
-    try:
-        return json.loads(path.read_text())["store"]
-    except FileNotFoundError:
-        raise ConfigError(
-            "RUN_DIR",
-            f"{run_dir} has no live run (no {RUN_FILE}: the run was not started with --recovery "
-            "live, or has ended)",
-            "give the directory of a running `dataparallel train --recovery live`",
-        ) from None
-    except (ValueError, KeyError):
-        raise ConfigError(
-            "RUN_DIR", f"{path} is not a live run's file", "give a live run's directory"
-        ) from None
 
 
 class Heartbeat:

@@ -53,6 +53,7 @@ import dataparallel as dp
 
 from ..trainer import TrainState
 from .membership import Membership
+from .store import start_prefix, vote_prefix
 
 VOTE_GRACE_S = 10.0  # beyond the collective timeout, for a sibling blocked in a collective
 FAILED = 1 << 20  # what a failed rank adds to a vote's sum (more than any replica's ranks)
@@ -95,7 +96,7 @@ class ReplicaRanks:
 
     def meet(self, store: dist.Store, timeout: timedelta, world: dp.World) -> dp.World:
         """A replacement's first world: the S processes of its replica, among themselves."""
-        prefix = dist.PrefixStore(f"start/{self.start}/pg", store)
+        prefix = dist.PrefixStore(start_prefix(self.start), store)
         return dp.join_group(prefix, self.index, self.shard, timeout, world)
 
     def rebind(self, state: TrainState) -> None:
@@ -120,7 +121,7 @@ class ReplicaVote:
     """
 
     def __init__(self, store: dist.Store, slot: int, ranks: ReplicaRanks, timeout_s: float):
-        self.store = dist.PrefixStore(f"vote/{slot}/{ranks.start}", store)
+        self.store = dist.PrefixStore(vote_prefix(slot, ranks.start), store)
         self.ranks, self.wait_s, self.round = ranks, timeout_s + VOTE_GRACE_S, 0
         self.slot = slot
 

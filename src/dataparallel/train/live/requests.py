@@ -36,35 +36,7 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from .membership import JOIN, LEAVE
-
-RUN_KEY = "run"
-COUNTER = "requests"
-HEARTBEAT_S = 0.5  # how often a joiner beats
-HEARTBEAT_TIMEOUT_S = 10.0  # beats missed this long: the joiner is taken for dead
-
-
-def request_key(number: int) -> str:
-    return f"request/{number}"
-
-
-def answer_key(number: int) -> str:
-    return f"answer/{number}"
-
-
-def leave_key(replica: int) -> str:
-    return f"leave/{replica}"
-
-
-def beat_key(replica: int) -> str:
-    return f"beat/{replica}"
-
-
-def signal_key(replica: int) -> str:
-    return f"signal/{replica}"
-
-
-def bye_key(replica: int) -> str:
-    return f"bye/{replica}"
+from .store import COUNTER, answer_key, request_key
 
 
 @dataclass(frozen=True, kw_only=True)

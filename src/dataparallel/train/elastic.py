@@ -29,11 +29,11 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from ..config import ConfigError
-from .membership import JOIN, LEAVE
-from .quorum import client_store, run_store
-from .remote import RUN_FILE, Heartbeat, read_run_file
-from .requests import RUN_KEY, Answer, Request, ask
+from .config import ConfigError
+from .live.membership import JOIN, LEAVE
+from .live.remote import Heartbeat
+from .live.requests import Answer, Request, ask
+from .live.store import ENV_LIVE, RUN_FILE, RUN_KEY, client_store, read_run_file, run_store
 
 CONNECT_TIMEOUT_S = 10.0
 REFUSED = 3  # a join the launcher refused (a keeper's child; the command says 1)
@@ -128,7 +128,7 @@ def join(run_dir: Path) -> int:
         print(f"dataparallel join: refused: {answer.message}", file=sys.stderr)
         return REFUSED
     print(f"dataparallel join: {answer.message}", file=sys.stderr, flush=True)
-    from ..worker import decode_run
+    from .worker import decode_run
 
     shard = max(decode_run(store.get(RUN_KEY))[0].launch.shard_group, 1)
     if shard == 1:
@@ -176,7 +176,7 @@ def keep(run_dir: Path, restarts: int) -> int:
     Status: 0 (the run ended, or the replica left), 1 (refused, or lost K + 1 times), 2 (bad
     input), 143 (SIGTERM).
     """
-    from ..worker import run_worker  # noqa: F401  (torch and the trainer, imported once)
+    from .worker import run_worker  # noqa: F401  (torch and the trainer, imported once)
 
     lost, rejoin_until, child, stopping = 0, 0.0, 0, False
 
@@ -240,9 +240,8 @@ def train_joined(
     to join (the launcher knows the replica by that pid)."""
     import torch
 
-    from ..launch import fair_threads, worker_environment
-    from ..worker import ENV_LAUNCHER, decode_run, run_worker
-    from .recovery import ENV_LIVE
+    from .launch import fair_threads, worker_environment
+    from .worker import ENV_LAUNCHER, decode_run, run_worker
 
     config, _, _ = decode_run(store.get(RUN_KEY))
     # The run directory as this process reaches it (the launcher's may be relative to its own
