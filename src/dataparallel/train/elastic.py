@@ -136,7 +136,7 @@ def join(run_dir: Path) -> int:
     return train_replica(run_dir, address, answer.replica, shard)
 
 
-def train_replica(run_dir: Path, address: str, replica: int, shard: int) -> int:
+def train_replica(run_dir: Path, address: str, slot: int, shard: int) -> int:
     """Join as an HSDP replica of `shard` processes ([Note: HSDP replicas] in replica.py): each
     is forked here and trains as its index; they meet among themselves, then enter the run as
     one replica. The replica ends as a whole: when one of them ends otherwise than with 0 the
@@ -145,7 +145,7 @@ def train_replica(run_dir: Path, address: str, replica: int, shard: int) -> int:
 
     def train(index: int) -> int:
         store = run_store(client_store(address, CONNECT_TIMEOUT_S))  # its own socket
-        return train_joined(run_dir, address, store, replica, index, shard, owner)
+        return train_joined(run_dir, address, store, slot, index, shard, owner)
 
     children = [fork(partial(train, index)) for index in range(shard)]
     codes: dict[int, int] = {}
@@ -230,12 +230,12 @@ def train_joined(
     run_dir: Path,
     address: str,
     store,
-    replica: int,
+    slot: int,
     index: int = 0,
     shard: int = 1,
     owner: int | None = None,
 ) -> int:
-    """Train as replica `replica` of the live run until it ends, beating meanwhile; under
+    """Train as the replica in `slot` of the live run until it ends, beating meanwhile; under
     --shard-group as its process `index` of `shard`, forked by the process `owner` that asked
     to join (the launcher knows the replica by that pid)."""
     import torch
@@ -251,13 +251,13 @@ def train_joined(
     environment = worker_environment(launch)
     environment.pop(ENV_LAUNCHER)  # not the launcher's child: its heartbeat ties it to the run
     os.environ.update(environment)
-    live = {"store": address, "replica": replica, "joining": True}
+    live = {"store": address, "replica": slot, "joining": True}
     if shard > 1:  # [Note: HSDP replicas]: its first group is its own, named by its slot
-        live.update(index=index, shard=shard, start=f"join-{replica}", owner=owner)
+        live.update(index=index, shard=shard, start=f"join-{slot}", owner=owner)
     os.environ[ENV_LIVE] = json.dumps(live)
     torch.set_num_threads(launch.threads or fair_threads(launch.nproc))
     beat_store = run_store(client_store(address, CONNECT_TIMEOUT_S))
-    heartbeat = Heartbeat(beat_store, replica).start()
+    heartbeat = Heartbeat(beat_store, slot).start()
     code = 1
     try:
         run_worker(config, resume=False)

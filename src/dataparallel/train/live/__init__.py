@@ -13,6 +13,26 @@ the files listed before it:
                    rewind.py      what a failed step goes back to, what a heal sends
                    recovery.py    the guarded steps: rewind, regroup, heal, redo
 
+One word per concept:
+    replica    the failure domain: one process under DDP, the S processes of an HSDP replica;
+               it trains, fails, is replaced and healed as a whole (the launcher's handle on
+               S children is `Replica`)
+    slot       a replica's number in the run: 0..N-1 for the replicas started together, N and
+               up for joiners; a replacement takes its predecessor's (`slot` in code; the
+               stored Report, Request and Answer and ENV_LIVE keep their JSON name `replica`)
+    seat       one process's place in its replica: index i of S (`Seat`)
+    generation the members that train together, decided once (`Membership`); a *member* is a
+               replica of the current one
+    regroup    the members form the next generation: after a failed collective, or asked at a
+               step boundary (`RegroupAsked`) to let a replica in or out
+    leave      what a member is asked to do (`dataparallel leave`, a LEAVE request, the LEAVE it
+               then reports); granted, it is *released* (`Quorum.released`, `Phase.RELEASED`,
+               `Life.RELEASED`, `Released`)
+    dropped    left out of a generation for reporting late, stalled (`Dropped`); *lost*: ended
+               otherwise than with 0, or silent in its replica's vote (`ReplicaLost`); *gone*:
+               a member of the last generation that is not in the next, for any of these
+               reasons
+
 The commands `dataparallel join` and `leave` (train/elastic.py) stand above the worker they run.
 Its notes: [Note: live recovery] in recovery.py (start there), [Note: membership] in
 membership.py, [Note: quorum keys] in quorum.py, [Note: membership requests] in requests.py,

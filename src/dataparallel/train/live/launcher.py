@@ -47,7 +47,7 @@ from .membership import (
     QuorumPolicy,
     decide,
     first_membership,
-    left_out,
+    gone,
     refuse_join,
     refuse_leave,
     waiting_to_join,
@@ -63,13 +63,12 @@ REPORT_GRACE_S = 10.0  # beyond the collective timeout, for a member's rewind an
 
 
 class Life(enum.Enum):
-    """A worker process's state, as the launcher sees it."""
+    """The state of the replica in a slot, as the launcher sees it."""
 
     STARTING = "starting"  # a replacement or a joiner, not yet let into a generation
     MEMBER = "member"  # in the current generation (or the first workers, before it)
-    LEAVING = "leaving"  # a member let leave: it goes at its next step boundary
-    ENDED = "ended"
-    LEFT = "left"  # ended after leaving: not replaced, not a failure
+    RELEASED = "released"  # a member let leave: it goes at its next step boundary
+    ENDED = "ended"  # `ended_as` says what it was: after RELEASED, not replaced nor a failure
 
 
 @dataclass
@@ -222,12 +221,12 @@ class LiveLauncher:
             w.ended_as is Life.MEMBER and w.code in (0, 2) for w in self.workers.values()
         )
         for worker in list(self.workers.values()):
-            if worker.life in (Life.ENDED, Life.LEFT) or worker.process.poll() is None:
+            if worker.life is Life.ENDED or worker.process.poll() is None:
                 continue
             worker.ended_as = worker.life
-            worker.life = Life.LEFT if worker.ended_as is Life.LEAVING else Life.ENDED
+            worker.life = Life.ENDED
             worker.code = worker.process.returncode
-            if worker.life is Life.LEFT:
+            if worker.ended_as is Life.RELEASED:
                 self._say(f"worker {worker.slot} left with status {worker.code}; not replaced")
             if worker.code in (0, 2) or finishing or worker.ended_as is not Life.MEMBER:
                 continue
@@ -246,7 +245,7 @@ class LiveLauncher:
                 self._start(worker.slot, joining=True)
             else:
                 self._say(f"worker {worker.slot} ended; no replacement left (--max-restarts)")
-        if any(w.life in (Life.MEMBER, Life.LEAVING) for w in self.workers.values()):
+        if any(w.life in (Life.MEMBER, Life.RELEASED) for w in self.workers.values()):
             return None
         self._stop_all()  # replacements still starting have nobody to join
         # The run's status is its last generation's: a replica lost and left behind earlier
@@ -296,8 +295,8 @@ class LiveLauncher:
         if refusal:
             self._say(f"replica {request.replica} asked to leave: refused: {refusal}")
             return Answer(ok=False, message=refusal)
-        self.workers[request.replica].life = Life.LEAVING
-        self.host.let_leave(request.replica)
+        self.workers[request.replica].life = Life.RELEASED
+        self.host.release(request.replica)
         message = f"replica {request.replica} leaves at its next step boundary"
         self._say(message)
         return Answer(ok=True, message=message)
@@ -305,12 +304,11 @@ class LiveLauncher:
     # -- the quorum -----------------------------------------------------------------------------
     def _decide(self) -> None:
         generation = self.current.generation + 1
-        ended = (Life.ENDED, Life.LEFT)
         reports = {  # a report counts only from the process now in its slot, still running
             slot: report
             for slot, report in self.host.reports(generation).items()
             if slot in self.workers
-            and self.workers[slot].life not in ended
+            and self.workers[slot].life is not Life.ENDED
             and report.pid == self.workers[slot].process.pid
         }
         self._ask_regroup(reports)
@@ -319,7 +317,7 @@ class LiveLauncher:
         now = time.monotonic()
         # A stopped member cannot report: it is not waited for ([Note: membership]).
         # A leaver is waited for too: it reports LEAVE (or STEP, if it regrouped before it knew).
-        in_run = (Life.MEMBER, Life.LEAVING)
+        in_run = (Life.MEMBER, Life.RELEASED)
         alive = {s for s, w in self.workers.items() if w.life in in_run and not w.stopped}
         # The wait starts at a member's report: replacements and joiners asking in alone (the
         # members evaluating, saving or still starting) wait for them, not against the clock;
@@ -343,7 +341,7 @@ class LiveLauncher:
         for slot in decided.members:
             if self.workers[slot].life is Life.STARTING:
                 self.workers[slot].life = Life.MEMBER
-        for slot in left_out(self.current, decided):
+        for slot in gone(self.current, decided):
             worker = self.workers[slot]
             silent = slot not in reports  # a leaver reported LEAVE and goes by itself
             if worker.life in in_run and silent and worker.process.poll() is None:
@@ -360,8 +358,8 @@ class LiveLauncher:
     def _ask_regroup(self, reports: dict) -> None:
         """Ask the current generation to regroup at its next step boundary when a replica waits
         to join or a member was let leave (once per generation)."""
-        leaving = any(self.workers[s].life is Life.LEAVING for s in self.current.members)
-        if not (leaving or waiting_to_join(reports)):
+        released = any(self.workers[s].life is Life.RELEASED for s in self.current.members)
+        if not (released or waiting_to_join(reports)):
             return
         if self.asked_regroup < self.current.generation:
             self.asked_regroup = self.current.generation

@@ -117,9 +117,9 @@ class Membership:
     def size(self) -> int:
         return len(self.members)
 
-    def rank_of(self, replica: int) -> int:
-        """The rank of slot `replica` in this generation (ValueError if it is not a member)."""
-        return self.members.index(replica)
+    def rank_of(self, slot: int) -> int:
+        """The rank of `slot` in this generation (ValueError if it is not a member)."""
+        return self.members.index(slot)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -240,9 +240,9 @@ def waiting_to_join(reports: dict[int, Report]) -> list[int]:
     return sorted(r for r, report in reports.items() if report.where == JOIN)
 
 
-def left_out(previous: Membership, decided: Membership) -> list[int]:
-    """Members of `previous` not in `decided` (dead, stalled or leaving; the launcher kills the
-    stalled ones)."""
+def gone(previous: Membership, decided: Membership) -> list[int]:
+    """Members of `previous` not in `decided`: dead, dropped (stalled: the launcher kills them)
+    or released."""
     return [r for r in previous.members if r not in decided.members]
 
 

@@ -1,6 +1,6 @@
 """The quorum of a live run in the launcher's store: reports in, one decision out.
 
-    quorum = Quorum(store, replica=1)                  # a worker
+    quorum = Quorum(store, slot=1)                  # a worker
     quorum.report(generation, Report(replica=1, step=40))
     membership = quorum.wait(generation, timeout_s)     # published by the launcher
 
@@ -40,12 +40,12 @@ class Quorum:
     """A worker's side of the quorum ([Note: quorum keys]).
 
     store: the launcher's store (under the run's prefix).
-    replica: this worker's slot.
+    slot: the slot of this worker's replica.
     poll_s: how often a wait looks at the store.
     """
 
-    def __init__(self, store: dist.Store, replica: int, poll_s: float = 0.01):
-        self.store, self.replica, self.poll_s = store, replica, poll_s
+    def __init__(self, store: dist.Store, slot: int, poll_s: float = 0.01):
+        self.store, self.slot, self.poll_s = store, slot, poll_s
 
     def latest(self) -> int:
         """The last decided generation (-1 before the first)."""
@@ -54,7 +54,7 @@ class Quorum:
         return int(self.store.get(LATEST))
 
     def report(self, generation: int, report: Report) -> None:
-        self.store.set(report_key(generation, self.replica), report.to_json())
+        self.store.set(report_key(generation, self.slot), report.to_json())
 
     def wait(self, generation: int, timeout_s: float) -> Membership:
         """The decision for `generation`, once published (TimeoutError after `timeout_s`)."""
@@ -85,10 +85,10 @@ class Quorum:
         waits to join)."""
         return self.store.check([regroup_key(generation)])
 
-    def leaving(self) -> bool:
-        """Whether the launcher let this replica leave (`dataparallel leave`): it reports LEAVE
+    def released(self) -> bool:
+        """Whether the launcher released this replica (`dataparallel leave`): it reports LEAVE
         at its next regroup."""
-        return self.store.check([leave_key(self.replica)])
+        return self.store.check([leave_key(self.slot)])
 
 
 class QuorumHost:
@@ -118,5 +118,5 @@ class QuorumHost:
     def ask_regroup(self, generation: int) -> None:
         self.store.set(regroup_key(generation), "1")
 
-    def let_leave(self, replica: int) -> None:
-        self.store.set(leave_key(replica), "1")
+    def release(self, slot: int) -> None:
+        self.store.set(leave_key(slot), "1")

@@ -1,9 +1,9 @@
 """A worker of a live run that its launcher did not start (`dataparallel join`): its heartbeat,
 and the launcher's handle on it ([Note: membership requests] in requests.py).
 
-    heartbeat = Heartbeat(store, replica=3).start()     # the joiner, until it ends...
+    heartbeat = Heartbeat(store, slot=3).start()     # the joiner, until it ends...
     heartbeat.stop(code)                                # ...then its exit status, for the launcher
-    process = RemoteProcess(store, replica=3, pid=4242)   # the launcher: Popen's verbs
+    process = RemoteProcess(store, slot=3, pid=4242)      # the launcher: Popen's verbs
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ class Heartbeat:
     sends, and leave the exit status for it when done.
 
     store: a connection to the launcher's store (under the run's prefix) for this thread alone.
-    replica: the joiner's slot.
+    slot: the joiner's slot.
     """
 
-    def __init__(self, store: dist.Store, replica: int):
-        self.store, self.replica = store, replica
+    def __init__(self, store: dist.Store, slot: int):
+        self.store, self.slot = store, slot
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
 
@@ -47,7 +47,7 @@ class Heartbeat:
         self.done.set()
         self.thread.join()
         try:
-            self.store.set(bye_key(self.replica), str(code))
+            self.store.set(bye_key(self.slot), str(code))
         except RuntimeError:  # the launcher has gone already: nobody is left to tell
             pass
 
@@ -55,13 +55,13 @@ class Heartbeat:
         raised = None  # the last signal raised: the launcher may send SIGTERM, then SIGKILL
         while True:
             try:
-                self.store.add(beat_key(self.replica), 1)
-                if self.store.check([signal_key(self.replica)]):
-                    number = int(self.store.get(signal_key(self.replica)))
+                self.store.add(beat_key(self.slot), 1)
+                if self.store.check([signal_key(self.slot)]):
+                    number = int(self.store.get(signal_key(self.slot)))
                     if number != raised:
                         raised = number
                         if signal.getsignal(number) == signal.SIG_DFL:  # it ends this process
-                            self.store.set(bye_key(self.replica), str(-number))  # as Popen says
+                            self.store.set(bye_key(self.slot), str(-number))  # as Popen says
                         os.kill(os.getpid(), number)  # else its handler runs; stop() tells
             except RuntimeError:  # the store is gone (DistError): so is the launcher, and the run
                 print(
@@ -80,14 +80,14 @@ class RemoteProcess:
     `timeout_s` (then with status SILENT).
 
     store: the store the launcher hosts (under the run's prefix).
-    replica: the joiner's slot.
+    slot: the joiner's slot.
     pid: the joiner's process id, on its own machine (for messages only).
     """
 
     def __init__(
-        self, store: dist.Store, replica: int, pid: int, timeout_s: float = HEARTBEAT_TIMEOUT_S
+        self, store: dist.Store, slot: int, pid: int, timeout_s: float = HEARTBEAT_TIMEOUT_S
     ):
-        self.store, self.replica, self.pid, self.timeout_s = store, replica, pid, timeout_s
+        self.store, self.slot, self.pid, self.timeout_s = store, slot, pid, timeout_s
         self.returncode: int | None = None
         self.beats, self.beat_at = 0, time.monotonic()
 
@@ -97,16 +97,16 @@ class RemoteProcess:
         return self.returncode
 
     def _ended(self) -> int | None:
-        if self.store.check([bye_key(self.replica)]):
-            return int(self.store.get(bye_key(self.replica)))
-        beats, now = self.store.add(beat_key(self.replica), 0), time.monotonic()
+        if self.store.check([bye_key(self.slot)]):
+            return int(self.store.get(bye_key(self.slot)))
+        beats, now = self.store.add(beat_key(self.slot), 0), time.monotonic()
         if beats != self.beats:
             self.beats, self.beat_at = beats, now
             return None
         return SILENT if now - self.beat_at > self.timeout_s else None
 
     def send_signal(self, number: int) -> None:
-        self.store.set(signal_key(self.replica), str(int(number)))
+        self.store.set(signal_key(self.slot), str(int(number)))
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -115,6 +115,6 @@ class RemoteProcess:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"replica {self.replica}", timeout)
+                raise subprocess.TimeoutExpired(f"replica {self.slot}", timeout)
             time.sleep(0.05)
         return self.returncode

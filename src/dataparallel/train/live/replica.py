@@ -1,10 +1,10 @@
 """An HSDP replica of a live run: `--shard-group` S processes that train, fail and heal together.
 
-    ranks = ReplicaRanks(index=1, shard=2, start=4)     # this process: index 1 of 2
-    world = ranks.meet(store, timeout, world)           # a replacement: its own S ranks first
-    rank = ranks.rank(membership, slot)                 # its rank in a generation
-    ranks.rebind(state)                                 # the model onto the generation's mesh
-    vote = ReplicaVote(store, slot, ranks, timeout_s)   # every rank of the replica got through?
+    seat = Seat(index=1, shard=2, start=4)              # this process: index 1 of 2
+    world = seat.meet(store, timeout, world)            # a replacement: its own S ranks first
+    rank = seat.rank(membership, slot)                  # its rank in a generation
+    seat.rebind(state)                                  # the model onto the generation's mesh
+    vote = ReplicaVote(store, slot, seat, timeout_s)    # every rank of the replica got through?
     if not vote(failed=False): ...
 
 [Note: HSDP replicas] Under `--recovery live --shard-group S` (ZeRO-1/2/3 inside each replica) a
@@ -68,8 +68,8 @@ class ReplicaLost(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ReplicaRanks:
-    """This process's place in its replica ([Note: HSDP replicas]).
+class Seat:
+    """This process's seat: its place in its replica ([Note: HSDP replicas]).
 
     index: its index in the replica's shard group, 0..shard - 1 (0 reports for the replica).
     shard: S, the processes of a replica (1: a replica is one process, as under DDP).
@@ -116,13 +116,13 @@ class ReplicaVote:
     """The ranks of one HSDP replica agree, through the launcher's store, that every one of
     them got through ([Note: HSDP replicas]): `vote(failed)` is True when none failed.
 
-    store: the run's store; slot: the replica's; ranks: this process's place in it.
+    store: the run's store; slot: the replica's; seat: this process's place in it.
     timeout_s: --collective-timeout (a sibling has VOTE_GRACE_S more to vote).
     """
 
-    def __init__(self, store: dist.Store, slot: int, ranks: ReplicaRanks, timeout_s: float):
-        self.store = dist.PrefixStore(vote_prefix(slot, ranks.start), store)
-        self.ranks, self.wait_s, self.round = ranks, timeout_s + VOTE_GRACE_S, 0
+    def __init__(self, store: dist.Store, slot: int, seat: Seat, timeout_s: float):
+        self.store = dist.PrefixStore(vote_prefix(slot, seat.start), store)
+        self.seat, self.wait_s, self.round = seat, timeout_s + VOTE_GRACE_S, 0
         self.slot = slot
 
     def __call__(self, failed: bool) -> bool:
@@ -131,7 +131,7 @@ class ReplicaVote:
         self.round += 1
         n = self.round
         total = self.store.add(f"{n}/sum", 1 + FAILED * int(failed))
-        if total % FAILED == self.ranks.shard:  # the last of the replica's ranks to vote
+        if total % FAILED == self.seat.shard:  # the last of the replica's ranks to vote
             verdict = "failed" if total >= FAILED else "ok"
             self.store.set(f"{n}/verdict", verdict)
         else:
@@ -140,12 +140,12 @@ class ReplicaVote:
             except (dist.DistError, RuntimeError):  # DistStoreError: the wait timed out
                 arrived = self.store.add(f"{n}/sum", 0) % FAILED
                 raise ReplicaLost(
-                    f"replica {self.slot}: {self.ranks.shard - arrived} of its ranks did not "
+                    f"replica {self.slot}: {self.seat.shard - arrived} of its ranks did not "
                     f"vote within {self.wait_s:g} s (lost or hung); the replica ends and is "
                     "replaced"
                 ) from None
             verdict = self.store.get(f"{n}/verdict").decode()
-        if self.ranks.leader and n > 2:  # every sibling is past round n - 2: forget it
+        if self.seat.leader and n > 2:  # every sibling is past round n - 2: forget it
             self.store.delete_key(f"{n - 2}/sum")
             self.store.delete_key(f"{n - 2}/verdict")
         return verdict == "ok"

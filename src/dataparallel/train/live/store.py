@@ -83,8 +83,8 @@ def client_store(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
 LATEST = "latest"
 
 
-def report_key(generation: int, replica: int) -> str:
-    return f"gen/{generation}/report/{replica}"
+def report_key(generation: int, slot: int) -> str:
+    return f"gen/{generation}/report/{slot}"
 
 
 def decision_key(generation: int) -> str:
@@ -116,20 +116,20 @@ def answer_key(number: int) -> str:
     return f"answer/{number}"
 
 
-def leave_key(replica: int) -> str:
-    return f"leave/{replica}"
+def leave_key(slot: int) -> str:
+    return f"leave/{slot}"
 
 
-def beat_key(replica: int) -> str:
-    return f"beat/{replica}"
+def beat_key(slot: int) -> str:
+    return f"beat/{slot}"
 
 
-def signal_key(replica: int) -> str:
-    return f"signal/{replica}"
+def signal_key(slot: int) -> str:
+    return f"signal/{slot}"
 
 
-def bye_key(replica: int) -> str:
-    return f"bye/{replica}"
+def bye_key(slot: int) -> str:
+    return f"bye/{slot}"
 
 
 # -- an HSDP replica's own keys ([Note: HSDP replicas] in replica.py) ----------------------------
@@ -138,6 +138,6 @@ def start_prefix(start: int | str) -> str:
     return f"start/{start}/pg"
 
 
-def vote_prefix(replica: int, start: int | str) -> str:
+def vote_prefix(slot: int, start: int | str) -> str:
     """The rounds of a replica's vote."""
-    return f"vote/{replica}/{start}"
+    return f"vote/{slot}/{start}"
