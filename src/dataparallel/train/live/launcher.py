@@ -4,20 +4,21 @@ each generation, and starts replacements ([Note: live recovery] in recovery.py).
 torchrun's agent stops every worker when one fails, which is what live recovery must not do;
 so in live mode the launcher starts the workers itself (one machine in this version), hosts
 the store they meet in, and is the quorum's one decider ([Note: membership] in
-train/live/membership.py). Each worker is a slot 0..N-1; the loop, every `poll_s`:
+membership.py). Each replica (one worker process, or the S of an HSDP replica: `Replica`) has a
+slot 0..N-1; the loop, every `poll_s`:
 - reaps the workers that ended: 0 is a finished run, 2 is bad input (all workers stop
   together), anything else is a loss: the slot gets a replacement (up to --max-restarts in
   all), which builds its state alone and asks to join;
 - reads the reports for the next generation and applies `decide`; a member that never
   reports within --collective-timeout + 10 s of the first report is stalled (one stopped,
-  state T in /proc, at once): it is killed (SIGKILL also ends a stopped process) and replaced like a dead
-  one;
-- when a replacement or a joiner waits, or a member was let leave, asks the members to regroup
+  state T in /proc, at once): it is killed (SIGKILL also ends a stopped process) and replaced
+  like a dead one;
+- when a replacement or a joiner waits, or a member was released, asks the members to regroup
   at their next step boundary;
 - answers the requests to join or leave made from outside it (`dataparallel join RUN_DIR`,
-  `dataparallel leave RUN_DIR --replica K`; [Note: membership requests] in train/live/requests.py),
+  `dataparallel leave RUN_DIR --replica K`; [Note: membership requests] in requests.py),
   within --min-replicas and --max-replicas. A joiner gets the next unused slot; it is not the
-  launcher's child, so it is watched through its heartbeat (train/live/remote.py). A leaver is not
+  launcher's child, so it is watched through its heartbeat (remote.py). A leaver is not
   replaced, and its leave is not counted against --max-restarts.
 Every slot is replaced alike, slot 0 too: the run's records are written by rank 0 of the
 current generation, so that role moves with the membership ([Note: the writer role] in
@@ -67,7 +68,7 @@ class Life(enum.Enum):
 
     STARTING = "starting"  # a replacement or a joiner, not yet let into a generation
     MEMBER = "member"  # in the current generation (or the first workers, before it)
-    RELEASED = "released"  # a member let leave: it goes at its next step boundary
+    RELEASED = "released"  # a member let leave (`dataparallel leave`): goes at its next boundary
     ENDED = "ended"  # `ended_as` says what it was: after RELEASED, not replaced nor a failure
 
 
@@ -290,7 +291,7 @@ class LiveLauncher:
         """A member leaves at its next step boundary, if --min-replicas stay."""
         members = [s for s, w in self.workers.items() if w.life is Life.MEMBER]
         # The writer (rank 0, the lowest member) may leave too: the role moves to the next
-        # lowest ([Note: the writer role] in writer.py).
+        # lowest ([Note: the writer role] in train/writer.py).
         refusal = refuse_leave(request.replica, members, self.policy)
         if refusal:
             self._say(f"replica {request.replica} asked to leave: refused: {refusal}")
@@ -357,7 +358,7 @@ class LiveLauncher:
 
     def _ask_regroup(self, reports: dict) -> None:
         """Ask the current generation to regroup at its next step boundary when a replica waits
-        to join or a member was let leave (once per generation)."""
+        to join or a member was released (once per generation)."""
         released = any(self.workers[s].life is Life.RELEASED for s in self.current.members)
         if not (released or waiting_to_join(reports)):
             return

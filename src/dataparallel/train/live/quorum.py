@@ -1,6 +1,6 @@
 """The quorum of a live run in the launcher's store: reports in, one decision out.
 
-    quorum = Quorum(store, slot=1)                  # a worker
+    quorum = Quorum(store, slot=1)                      # a worker
     quorum.report(generation, Report(replica=1, step=40))
     membership = quorum.wait(generation, timeout_s)     # published by the launcher
 
@@ -8,7 +8,7 @@
     reports = host.reports(generation)
     host.publish(membership)
 
-[Note: quorum keys] Under the store's prefix, generation g has
+[Note: quorum keys] Under the store's prefix (the keys are named in store.py), generation g has
     gen/g/report/<slot>   a Report (JSON), written by the replica that asks to be in g;
     gen/g/decision        the Membership (JSON), written once, by the launcher;
     gen/g/regroup         set by the launcher when a replacement waits: the members of g
@@ -19,7 +19,7 @@
     gen/g/pg/...          the keys of generation g's process group (runtime.join_group).
 and `latest` holds the last decided generation's number (where a replacement reports next).
 A joiner or a leaver asks through keys of its own ([Note: membership requests] in requests.py);
-`leave/<slot>` is where a member learns that it leaves.
+`leave/<slot>` is where a member learns that it is released.
 A decision is never rewritten, so a late reader sees what was decided; a report may be (a
 replacement reports in its lost predecessor's slot), and the launcher counts a report only
 from the process now in its slot.

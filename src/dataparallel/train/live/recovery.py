@@ -5,10 +5,10 @@
     recovery.join(state)                           # or: a replacement, built alone, healed
     fit(state, callbacks, recovery)                # steps and evaluations that survive a loss
 
-[Note: live recovery] Under `--recovery live` the launcher (train/live/launcher.py) starts the
+[Note: live recovery] Under `--recovery live` the launcher (launcher.py) starts the
 workers itself and hosts the store they meet in; a worker is a replica (one rank under DDP;
 S ranks under ZeRO: [Note: HSDP replicas] in replica.py) and the run a sequence of generations
-([Note: membership] in train/live/membership.py). Each step is guarded: when one of its collectives
+([Note: membership] in membership.py). Each step is guarded: when one of its collectives
 fails (a peer died: gloo reports the closed connection at once; or a peer stalled: the group's
 timeout is --collective-timeout, so the collective raises instead of waiting forever), this
 replica
@@ -22,21 +22,22 @@ replica
    gives no way to cancel a wait), so the launcher waits that long, plus a grace, for every
    member;
 3. forms the generation's process group (a new default gloo group on the store under
-   gen/<g>/pg, [Note: quorum keys] in train/live/quorum.py) and moves the model to it
+   gen/<g>/pg, [Note: quorum keys] in quorum.py) and moves the model to it
    (`dataparallel.rebind`: same state, new rank, new size, the mean's new divisor);
 4. heals: if a member is behind or new, the source broadcasts its parameters, optimizer state,
    data position, counters and the compression state shared by all ranks (`snapshot` in
    rewind.py), and those members load them;
 5. redoes the step with the whole global batch: the global batch is fixed for the run, and
-   take_share splits it over the new size ([Note: uneven batches] in trainer.py), so the same
+   take_share splits it over the new size ([Note: uneven batches] in train/trainer.py), so the same
    samples are trained on and the gradient stays that of the global batch.
 An evaluation interrupted the same way is redone after the regroup. Between steps each
 member asks the store whether a replacement waits (`Quorum.regroup_asked`), and the members
 agree on the answer in one small all-reduce, so that all of them regroup at the same step
 boundary and the replacement is healed and trains from the next step. A replica that joins
 from outside the launcher (`dataparallel join`, train/elastic.py) enters the same way; a member
-let leave (`dataparallel leave`) reports LEAVE at that boundary instead of STEP, waits for the
-generation formed without it, and ends (`Released`): nothing is rewound, nobody waits for a timeout.
+released (`dataparallel leave`) reports LEAVE at that boundary instead of STEP, waits for the
+generation formed without it, and ends (`Released`): nothing is rewound, nobody waits for a
+timeout.
 Under local SGD or DiLoCo step 1 goes back further, to the window's start, the steps since are
 redone (`Rewound` tells the loop), and replicas are let in or out at the averager's boundaries
 only ([Note: live averaging] in rewind.py).
