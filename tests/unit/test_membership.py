@@ -274,7 +274,7 @@ def test_an_hsdp_replica_ends_as_a_whole():
     import sys
     import time
 
-    from dataparallel.train.live.launcher import Replica
+    from dataparallel.train.live.slots import Replica
 
     def start(code: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", code])

@@ -7,7 +7,8 @@ the files listed before it:
                    quorum.py      reports in, one decision out, through the store
                    requests.py    joins and leaves asked from outside the launcher
                    remote.py      a joiner's heartbeat, and the launcher's handle on it
-    the launcher   launcher.py    starts, watches and replaces the replicas; decides
+    the launcher   slots.py       what trains in each slot (a child, an HSDP replica's S, a joiner)
+                   launcher.py    starts, watches and replaces the replicas; decides
     the worker     replica.py     an HSDP replica's S processes: their places and their vote
                    groups.py      the process groups a replica talks through, and left
                    rewind.py      what a failed step goes back to, what a heal sends

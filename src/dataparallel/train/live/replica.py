@@ -10,7 +10,7 @@
 [Note: HSDP replicas] Under `--recovery live --shard-group S` (ZeRO-1/2/3 inside each replica) a
 replica is S processes, one shard group, and the failure domain. The launcher starts them
 together, and when one of them ends otherwise than with 0 it kills the others and starts S new
-ones (`Replica` in launcher.py). Each process knows its slot and its index i in 0..S-1:
+ones (`Replica` in slots.py). Each process knows its slot and its index i in 0..S-1:
 - only index 0 reports for the replica; all S wait for the decision. In a generation the
   replica at position p has the ranks p x S .. p x S + S - 1 (index i at p x S + i), so every
   rank keeps its place in its shard group, and with it its shards: the generation's mesh is
