@@ -5,11 +5,11 @@
     dataparallel leave runs/big --replica 1      # replica 1 leaves at its next step boundary
 
 Both find the launcher's store in RUN_DIR/live.json (written by the launcher while it runs)
-and ask it ([Note: membership requests] in train/live/requests.py); the launcher answers within
---min-replicas and --max-replicas ([Note: membership] in train/live/membership.py). A joiner that is
+and ask it ([Note: membership requests] in live/requests.py); the launcher answers within
+--min-replicas and --max-replicas ([Note: membership] in live/membership.py). A joiner that is
 let in takes the next unused slot, trains the run's own config (read from the store), builds
 its state alone and is healed from a member at their next step boundary, as a replacement is
-([Note: live recovery] in recovery.py); it then trains in this process until the run ends, or
+([Note: live recovery] in live/recovery.py); it then trains in this process until the run ends, or
 until it is asked to leave. Exit status: 0 done (or left), 1 refused or failed, 2 bad input.
 `--restarts K` keeps a replica on this machine: a lost one joins again ([Note: the machine's
 keeper] in `keep`).
@@ -137,7 +137,7 @@ def join(run_dir: Path) -> int:
 
 
 def train_replica(run_dir: Path, address: str, slot: int, shard: int) -> int:
-    """Join as an HSDP replica of `shard` processes ([Note: HSDP replicas] in replica.py): each
+    """Join as an HSDP replica of `shard` processes ([Note: HSDP replicas] in live/replica.py): each
     is forked here and trains as its index; they meet among themselves, then enter the run as
     one replica. The replica ends as a whole: when one of them ends otherwise than with 0 the
     others are killed, and that status is this process's."""

@@ -109,7 +109,7 @@ def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | 
 
 def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
     """Start this machine's workers of `dataparallel train` for the (validated) `config`."""
-    if config.launch.recovery == "live":  # [Note: live recovery] in recovery.py
+    if config.launch.recovery == "live":  # [Note: live recovery] in live/recovery.py
         from .live.launcher import launch_live
 
         # The global batch is the run's, whatever the number of replicas left.

@@ -33,7 +33,8 @@ class Callback:
 
     def on_rewind(self, state: TrainState) -> None:
         """The run went back to `state.step` (a live run under an averager lost a replica:
-        [Note: live averaging] in rewind.py); the steps after it are redone and recorded again."""
+        [Note: live averaging] in live/rewind.py); the steps after it are redone and recorded
+        again."""
 
     def on_leave(self, state: TrainState) -> None:
         """This process left a live run by request (`dataparallel leave`); the others go on."""

@@ -138,5 +138,5 @@ def recipe_of(config: RunConfig, strategy) -> dp.Recipe:
         outer_warmup=sync.outer_warmup,
         lr_warmup=config.optim.warmup_steps,  # the recipe's DiLoCo warm-up lasts the longer
         run_steps=config.train.steps,  # of the two: the LR's warm-up, a tenth of the run
-        elastic=config.launch.recovery == "live",  # [Note: HSDP replicas] in replica.py
+        elastic=config.launch.recovery == "live",  # [Note: HSDP replicas] in live/replica.py
     )

@@ -194,7 +194,7 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
     the process from the watchdog's thread (docs/watchdog.md).
     """
     launch = config.launch
-    live = LiveRecovery.from_environment(launch)  # [Note: live recovery] in recovery.py
+    live = LiveRecovery.from_environment(launch)  # [Note: live recovery] in live/recovery.py
     world = dp.init(
         threads=launch.threads or None,
         collective_timeout=0 if live else launch.collective_timeout,

@@ -104,7 +104,7 @@ class RecordsWriter(Callback):
             self.blame.on_skip(state, record)
 
     def on_rewind(self, state: TrainState) -> None:
-        """The run went back to `state.step` ([Note: live averaging] in rewind.py): the records
+        """The run went back to `state.step` ([Note: live averaging] in live/rewind.py): the records
         after it are cut (TensorBoard's purged) and written again as the steps are redone."""
         if self.role is Role.WRITING:
             self.metrics.close()

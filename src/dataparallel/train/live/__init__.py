@@ -35,7 +35,7 @@ One word per concept:
                reasons
 
 The commands `dataparallel join` and `leave` (train/elastic.py) stand above the worker they run.
-Its notes: [Note: live recovery] in recovery.py (start there), [Note: membership] in
+The notes: [Note: live recovery] in recovery.py (start there), [Note: membership] in
 membership.py, [Note: quorum keys] in quorum.py, [Note: membership requests] in requests.py,
 [Note: HSDP replicas] in replica.py, [Note: abandoned groups] in groups.py, [Note: live
 averaging] in rewind.py; [Note: the machine's keeper] in train/elastic.py. docs/faults.md
