@@ -126,7 +126,7 @@ class LocalSGD:
         be a flat copy), `local` this rank's own state (empty after a change of layout)."""
         self.steps = steps
 
-    # -- live recovery ([Note: live averaging] in train/rewind.py) -----------------------------
+    # -- live recovery ([Note: live averaging] in train/live/rewind.py) -----------------------------
     def rebind(self, group: dist.ProcessGroup) -> None:
         """Average over `group` from now on (a live run's next generation); state kept."""
         self.comm.rebind(group)

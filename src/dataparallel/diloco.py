@@ -265,7 +265,7 @@ class DiLoCo(LocalSGD):
         if self.quantize is not None:
             load_keyed_tensors(self.quantize.stores(), local)
 
-    # -- live recovery ([Note: live averaging] in train/rewind.py) -----------------------------
+    # -- live recovery ([Note: live averaging] in train/live/rewind.py) -----------------------------
     def at_boundary(self) -> bool:
         """A reduction was applied at this step and none is in flight (every step of the
         warm-up; the start of each fragment's window, or its end under overlap)."""

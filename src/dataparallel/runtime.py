@@ -148,8 +148,8 @@ def join_group(
     store: dist.Store, rank: int, world_size: int, timeout: timedelta, world: World
 ) -> World:
     """Leave the current process group and form a new default one (gloo) of `world_size`
-    ranks that meet in `store` (a live run's next generation: train/recovery.py, [Note: quorum
-    keys] in comm/quorum.py); return `world` with the new rank, size and group.
+    ranks that meet in `store` (a live run's next generation: train/live/recovery.py, [Note: quorum
+    keys] in train/live/quorum.py); return `world` with the new rank, size and group.
 
     A collective of the new group that waits longer than `timeout` raises (no watchdog: a
     live run drops a stalled rank instead of ending). Nothing may still use the old group:

@@ -1,5 +1,5 @@
 """Live recovery under DiLoCo end to end ([Note: live averaging] in
-train/rewind.py): a replica killed in the middle of a window; the survivors go back to the
+train/live/rewind.py): a replica killed in the middle of a window; the survivors go back to the
 window's start and redo it without it, in the same processes.
 
 Exactness: a replica killed in the window after step 10 must give the run in which that

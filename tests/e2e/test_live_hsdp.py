@@ -1,4 +1,4 @@
-"""Live recovery of HSDP replicas end to end ([Note: HSDP replicas] in train/replica.py): ZeRO-2
+"""Live recovery of HSDP replicas end to end ([Note: HSDP replicas] in train/live/replica.py): ZeRO-2
 inside replicas of 2 ranks (`--shard-group 2`), 2 replicas; one rank of replica 1 killed with
 SIGKILL. Its sibling is killed with it (a replica is a failure domain), replica 0 goes on in
 the same two processes, a new replica of two processes is healed from it shard by shard; then

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from dataparallel.comm.membership import (
+from dataparallel.train.live.membership import (
     EVAL,
     JOIN,
     LEAVE,
@@ -21,13 +21,14 @@ from dataparallel.comm.membership import (
     Report,
     decide,
     first_membership,
-    left_out,
+    gone,
     refuse_join,
     refuse_leave,
     waiting_to_join,
 )
-from dataparallel.comm.quorum import Quorum, QuorumHost
-from dataparallel.comm.requests import Answer, Desk, Request, ask, request_key
+from dataparallel.train.live.quorum import Quorum, QuorumHost
+from dataparallel.train.live.requests import Answer, Desk, Request, ask
+from dataparallel.train.live.store import request_key
 
 POLICY = QuorumPolicy(join_timeout_s=30.0)
 
@@ -53,7 +54,7 @@ def test_a_dead_member_is_not_waited_for():
     assert decided.generation == 1 and decided.members == (0, 2)
     assert decided.step == 40 and decided.healed == ()
     assert [decided.rank_of(0), decided.rank_of(2)] == [0, 1]  # slot 2 is rank 1 now
-    assert left_out(current, decided) == [1]
+    assert gone(current, decided) == [1]
 
 
 def test_a_silent_live_member_is_left_out_after_the_timeout_only():
@@ -61,7 +62,7 @@ def test_a_silent_live_member_is_left_out_after_the_timeout_only():
     reports = _reports((0, 7), (1, 7))
     assert decide(current, reports, {0, 1, 2}, waited_s=29.9, policy=POLICY) is None
     decided = decide(current, reports, {0, 1, 2}, waited_s=30.0, policy=POLICY)
-    assert decided.members == (0, 1) and left_out(current, decided) == [2]
+    assert decided.members == (0, 1) and gone(current, decided) == [2]
 
 
 def test_after_a_timed_out_collective_a_silent_member_is_left_out_after_the_grace():
@@ -74,7 +75,7 @@ def test_after_a_timed_out_collective_a_silent_member_is_left_out_after_the_grac
     stalled = {r: Report(replica=r, step=7, timed_out=True) for r in (0, 1)}
     assert decide(current, stalled, {0, 1, 2}, 9.9, POLICY, timed_out_s=9.9) is None
     decided = decide(current, stalled, {0, 1, 2}, 10.0, POLICY, timed_out_s=10.0)
-    assert decided.members == (0, 1) and left_out(current, decided) == [2]
+    assert decided.members == (0, 1) and gone(current, decided) == [2]
     killed = _reports((0, 7))  # slot 1 blocked on slot 0 until its own timeout
     assert decide(current, killed, {0, 1, 2}, waited_s=10.0, policy=POLICY) is None
     assert Report.from_json(stalled[0].to_json()).timed_out
@@ -129,10 +130,10 @@ def test_reports_and_memberships_travel_as_json():
 def test_the_store_protocol_from_reports_to_a_decision():
     store = dist.HashStore()
     host = QuorumHost(store, slots=3)
-    workers = [Quorum(store, replica=r, poll_s=0.001) for r in range(3)]
+    workers = [Quorum(store, slot=r, poll_s=0.001) for r in range(3)]
     assert workers[0].latest() == -1 and host.reports(0) == {}
     for quorum in workers:
-        quorum.report(0, Report(replica=quorum.replica, step=0, pid=100 + quorum.replica))
+        quorum.report(0, Report(replica=quorum.slot, step=0, pid=100 + quorum.slot))
     reports = host.reports(0)
     assert sorted(reports) == [0, 1, 2] and reports[2].pid == 102
     host.publish(decide(first_membership(3), reports, {0, 1, 2}, 0.0))
@@ -168,7 +169,7 @@ def test_a_leaver_is_not_in_the_next_generation_and_nothing_is_healed():
     reports = _reports((0, 20), (1, 20, LEAVE), (2, 20))
     decided = decide(current, reports, alive={0, 1, 2}, waited_s=0.0, policy=SIZES)
     assert decided == Membership(generation=4, members=(0, 2), step=20, source=0, healed=())
-    assert left_out(current, decided) == [1] and decided.rank_of(2) == 1
+    assert gone(current, decided) == [1] and decided.rank_of(2) == 1
 
 
 def test_a_leaver_ahead_of_the_others_does_not_set_the_step():
@@ -245,24 +246,24 @@ def test_joins_and_leaves_are_asked_and_answered_through_the_store():
     assert answers == [Answer(ok=False, message="no")]
     with pytest.raises(ValueError, match="kind='stay' must be 'join' or 'leave'"):
         Request(kind="stay")
-    host, member = QuorumHost(store, slots=4), Quorum(store, replica=3)
-    assert not member.leaving()
-    host.let_leave(3)
-    assert member.leaving() and not Quorum(store, replica=2).leaving()
+    host, member = QuorumHost(store, slots=4), Quorum(store, slot=3)
+    assert not member.released()
+    host.release(3)
+    assert member.released() and not Quorum(store, slot=2).released()
 
 
 def test_a_member_let_leave_reports_leave_and_ends_once_the_others_went_on():
-    from dataparallel.train.recovery import Left, LiveRecovery, Phase
+    from dataparallel.train.live.recovery import LiveRecovery, Phase, Released
 
     store = dist.HashStore()
-    member = LiveRecovery(store, replica=1, joining=False, timeout_s=5.0)
-    QuorumHost(store, slots=3).let_leave(1)
-    assert member.quorum.leaving()
+    member = LiveRecovery(store, slot=1, joining=False, timeout_s=5.0)
+    QuorumHost(store, slots=3).release(1)
+    assert member.quorum.released()
     report = Report(replica=1, step=22, where=LEAVE)
     QuorumHost(store, slots=3).publish(Membership(generation=2, members=(0, 2), step=22))
-    with pytest.raises(Left, match="replica 1 left the run at step 22; generation 2 goes on"):
+    with pytest.raises(Released, match="replica 1 left the run at step 22; generation 2 goes on"):
         member._meet(2, report)
-    assert member.phase is Phase.LEFT
+    assert member.phase is Phase.RELEASED
     assert Report.from_json(store.get("gen/2/report/1")) == report
 
 
@@ -273,7 +274,7 @@ def test_an_hsdp_replica_ends_as_a_whole():
     import sys
     import time
 
-    from dataparallel.train.live_launch import Replica
+    from dataparallel.train.live.slots import Replica
 
     def start(code: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", code])
@@ -291,12 +292,12 @@ def test_an_hsdp_replica_ends_as_a_whole():
 def test_the_ranks_of_an_hsdp_replica_in_a_generation():
     """Index i of the replica at position p is rank p x S + i: every rank keeps its place in
     its shard group from one generation to the next."""
-    from dataparallel.train.replica import ReplicaRanks
+    from dataparallel.train.live.replica import Seat
 
     membership = Membership(generation=3, members=(0, 2, 5), source=2)
-    ranks = ReplicaRanks(index=1, shard=2)
-    assert ranks.rank(membership, 5) == 5 and ranks.size(membership) == 6
-    assert ranks.heal_source(membership) == 3 and not ranks.leader
+    seat = Seat(index=1, shard=2)
+    assert seat.rank(membership, 5) == 5 and seat.size(membership) == 6
+    assert seat.heal_source(membership) == 3 and not seat.leader
 
 
 def test_the_ranks_of_an_hsdp_replica_vote_through_the_store():
@@ -306,10 +307,10 @@ def test_the_ranks_of_an_hsdp_replica_vote_through_the_store():
 
     import pytest
 
-    from dataparallel.train.replica import ReplicaLost, ReplicaRanks, ReplicaVote
+    from dataparallel.train.live.replica import ReplicaLost, ReplicaVote, Seat
 
     store = dist.HashStore()
-    votes = [ReplicaVote(store, 1, ReplicaRanks(index=i, shard=2, start=7), 5.0) for i in (0, 1)]
+    votes = [ReplicaVote(store, 1, Seat(index=i, shard=2, start=7), 5.0) for i in (0, 1)]
     for failed in [(False, False), (True, False), (False, False), (False, True)]:
         results = [None, None]
 
@@ -332,7 +333,7 @@ def test_a_generation_forms_once_every_rank_has_arrived():
     waiting at the timeout (gloo would wait for it for good) and regroup without it."""
     import time
 
-    from dataparallel.comm.quorum import Quorum
+    from dataparallel.train.live.quorum import Quorum
 
     store = dist.HashStore()
     first, second = Quorum(store, 0), Quorum(store, 1)

@@ -1,5 +1,5 @@
 """The worker side of live recovery without processes: which errors are a lost peer, and the
-rewind of an interrupted step ([Note: live recovery] in train/recovery.py)."""
+rewind of an interrupted step ([Note: live recovery] in train/live/recovery.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from dataparallel.data.stream import SampleStream
-from dataparallel.train.recovery import lost_peer
-from dataparallel.train.rewind import Mark
+from dataparallel.train.live.recovery import lost_peer
+from dataparallel.train.live.rewind import Mark
 
 
 def test_only_the_backends_failures_are_a_lost_peer():
@@ -80,7 +80,7 @@ def _steps(state, count: int) -> None:
 def test_a_window_mark_brings_a_diloco_replica_back_bit_for_bit():
     """[Note: live averaging]: the steps redone from a WindowMark give what they gave the first
     time: parameters, inner and outer optimizer state and anchors all went back."""
-    from dataparallel.train.rewind import WindowMark
+    from dataparallel.train.live.rewind import WindowMark
 
     state = _diloco_replica()
     _steps(state, 3)  # an outer step at 3: a boundary

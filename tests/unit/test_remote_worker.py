@@ -1,5 +1,6 @@
 """A joined worker without processes: the run file that points at the launcher's store, the
-joiner's heartbeat and the launcher's handle on it (train/remote.py), on an in-memory store."""
+joiner's heartbeat and the launcher's handle on it (train/live/store.py, remote.py),
+on an in-memory store."""
 
 from __future__ import annotations
 
@@ -10,14 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from dataparallel.train.config import ConfigError
-from dataparallel.train.remote import (
-    RUN_FILE,
-    SILENT,
-    Heartbeat,
-    RemoteProcess,
-    read_run_file,
-    write_run_file,
-)
+from dataparallel.train.live.remote import SILENT, Heartbeat, RemoteProcess
+from dataparallel.train.live.store import RUN_FILE, read_run_file, write_run_file
 
 
 def test_the_run_file_names_the_store_and_its_absence_is_one_line(tmp_path):
@@ -31,8 +26,8 @@ def test_the_run_file_names_the_store_and_its_absence_is_one_line(tmp_path):
 
 def test_a_beating_joiner_lives_until_it_says_bye():
     store = dist.HashStore()
-    heartbeat = Heartbeat(store, replica=3).start()
-    process = RemoteProcess(store, replica=3, pid=4242, timeout_s=5.0)
+    heartbeat = Heartbeat(store, slot=3).start()
+    process = RemoteProcess(store, slot=3, pid=4242, timeout_s=5.0)
     time.sleep(0.1)
     assert process.poll() is None and store.add("beat/3", 0) >= 1
     heartbeat.stop(0)
@@ -40,7 +35,7 @@ def test_a_beating_joiner_lives_until_it_says_bye():
 
 
 def test_a_joiner_whose_heartbeat_stops_has_ended_silently():
-    process = RemoteProcess(dist.HashStore(), replica=4, pid=1, timeout_s=0.2)
+    process = RemoteProcess(dist.HashStore(), slot=4, pid=1, timeout_s=0.2)
     assert process.poll() is None
     assert process.wait(timeout=2.0) == SILENT
 
@@ -52,8 +47,8 @@ def test_the_launchers_signals_are_raised_in_the_joiner_each_once():
     handler = lambda number, frame: received.append(number)  # noqa: E731
     previous = {n: signal.signal(n, handler) for n in (signal.SIGUSR1, signal.SIGUSR2)}
     try:
-        heartbeat = Heartbeat(store, replica=5).start()
-        process = RemoteProcess(store, replica=5, pid=1)
+        heartbeat = Heartbeat(store, slot=5).start()
+        process = RemoteProcess(store, slot=5, pid=1)
         for number, count in ((signal.SIGUSR1, 1), (signal.SIGUSR2, 2)):
             process.send_signal(number)
             deadline = time.monotonic() + 5.0

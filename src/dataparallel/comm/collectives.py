@@ -70,7 +70,7 @@ class Comm:
         self._ranks: list[int] | None = None  # group rank -> global rank, for isend/irecv
 
     def rebind(self, group: dist.ProcessGroup) -> None:
-        """Talk through `group` from now on (a live run's next generation, train/recovery.py):
+        """Talk through `group` from now on (a live run's next generation, train/live/recovery.py):
         its rank and size replace the old group's; the byte counts go on. Nothing may be in
         flight on the old group."""
         if dist.get_backend(group) != self.backend:

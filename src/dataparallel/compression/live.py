@@ -6,7 +6,7 @@
     shared = shared_state(hook)            # the source's, broadcast with the heal
     load_shared_state(hook, shared)        # a replacement (or a member behind) takes it
 
-[Note: compression across replicas] A live run (train/recovery.py) regroups when a replica is
+[Note: compression across replicas] A live run (train/live/recovery.py) regroups when a replica is
 lost and heals a replacement from a member. What a compressor keeps between steps is either
 equal on every rank, because it was summed or drawn from one seed (*shared*), or this rank's
 own error (*own*):
@@ -35,7 +35,7 @@ updated, Q orthogonalised in place, velocity moved, `rounds` counted, maybe a fr
 `StepCopy` copies every store at the step's start, into buffers kept from the last copy;
 `restore` puts back fresh clones of them (a collective of the broken group still pending on
 its thread may yet write into the tensors the failed step used: [Note: abandoned groups] in
-train/recovery.py), so the redone step starts from the same state on every member.
+train/live/recovery.py), so the redone step starts from the same state on every member.
 """
 
 from __future__ import annotations

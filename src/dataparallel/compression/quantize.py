@@ -22,7 +22,7 @@ n x (1 + 4 / block) in each step, against 4n for fp32 (a quarter).
 
 [Note: quantised residuals after a regroup] Both residuals are laid out by the group: the
 sender's as W rows (row j: chunk j), the chunk owner's as its own chunk, so they mean nothing
-in a group of another size, or at another rank (a live run's regroup: train/recovery.py).
+in a group of another size, or at another rank (a live run's regroup: train/live/recovery.py).
 `layouts` keeps the (rank, size) each key's residuals were laid out for; a reduction in
 another group first lays them out again, without losing any of them: the sender's residual is
 flattened to the bucket's entries and laid out for the new size, and the owner's is added to

@@ -162,7 +162,7 @@ class Strategy:
 
     def rebind(self, group) -> None:
         """Train over `group` from now on, with the state held as it is (a live run's next
-        generation, train/recovery.py). Only strategies whose ranks hold the same state can:
+        generation, train/live/recovery.py). Only strategies whose ranks hold the same state can:
         a sharded one would have to move its shards."""
         raise ValueError(
             f"strategy {self.name!r} cannot move to another group; live recovery covers ddp"

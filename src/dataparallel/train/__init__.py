@@ -13,6 +13,8 @@
     checkpointing.py resumable checkpoints and final weights
     report.py        PNG plots and the summary
     sampling.py      text from trained weights
+    live/            live recovery: a run that loses, gains or lets go of replicas (its __init__)
+    elastic.py       `dataparallel join` and `leave`: a live run grows or shrinks
 
 See docs/train.md.
 """

@@ -105,7 +105,7 @@ def check_recovery(config: RunConfig) -> None:
     _check_sizes(config)
     if launch.recovery != "live":
         return
-    hsdp = launch.shard_group > 1  # a replica of S ranks ([Note: HSDP replicas] in replica.py)
+    hsdp = launch.shard_group > 1  # a replica of S ranks ([Note: HSDP replicas] in live/replica.py)
     sync = config.sync
     blockers = [
         ("strategy", launch.strategy != "ddp" and not hsdp,

@@ -5,11 +5,11 @@
     dataparallel leave runs/big --replica 1      # replica 1 leaves at its next step boundary
 
 Both find the launcher's store in RUN_DIR/live.json (written by the launcher while it runs)
-and ask it ([Note: membership requests] in comm/requests.py); the launcher answers within
---min-replicas and --max-replicas ([Note: membership] in comm/membership.py). A joiner that is
+and ask it ([Note: membership requests] in live/requests.py); the launcher answers within
+--min-replicas and --max-replicas ([Note: membership] in live/membership.py). A joiner that is
 let in takes the next unused slot, trains the run's own config (read from the store), builds
 its state alone and is healed from a member at their next step boundary, as a replacement is
-([Note: live recovery] in recovery.py); it then trains in this process until the run ends, or
+([Note: live recovery] in live/recovery.py); it then trains in this process until the run ends, or
 until it is asked to leave. Exit status: 0 done (or left), 1 refused or failed, 2 bad input.
 `--restarts K` keeps a replica on this machine: a lost one joins again ([Note: the machine's
 keeper] in `keep`).
@@ -29,11 +29,11 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from ..comm.membership import JOIN, LEAVE
-from ..comm.quorum import client_store, run_store
-from ..comm.requests import RUN_KEY, Answer, Request, ask
 from .config import ConfigError
-from .remote import RUN_FILE, Heartbeat, read_run_file
+from .live.membership import JOIN, LEAVE
+from .live.remote import Heartbeat
+from .live.requests import Answer, Request, ask
+from .live.store import ENV_LIVE, RUN_FILE, RUN_KEY, client_store, read_run_file, run_store
 
 CONNECT_TIMEOUT_S = 10.0
 REFUSED = 3  # a join the launcher refused (a keeper's child; the command says 1)
@@ -136,8 +136,8 @@ def join(run_dir: Path) -> int:
     return train_replica(run_dir, address, answer.replica, shard)
 
 
-def train_replica(run_dir: Path, address: str, replica: int, shard: int) -> int:
-    """Join as an HSDP replica of `shard` processes ([Note: HSDP replicas] in replica.py): each
+def train_replica(run_dir: Path, address: str, slot: int, shard: int) -> int:
+    """Join as an HSDP replica of `shard` processes ([Note: HSDP replicas] in live/replica.py): each
     is forked here and trains as its index; they meet among themselves, then enter the run as
     one replica. The replica ends as a whole: when one of them ends otherwise than with 0 the
     others are killed, and that status is this process's."""
@@ -145,7 +145,7 @@ def train_replica(run_dir: Path, address: str, replica: int, shard: int) -> int:
 
     def train(index: int) -> int:
         store = run_store(client_store(address, CONNECT_TIMEOUT_S))  # its own socket
-        return train_joined(run_dir, address, store, replica, index, shard, owner)
+        return train_joined(run_dir, address, store, slot, index, shard, owner)
 
     children = [fork(partial(train, index)) for index in range(shard)]
     codes: dict[int, int] = {}
@@ -230,18 +230,17 @@ def train_joined(
     run_dir: Path,
     address: str,
     store,
-    replica: int,
+    slot: int,
     index: int = 0,
     shard: int = 1,
     owner: int | None = None,
 ) -> int:
-    """Train as replica `replica` of the live run until it ends, beating meanwhile; under
+    """Train as the replica in `slot` of the live run until it ends, beating meanwhile; under
     --shard-group as its process `index` of `shard`, forked by the process `owner` that asked
     to join (the launcher knows the replica by that pid)."""
     import torch
 
     from .launch import fair_threads, worker_environment
-    from .recovery import ENV_LIVE
     from .worker import ENV_LAUNCHER, decode_run, run_worker
 
     config, _, _ = decode_run(store.get(RUN_KEY))
@@ -252,13 +251,13 @@ def train_joined(
     environment = worker_environment(launch)
     environment.pop(ENV_LAUNCHER)  # not the launcher's child: its heartbeat ties it to the run
     os.environ.update(environment)
-    live = {"store": address, "replica": replica, "joining": True}
+    live = {"store": address, "replica": slot, "joining": True}
     if shard > 1:  # [Note: HSDP replicas]: its first group is its own, named by its slot
-        live.update(index=index, shard=shard, start=f"join-{replica}", owner=owner)
+        live.update(index=index, shard=shard, start=f"join-{slot}", owner=owner)
     os.environ[ENV_LIVE] = json.dumps(live)
     torch.set_num_threads(launch.threads or fair_threads(launch.nproc))
     beat_store = run_store(client_store(address, CONNECT_TIMEOUT_S))
-    heartbeat = Heartbeat(beat_store, replica).start()
+    heartbeat = Heartbeat(beat_store, slot).start()
     code = 1
     try:
         run_worker(config, resume=False)

@@ -109,13 +109,13 @@ def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | 
 
 def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
     """Start this machine's workers of `dataparallel train` for the (validated) `config`."""
-    if config.launch.recovery == "live":  # [Note: live recovery] in recovery.py
-        from .live_launch import launch_live
+    if config.launch.recovery == "live":  # [Note: live recovery] in live/recovery.py
+        from .live.launcher import launch_live
 
         # The global batch is the run's, whatever the number of replicas left.
         config = config.replace(train={"global_batch": config.global_batch})
-        env = {**worker_environment(config.launch), ENV_RUN: encode_run(config, resume, checkpoint)}
-        return launch_live(config, env)
+        run = encode_run(config, resume, checkpoint)
+        return launch_live(config, {**worker_environment(config.launch), ENV_RUN: run}, run)
     env = {ENV_RUN: encode_run(config, resume, checkpoint)}
     return start_workers(config.launch, ["--module", WORKER_MODULE], env)
 

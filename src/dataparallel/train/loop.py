@@ -33,7 +33,8 @@ class Callback:
 
     def on_rewind(self, state: TrainState) -> None:
         """The run went back to `state.step` (a live run under an averager lost a replica:
-        [Note: live averaging] in rewind.py); the steps after it are redone and recorded again."""
+        [Note: live averaging] in live/rewind.py); the steps after it are redone and recorded
+        again."""
 
     def on_leave(self, state: TrainState) -> None:
         """This process left a live run by request (`dataparallel leave`); the others go on."""
@@ -55,7 +56,7 @@ def should_evaluate(config: RunConfig, step: int) -> bool:
 class Steps:
     """How `fit` runs one training step and one evaluation: `train_step` and `evaluate`.
 
-    Live recovery (train/recovery.py) is a subclass that redoes either after the ranks regroup;
+    Live recovery (train/live/recovery.py) is a subclass that redoes either after the ranks regroup;
     the loop itself does not change.
     """
 

@@ -28,7 +28,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     **{f.name: ("sync", f.name) for f in fields(SyncConfig)},
     "lr_warmup": ("optim", "warmup_steps"),  # the recipe's DiLoCo warm-up lasts the longer of
     "run_steps": ("train", "steps"),  # the two: the LR's warm-up, a tenth of the run
-    "elastic": ("launch", "recovery"),  # [Note: HSDP replicas] in replica.py
+    "elastic": ("launch", "recovery"),  # [Note: HSDP replicas] in live/replica.py
 }
 FLAGS = {name: flag_name(*where) for name, where in FIELDS.items()}
 

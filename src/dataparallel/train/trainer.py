@@ -80,7 +80,7 @@ class TrainState:
     # takes its source's, so that the run's elapsed_s goes on: [Note: live recovery]).
     fit_started: float | None = None
     # Live recovery of HSDP replicas: called before the update; raises unless every rank of
-    # this replica got through the step's collectives ([Note: HSDP replicas] in replica.py).
+    # this replica got through the step's collectives ([Note: HSDP replicas] in live/replica.py).
     agree: Callable[[], None] | None = None
 
     @property

@@ -26,9 +26,9 @@ from ..data.formats import DataError
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
 from .config import RunConfig, field_label
 from .config_toml import apply_mapping, to_toml
+from .live.recovery import Dropped, LiveRecovery, Released
+from .live.replica import ReplicaLost
 from .loop import Callback, fit
-from .recovery import Left, LeftOut, LiveRecovery
-from .replica import ReplicaLost
 from .report import RUN_INFO, make_report
 from .tensor_parallel import parameter_count
 from .tracing import TraceWriter, parse_steps
@@ -194,7 +194,7 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
     the process from the watchdog's thread (docs/watchdog.md).
     """
     launch = config.launch
-    live = LiveRecovery.from_environment(launch)  # [Note: live recovery] in recovery.py
+    live = LiveRecovery.from_environment(launch)  # [Note: live recovery] in live/recovery.py
     world = dp.init(
         threads=launch.threads or None,
         collective_timeout=0 if live else launch.collective_timeout,
@@ -226,10 +226,10 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
             if latest:
                 print(f"continue with: dataparallel train --resume {config.launch.out}", flush=True)
         raise SystemExit(130) from None
-    except (LeftOut, ReplicaLost) as error:  # the others go on without this replica
+    except (Dropped, ReplicaLost) as error:  # the others go on without this replica
         print(f"dataparallel train: live: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    except Left as error:  # asked to leave (dataparallel leave): the others go on
+    except Released as error:  # asked to leave (dataparallel leave): the others go on
         for callback in callbacks or []:
             callback.on_leave(state)  # the writer hands its role over at once
         _finish_saving(callbacks)

@@ -7,7 +7,7 @@
 TensorBoard's events, the progress lines and blame's warnings; the checkpoints' plain state,
 the final weights and the report are written where `state.world.is_main` holds, which is the
 same process. The *writer* is rank 0 of the current world. In a plain run that never changes.
-In a live run (train/recovery.py) the world is the current generation and its rank 0 the
+In a live run (train/live/recovery.py) the world is the current generation and its rank 0 the
 lowest live slot, so the role follows the membership:
 - slot 0 lost: the survivors regroup as for any slot, and the new rank 0 takes the role over
   at its next record (`take_over`): it cuts metrics.jsonl to the complete records before
@@ -104,7 +104,7 @@ class RecordsWriter(Callback):
             self.blame.on_skip(state, record)
 
     def on_rewind(self, state: TrainState) -> None:
-        """The run went back to `state.step` ([Note: live averaging] in rewind.py): the records
+        """The run went back to `state.step` ([Note: live averaging] in live/rewind.py): the records
         after it are cut (TensorBoard's purged) and written again as the steps are redone."""
         if self.role is Role.WRITING:
             self.metrics.close()

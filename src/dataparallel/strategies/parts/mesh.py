@@ -45,7 +45,7 @@ class Mesh:
     shard_group: this rank's shard group (the S ranks of its row).
     replicate_group: this rank's replicate group (the R ranks of its column).
     ranks: the global ranks of the mesh in row-major order (row = replica); () if unknown.
-    elastic: the replicas may change while training (live recovery, train/recovery.py): a
+    elastic: the replicas may change while training (live recovery, train/live/recovery.py): a
         strategy keeps three groups even with one replica, so that `rebind` can move each.
     """
 
@@ -170,7 +170,7 @@ class Groups:
 
     def rebind(self, mesh: Mesh, strategy: str) -> None:
         """Talk through another mesh from now on (a live run's next generation of HSDP
-        replicas, train/recovery.py): `mesh` is built elastic, of this layout's shard size,
+        replicas, train/live/recovery.py): `mesh` is built elastic, of this layout's shard size,
         and puts this rank at its place in its shard group, so each rank keeps its shards; the
         world and the replicas change (and with them the divisor)."""
         if not isinstance(mesh, Mesh) or self.replicate is None:

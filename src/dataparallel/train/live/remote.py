@@ -1,60 +1,28 @@
-"""A worker of a live run that its launcher did not start (`dataparallel join`): where it finds
-the launcher, its heartbeat, and the launcher's handle on it ([Note: membership requests] in
-comm/requests.py).
+"""A worker of a live run that its launcher did not start (`dataparallel join`): its heartbeat,
+and the launcher's handle on it ([Note: membership requests] in requests.py).
 
-    write_run_file(run_dir, "10.0.0.7:41234")          # the launcher, when it starts
-    address = read_run_file(run_dir)                    # dataparallel join / leave
-    heartbeat = Heartbeat(store, replica=3).start()     # the joiner, until it ends...
+    heartbeat = Heartbeat(store, slot=3).start()     # the joiner, until it ends...
     heartbeat.stop(code)                                # ...then its exit status, for the launcher
-    process = RemoteProcess(store, replica=3, pid=4242)   # the launcher: Popen's verbs
+    process = RemoteProcess(store, slot=3, pid=4242)      # the launcher: Popen's verbs
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch.distributed as dist
 
-from ..comm.requests import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, beat_key, bye_key, signal_key
-from .config import ConfigError
+from .store import beat_key, bye_key, signal_key
 
-RUN_FILE = "live.json"  # in the run directory while its live launcher runs
+HEARTBEAT_S = 0.5  # how often a joiner beats
+HEARTBEAT_TIMEOUT_S = 10.0  # beats missed this long: the joiner is taken for dead
+
 SILENT = 1  # the exit status the launcher gives a joiner whose heartbeat stopped
-
-
-def write_run_file(run_dir: Path, address: str) -> Path:
-    """Write RUN_DIR/live.json, where `dataparallel join` and `leave` find the launcher's store
-    ("host:port"); written whole or not at all (a reader never sees half of it)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path, partial = run_dir / RUN_FILE, run_dir / f".{RUN_FILE}.{os.getpid()}"
-    partial.write_text(json.dumps({"store": address, "launcher_pid": os.getpid()}) + "\n")
-    os.replace(partial, path)
-    return path
-
-
-def read_run_file(run_dir: Path) -> str:
-    """The launcher's store address from RUN_DIR/live.json (ConfigError when there is none)."""
-    path = run_dir / RUN_FILE
-    try:
-        return json.loads(path.read_text())["store"]
-    except FileNotFoundError:
-        raise ConfigError(
-            "RUN_DIR",
-            f"{run_dir} has no live run (no {RUN_FILE}: the run was not started with --recovery "
-            "live, or has ended)",
-            "give the directory of a running `dataparallel train --recovery live`",
-        ) from None
-    except (ValueError, KeyError):
-        raise ConfigError(
-            "RUN_DIR", f"{path} is not a live run's file", "give a live run's directory"
-        ) from None
 
 
 class Heartbeat:
@@ -62,11 +30,11 @@ class Heartbeat:
     sends, and leave the exit status for it when done.
 
     store: a connection to the launcher's store (under the run's prefix) for this thread alone.
-    replica: the joiner's slot.
+    slot: the joiner's slot.
     """
 
-    def __init__(self, store: dist.Store, replica: int):
-        self.store, self.replica = store, replica
+    def __init__(self, store: dist.Store, slot: int):
+        self.store, self.slot = store, slot
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
 
@@ -79,7 +47,7 @@ class Heartbeat:
         self.done.set()
         self.thread.join()
         try:
-            self.store.set(bye_key(self.replica), str(code))
+            self.store.set(bye_key(self.slot), str(code))
         except RuntimeError:  # the launcher has gone already: nobody is left to tell
             pass
 
@@ -87,13 +55,13 @@ class Heartbeat:
         raised = None  # the last signal raised: the launcher may send SIGTERM, then SIGKILL
         while True:
             try:
-                self.store.add(beat_key(self.replica), 1)
-                if self.store.check([signal_key(self.replica)]):
-                    number = int(self.store.get(signal_key(self.replica)))
+                self.store.add(beat_key(self.slot), 1)
+                if self.store.check([signal_key(self.slot)]):
+                    number = int(self.store.get(signal_key(self.slot)))
                     if number != raised:
                         raised = number
                         if signal.getsignal(number) == signal.SIG_DFL:  # it ends this process
-                            self.store.set(bye_key(self.replica), str(-number))  # as Popen says
+                            self.store.set(bye_key(self.slot), str(-number))  # as Popen says
                         os.kill(os.getpid(), number)  # else its handler runs; stop() tells
             except RuntimeError:  # the store is gone (DistError): so is the launcher, and the run
                 print(
@@ -112,14 +80,14 @@ class RemoteProcess:
     `timeout_s` (then with status SILENT).
 
     store: the store the launcher hosts (under the run's prefix).
-    replica: the joiner's slot.
+    slot: the joiner's slot.
     pid: the joiner's process id, on its own machine (for messages only).
     """
 
     def __init__(
-        self, store: dist.Store, replica: int, pid: int, timeout_s: float = HEARTBEAT_TIMEOUT_S
+        self, store: dist.Store, slot: int, pid: int, timeout_s: float = HEARTBEAT_TIMEOUT_S
     ):
-        self.store, self.replica, self.pid, self.timeout_s = store, replica, pid, timeout_s
+        self.store, self.slot, self.pid, self.timeout_s = store, slot, pid, timeout_s
         self.returncode: int | None = None
         self.beats, self.beat_at = 0, time.monotonic()
 
@@ -129,16 +97,16 @@ class RemoteProcess:
         return self.returncode
 
     def _ended(self) -> int | None:
-        if self.store.check([bye_key(self.replica)]):
-            return int(self.store.get(bye_key(self.replica)))
-        beats, now = self.store.add(beat_key(self.replica), 0), time.monotonic()
+        if self.store.check([bye_key(self.slot)]):
+            return int(self.store.get(bye_key(self.slot)))
+        beats, now = self.store.add(beat_key(self.slot), 0), time.monotonic()
         if beats != self.beats:
             self.beats, self.beat_at = beats, now
             return None
         return SILENT if now - self.beat_at > self.timeout_s else None
 
     def send_signal(self, number: int) -> None:
-        self.store.set(signal_key(self.replica), str(int(number)))
+        self.store.set(signal_key(self.slot), str(int(number)))
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -147,6 +115,6 @@ class RemoteProcess:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"replica {self.replica}", timeout)
+                raise subprocess.TimeoutExpired(f"replica {self.slot}", timeout)
             time.sleep(0.05)
         return self.returncode

@@ -1,6 +1,6 @@
 """The process groups a live replica talks through, and the ones it left.
 
-    move_to_world(state, ranks)       # the model (and an averager) onto `state.world`'s group
+    move_to_world(state, seat)       # the model (and an averager) onto `state.world`'s group
     abandoned = Abandoned(timeout_s)
     abandoned.keep(state)             # before leaving a broken group: keep it, don't free it
 
@@ -24,13 +24,13 @@ import torch.distributed as dist
 
 import dataparallel as dp
 
-from .replica import ReplicaRanks
-from .trainer import TrainState
+from ..trainer import TrainState
+from .replica import Seat
 
 GRACE_S = 10.0  # beyond 2 x the collective timeout: an abandoned group has nothing pending
 
 
-def move_to_world(state: TrainState, ranks: ReplicaRanks) -> None:
+def move_to_world(state: TrainState, seat: Seat) -> None:
     """Move the model (and an averager) to the group of `state.world`, a live run's new
     generation (or a world of one). Under an averager the model trains inside its replica (a
     group of its own) and the averager spans the replicas; an HSDP replica's model moves to
@@ -39,8 +39,8 @@ def move_to_world(state: TrainState, ranks: ReplicaRanks) -> None:
         mesh = dp.init_mesh(1, state.world.group)
         dp.rebind(state.model, mesh.shard_group)
         state.averager.rebind(mesh.replicate_group)
-    elif ranks.shard > 1:
-        ranks.rebind(state)
+    elif seat.shard > 1:
+        seat.rebind(state)
     else:
         dp.rebind(state.model, state.world.group)
 

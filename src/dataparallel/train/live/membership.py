@@ -4,7 +4,7 @@
     membership = decide(previous, reports, alive, waited_s, QuorumPolicy(join_timeout_s=30))
     refuse_join(size=3, policy=QuorumPolicy(max_replicas=3))    # "the run has 3 replica(s), ..."
 
-[Note: membership] A live run (`dataparallel train --recovery live`, train/recovery.py) is a
+[Note: membership] A live run (`dataparallel train --recovery live`, recovery.py) is a
 sequence of *generations*. Each one is a `Membership`: the replicas that train together, in
 rank order, and the step they all stand at. A replica is a failure domain (one rank under DDP,
 the S ranks of an HSDP replica) named by its slot: 0..N-1 for the workers started together; a
@@ -14,7 +14,7 @@ collective timeout), a replacement or a joiner waits to join, or a member was as
 (`dataparallel leave`), the replicas *report* for the next generation: their slot, the number
 of optimizer steps they have applied, and where they stand (`STEP`: at or inside a training
 step, which is redone; `EVAL`: inside an evaluation, which is redone; `JOIN`: a replacement or
-a joiner; `LEAVE`: a member leaving). One decider (the launcher, train/live_launch.py) applies
+a joiner; `LEAVE`: a member leaving). One decider (the launcher, launcher.py) applies
 `decide` to what it has read and publishes the result; nobody else decides, so nobody can
 disagree.
 
@@ -33,12 +33,12 @@ The rule:
 - The members are the other reporters in slot order; ranks are their positions. Everyone stands
   at the largest step a staying member reported; the *source* is the lowest slot of the last
   generation at that step, and every member below it, or new, is *healed*: it receives the
-  source's parameters, optimizer state and data position over the network (train/recovery.py).
+  source's parameters, optimizer state and data position over the network (recovery.py).
 - Fewer than `min_replicas` members: no generation. While replicas are on their way (a
   replacement starting, a joiner let in at the door) the decider waits for them up to
   `join_timeout_s`; then, or at once when none is coming or none could enter (evaluating, or
   generation 0), `BelowMinimum`: the run stops, to be resumed from its last checkpoint.
-Sizes are also kept at the door ([Note: membership requests] in comm/requests.py): a joiner is
+Sizes are also kept at the door ([Note: membership requests] in requests.py): a joiner is
 refused when the run counts `max_replicas` already (`refuse_join`), a leave when fewer than
 `min_replicas` members would stay (`refuse_leave`).
 No update is ever applied from a partial batch: a step whose collectives failed is rewound
@@ -117,9 +117,9 @@ class Membership:
     def size(self) -> int:
         return len(self.members)
 
-    def rank_of(self, replica: int) -> int:
-        """The rank of slot `replica` in this generation (ValueError if it is not a member)."""
-        return self.members.index(replica)
+    def rank_of(self, slot: int) -> int:
+        """The rank of `slot` in this generation (ValueError if it is not a member)."""
+        return self.members.index(slot)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -240,9 +240,9 @@ def waiting_to_join(reports: dict[int, Report]) -> list[int]:
     return sorted(r for r, report in reports.items() if report.where == JOIN)
 
 
-def left_out(previous: Membership, decided: Membership) -> list[int]:
-    """Members of `previous` not in `decided` (dead, stalled or leaving; the launcher kills the
-    stalled ones)."""
+def gone(previous: Membership, decided: Membership) -> list[int]:
+    """Members of `previous` not in `decided`: dead, dropped (stalled: the launcher kills them)
+    or released."""
     return [r for r in previous.members if r not in decided.members]
 
 

@@ -4,20 +4,21 @@ each generation, and starts replacements ([Note: live recovery] in recovery.py).
 torchrun's agent stops every worker when one fails, which is what live recovery must not do;
 so in live mode the launcher starts the workers itself (one machine in this version), hosts
 the store they meet in, and is the quorum's one decider ([Note: membership] in
-comm/membership.py). Each worker is a slot 0..N-1; the loop, every `poll_s`:
+membership.py). Each replica (one worker process, or the S of an HSDP replica: `Replica`) has a
+slot 0..N-1; the loop, every `poll_s`:
 - reaps the workers that ended: 0 is a finished run, 2 is bad input (all workers stop
   together), anything else is a loss: the slot gets a replacement (up to --max-restarts in
   all), which builds its state alone and asks to join;
 - reads the reports for the next generation and applies `decide`; a member that never
   reports within --collective-timeout + 10 s of the first report is stalled (one stopped,
-  state T in /proc, at once): it is killed (SIGKILL also ends a stopped process) and replaced like a dead
-  one;
-- when a replacement or a joiner waits, or a member was let leave, asks the members to regroup
+  state T in /proc, at once): it is killed (SIGKILL also ends a stopped process) and replaced
+  like a dead one;
+- when a replacement or a joiner waits, or a member was released, asks the members to regroup
   at their next step boundary;
 - answers the requests to join or leave made from outside it (`dataparallel join RUN_DIR`,
-  `dataparallel leave RUN_DIR --replica K`; [Note: membership requests] in comm/requests.py),
+  `dataparallel leave RUN_DIR --replica K`; [Note: membership requests] in requests.py),
   within --min-replicas and --max-replicas. A joiner gets the next unused slot; it is not the
-  launcher's child, so it is watched through its heartbeat (train/remote.py). A leaver is not
+  launcher's child, so it is watched through its heartbeat (remote.py). A leaver is not
   replaced, and its leave is not counted against --max-restarts.
 Every slot is replaced alike, slot 0 too: the run's records are written by rank 0 of the
 current generation, so that role moves with the membership ([Note: the writer role] in
@@ -26,118 +27,38 @@ train/writer.py).
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import dataparallel as dp
 
-from ..comm.membership import (
+from ..config import RunConfig
+from .membership import (
     JOIN,
     Membership,
     QuorumError,
     QuorumPolicy,
     decide,
     first_membership,
-    left_out,
+    gone,
     refuse_join,
     refuse_leave,
     waiting_to_join,
 )
-from ..comm.quorum import QuorumHost, host_store, run_store
-from ..comm.requests import RUN_KEY, Answer, Desk, Request
-from .config import RunConfig
-from .recovery import ENV_LIVE
-from .remote import RUN_FILE, RemoteProcess, write_run_file
-from .stopped_workers import is_stopped
-from .worker import ENV_RUN
+from .quorum import QuorumHost
+from .remote import RemoteProcess
+from .requests import Answer, Desk, Request
+from .slots import Life, Replica, Worker
+from .store import ENV_LIVE, RUN_FILE, RUN_KEY, host_store, run_store, write_run_file
 
 WORKER_MODULE = "dataparallel.train.worker"
 STOP_GRACE_S = 30.0  # what a worker told to stop has to finish (a checkpoint write)
 REPORT_GRACE_S = 10.0  # beyond the collective timeout, for a member's rewind and report
-
-
-class Life(enum.Enum):
-    """A worker process's state, as the launcher sees it."""
-
-    STARTING = "starting"  # a replacement or a joiner, not yet let into a generation
-    MEMBER = "member"  # in the current generation (or the first workers, before it)
-    LEAVING = "leaving"  # a member let leave: it goes at its next step boundary
-    ENDED = "ended"
-    LEFT = "left"  # ended after leaving: not replaced, not a failure
-
-
-@dataclass
-class Worker:
-    """What trains in a slot: the launcher's child, its children of one HSDP replica
-    (`Replica`), or a joiner (RemoteProcess)."""
-
-    slot: int
-    process: subprocess.Popen | Replica | RemoteProcess
-    life: Life
-    code: int | None = None
-    ended_as: Life | None = None  # the life it had when it ended
-
-    @property
-    def stopped(self) -> bool:
-        """Stopped (state T in /proc): only children are looked at (a joiner may be elsewhere)."""
-        if isinstance(self.process, Replica):
-            return self.process.stopped()
-        return isinstance(self.process, subprocess.Popen) and is_stopped(self.process.pid)
-
-
-class Replica:
-    """The `--shard-group` S processes of one HSDP replica, a failure domain, with Popen's verbs
-    ([Note: HSDP replicas] in replica.py): it has ended when all of its processes ended with 0,
-    or as soon as one ended otherwise, and then the others are killed (their shard group is
-    broken: the replica is lost as a whole and replaced as a whole). Its pid is its first
-    process's, the one that reports for it."""
-
-    def __init__(self, processes: list[subprocess.Popen]):
-        self.processes = processes
-        self.returncode: int | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.processes[0].pid
-
-    def poll(self) -> int | None:
-        if self.returncode is not None:
-            return self.returncode
-        codes = [p.poll() for p in self.processes]
-        failed = next((c for c in codes if c not in (None, 0)), None)
-        if failed is not None:
-            self.kill()
-            for process in self.processes:
-                process.wait()
-            self.returncode = failed
-        elif all(c == 0 for c in codes):
-            self.returncode = 0
-        return self.returncode
-
-    def stopped(self) -> bool:
-        return any(is_stopped(p.pid) for p in self.processes if p.poll() is None)
-
-    def send_signal(self, how: int) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(how)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for process in self.processes:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            process.wait(left)  # subprocess.TimeoutExpired past the deadline
-        return self.poll()
 
 
 class LiveLauncher:
@@ -147,11 +68,12 @@ class LiveLauncher:
         launch.collective_timeout the time a member has to report, launch.min_replicas and
         launch.max_replicas the sizes, launch.store_host where joiners reach the store.
     env: added to every worker's environment (the resolved config, the thread count...).
+    run: the encoded run the workers train (in `env` too), which a joiner reads from the store.
     poll_s: how often the workers and the store are looked at.
     """
 
-    def __init__(self, config: RunConfig, env: dict[str, str], poll_s: float = 0.02):
-        self.config, self.env, self.poll_s = config, env, poll_s
+    def __init__(self, config: RunConfig, env: dict[str, str], run: str, poll_s: float = 0.02):
+        self.config, self.env, self.run_text, self.poll_s = config, env, run, poll_s
         self.shard = max(config.launch.shard_group, 1)  # processes per replica
         self.slots = config.launch.nproc // self.shard
         self.starts = 0  # replicas started: each replacement replica meets its own ranks
@@ -176,7 +98,7 @@ class LiveLauncher:
     def run(self) -> int:
         """Start the workers and watch them; the exit status (0, 1, 2, or 130 on Ctrl-C)."""
         run_dir = Path(self.config.launch.out)
-        self.host.store.set(RUN_KEY, self.env[ENV_RUN])  # what a joiner trains
+        self.host.store.set(RUN_KEY, self.run_text)  # what a joiner trains
         write_run_file(run_dir, f"{self.config.launch.store_host or '127.0.0.1'}:{self.port}")
         for slot in range(self.slots):
             self._start(slot, joining=False)
@@ -222,12 +144,12 @@ class LiveLauncher:
             w.ended_as is Life.MEMBER and w.code in (0, 2) for w in self.workers.values()
         )
         for worker in list(self.workers.values()):
-            if worker.life in (Life.ENDED, Life.LEFT) or worker.process.poll() is None:
+            if worker.life is Life.ENDED or worker.process.poll() is None:
                 continue
             worker.ended_as = worker.life
-            worker.life = Life.LEFT if worker.ended_as is Life.LEAVING else Life.ENDED
+            worker.life = Life.ENDED
             worker.code = worker.process.returncode
-            if worker.life is Life.LEFT:
+            if worker.ended_as is Life.RELEASED:
                 self._say(f"worker {worker.slot} left with status {worker.code}; not replaced")
             if worker.code in (0, 2) or finishing or worker.ended_as is not Life.MEMBER:
                 continue
@@ -246,7 +168,7 @@ class LiveLauncher:
                 self._start(worker.slot, joining=True)
             else:
                 self._say(f"worker {worker.slot} ended; no replacement left (--max-restarts)")
-        if any(w.life in (Life.MEMBER, Life.LEAVING) for w in self.workers.values()):
+        if any(w.life in (Life.MEMBER, Life.RELEASED) for w in self.workers.values()):
             return None
         self._stop_all()  # replacements still starting have nobody to join
         # The run's status is its last generation's: a replica lost and left behind earlier
@@ -291,13 +213,13 @@ class LiveLauncher:
         """A member leaves at its next step boundary, if --min-replicas stay."""
         members = [s for s, w in self.workers.items() if w.life is Life.MEMBER]
         # The writer (rank 0, the lowest member) may leave too: the role moves to the next
-        # lowest ([Note: the writer role] in writer.py).
+        # lowest ([Note: the writer role] in train/writer.py).
         refusal = refuse_leave(request.replica, members, self.policy)
         if refusal:
             self._say(f"replica {request.replica} asked to leave: refused: {refusal}")
             return Answer(ok=False, message=refusal)
-        self.workers[request.replica].life = Life.LEAVING
-        self.host.let_leave(request.replica)
+        self.workers[request.replica].life = Life.RELEASED
+        self.host.release(request.replica)
         message = f"replica {request.replica} leaves at its next step boundary"
         self._say(message)
         return Answer(ok=True, message=message)
@@ -305,12 +227,11 @@ class LiveLauncher:
     # -- the quorum -----------------------------------------------------------------------------
     def _decide(self) -> None:
         generation = self.current.generation + 1
-        ended = (Life.ENDED, Life.LEFT)
         reports = {  # a report counts only from the process now in its slot, still running
             slot: report
             for slot, report in self.host.reports(generation).items()
             if slot in self.workers
-            and self.workers[slot].life not in ended
+            and self.workers[slot].life is not Life.ENDED
             and report.pid == self.workers[slot].process.pid
         }
         self._ask_regroup(reports)
@@ -319,7 +240,7 @@ class LiveLauncher:
         now = time.monotonic()
         # A stopped member cannot report: it is not waited for ([Note: membership]).
         # A leaver is waited for too: it reports LEAVE (or STEP, if it regrouped before it knew).
-        in_run = (Life.MEMBER, Life.LEAVING)
+        in_run = (Life.MEMBER, Life.RELEASED)
         alive = {s for s, w in self.workers.items() if w.life in in_run and not w.stopped}
         # The wait starts at a member's report: replacements and joiners asking in alone (the
         # members evaluating, saving or still starting) wait for them, not against the clock;
@@ -343,7 +264,7 @@ class LiveLauncher:
         for slot in decided.members:
             if self.workers[slot].life is Life.STARTING:
                 self.workers[slot].life = Life.MEMBER
-        for slot in left_out(self.current, decided):
+        for slot in gone(self.current, decided):
             worker = self.workers[slot]
             silent = slot not in reports  # a leaver reported LEAVE and goes by itself
             if worker.life in in_run and silent and worker.process.poll() is None:
@@ -359,9 +280,9 @@ class LiveLauncher:
 
     def _ask_regroup(self, reports: dict) -> None:
         """Ask the current generation to regroup at its next step boundary when a replica waits
-        to join or a member was let leave (once per generation)."""
-        leaving = any(self.workers[s].life is Life.LEAVING for s in self.current.members)
-        if not (leaving or waiting_to_join(reports)):
+        to join or a member was released (once per generation)."""
+        released = any(self.workers[s].life is Life.RELEASED for s in self.current.members)
+        if not (released or waiting_to_join(reports)):
             return
         if self.asked_regroup < self.current.generation:
             self.asked_regroup = self.current.generation
@@ -371,6 +292,7 @@ class LiveLauncher:
         print(f"dataparallel train: live: {line}", file=sys.stderr, flush=True)
 
 
-def launch_live(config: RunConfig, env: dict[str, str]) -> int:
-    """Run `dataparallel train --recovery live` on this machine ([Note: live recovery])."""
-    return LiveLauncher(config, env).run()
+def launch_live(config: RunConfig, env: dict[str, str], run: str) -> int:
+    """Run `dataparallel train --recovery live` on this machine ([Note: live recovery]): the
+    workers train `run` (encoded, as in `env`)."""
+    return LiveLauncher(config, env, run).run()

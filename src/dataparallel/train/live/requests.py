@@ -10,20 +10,20 @@
 [Note: membership requests] The launcher is the only decider of a live run ([Note: membership]
 in membership.py), so a change of size that starts outside it is a request it answers: yes (a
 joiner gets a fresh slot; a leaver's slot is marked) or no, with the reason, which the asking
-command prints. Under the store's prefix:
+command prints. Under the store's prefix (the keys are named in store.py):
     requests            a counter: a client takes the next number with add(1)...
     request/<n>         ...then writes its Request (JSON) there;
     answer/<n>          the launcher's Answer (JSON), written once;
-    leave/<slot>        set by the launcher when it lets `slot` leave: the member reports LEAVE
+    leave/<slot>        set by the launcher when it releases `slot`: the member reports LEAVE
                         at its next regroup, which the launcher asks of its generation;
-    beat/<slot>         a joiner's heartbeat, a counter it adds to every HEARTBEAT_S;
+    beat/<slot>         a joiner's heartbeat, a counter it adds to every HEARTBEAT_S (remote.py);
     signal/<slot>       a signal number the launcher asks a joiner to raise in itself;
     bye/<slot>          a joiner's exit status, written as it ends;
     run                 the resolved run (the workers' DATAPARALLEL_RUN), which a joiner trains.
 A joiner is not the launcher's child: the launcher cannot wait for it or signal it, and its pid
 may be on another machine. Its heartbeat tells the launcher that it lives, `signal/<slot>`
 carries the launcher's SIGTERM or SIGKILL to it, and `bye/<slot>` its exit status back
-(train/remote.py). A number taken by a client that died before writing its request is looked
+(remote.py). A number taken by a client that died before writing its request is looked
 at again on every poll, which costs one `check` and blocks nobody.
 """
 
@@ -36,35 +36,7 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from .membership import JOIN, LEAVE
-
-RUN_KEY = "run"
-COUNTER = "requests"
-HEARTBEAT_S = 0.5  # how often a joiner beats
-HEARTBEAT_TIMEOUT_S = 10.0  # beats missed this long: the joiner is taken for dead
-
-
-def request_key(number: int) -> str:
-    return f"request/{number}"
-
-
-def answer_key(number: int) -> str:
-    return f"answer/{number}"
-
-
-def leave_key(replica: int) -> str:
-    return f"leave/{replica}"
-
-
-def beat_key(replica: int) -> str:
-    return f"beat/{replica}"
-
-
-def signal_key(replica: int) -> str:
-    return f"signal/{replica}"
-
-
-def bye_key(replica: int) -> str:
-    return f"bye/{replica}"
+from .store import COUNTER, answer_key, request_key
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """The quorum of a live run in the launcher's store: reports in, one decision out.
 
-    quorum = Quorum(store, replica=1)                  # a worker
+    quorum = Quorum(store, slot=1)                      # a worker
     quorum.report(generation, Report(replica=1, step=40))
     membership = quorum.wait(generation, timeout_s)     # published by the launcher
 
@@ -8,7 +8,7 @@
     reports = host.reports(generation)
     host.publish(membership)
 
-[Note: quorum keys] Under the store's prefix, generation g has
+[Note: quorum keys] Under the store's prefix (the keys are named in store.py), generation g has
     gen/g/report/<slot>   a Report (JSON), written by the replica that asks to be in g;
     gen/g/decision        the Membership (JSON), written once, by the launcher;
     gen/g/regroup         set by the launcher when a replacement waits: the members of g
@@ -19,7 +19,7 @@
     gen/g/pg/...          the keys of generation g's process group (runtime.join_group).
 and `latest` holds the last decided generation's number (where a replacement reports next).
 A joiner or a leaver asks through keys of its own ([Note: membership requests] in requests.py);
-`leave/<slot>` is where a member learns that it leaves.
+`leave/<slot>` is where a member learns that it is released.
 A decision is never rewritten, so a late reader sees what was decided; a report may be (a
 replacement reports in its lost predecessor's slot), and the launcher counts a report only
 from the process now in its slot.
@@ -29,46 +29,23 @@ The rule that turns reports into a decision is pure ([Note: membership] in membe
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from .membership import Membership, Report
-from .requests import leave_key
-
-LATEST = "latest"
-
-
-def report_key(generation: int, replica: int) -> str:
-    return f"gen/{generation}/report/{replica}"
-
-
-def decision_key(generation: int) -> str:
-    return f"gen/{generation}/decision"
-
-
-def regroup_key(generation: int) -> str:
-    return f"gen/{generation}/regroup"
-
-
-def arrived_key(generation: int, rank: int) -> str:
-    return f"gen/{generation}/arrived/{rank}"
-
-
-def group_prefix(generation: int) -> str:
-    return f"gen/{generation}/pg"
+from .store import LATEST, arrived_key, decision_key, leave_key, regroup_key, report_key
 
 
 class Quorum:
     """A worker's side of the quorum ([Note: quorum keys]).
 
     store: the launcher's store (under the run's prefix).
-    replica: this worker's slot.
+    slot: the slot of this worker's replica.
     poll_s: how often a wait looks at the store.
     """
 
-    def __init__(self, store: dist.Store, replica: int, poll_s: float = 0.01):
-        self.store, self.replica, self.poll_s = store, replica, poll_s
+    def __init__(self, store: dist.Store, slot: int, poll_s: float = 0.01):
+        self.store, self.slot, self.poll_s = store, slot, poll_s
 
     def latest(self) -> int:
         """The last decided generation (-1 before the first)."""
@@ -77,7 +54,7 @@ class Quorum:
         return int(self.store.get(LATEST))
 
     def report(self, generation: int, report: Report) -> None:
-        self.store.set(report_key(generation, self.replica), report.to_json())
+        self.store.set(report_key(generation, self.slot), report.to_json())
 
     def wait(self, generation: int, timeout_s: float) -> Membership:
         """The decision for `generation`, once published (TimeoutError after `timeout_s`)."""
@@ -108,10 +85,10 @@ class Quorum:
         waits to join)."""
         return self.store.check([regroup_key(generation)])
 
-    def leaving(self) -> bool:
-        """Whether the launcher let this replica leave (`dataparallel leave`): it reports LEAVE
+    def released(self) -> bool:
+        """Whether the launcher released this replica (`dataparallel leave`): it reports LEAVE
         at its next regroup."""
-        return self.store.check([leave_key(self.replica)])
+        return self.store.check([leave_key(self.slot)])
 
 
 class QuorumHost:
@@ -141,28 +118,5 @@ class QuorumHost:
     def ask_regroup(self, generation: int) -> None:
         self.store.set(regroup_key(generation), "1")
 
-    def let_leave(self, replica: int) -> None:
-        self.store.set(leave_key(replica), "1")
-
-
-STORE_PREFIX = "dataparallel/live"  # a live run's keys, under its launcher's store
-
-
-def run_store(store: dist.Store) -> dist.PrefixStore:
-    """The run's keys ([Note: quorum keys]) in the launcher's store, seen from any process."""
-    return dist.PrefixStore(STORE_PREFIX, store)
-
-
-def host_store(port: int, timeout_s: float = 60.0) -> dist.TCPStore:
-    """The store a live run's launcher hosts on `port` (it listens on every interface; the
-    launcher's own connection goes through 127.0.0.1)."""
-    return dist.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-    )  # fmt: skip
-
-
-def client_store(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
-    """A worker's connection to the launcher's store at "host:port"."""
-    host, _, port = address.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    def release(self, slot: int) -> None:
+        self.store.set(leave_key(slot), "1")

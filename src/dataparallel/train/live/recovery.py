@@ -5,10 +5,10 @@
     recovery.join(state)                           # or: a replacement, built alone, healed
     fit(state, callbacks, recovery)                # steps and evaluations that survive a loss
 
-[Note: live recovery] Under `--recovery live` the launcher (train/live_launch.py) starts the
+[Note: live recovery] Under `--recovery live` the launcher (launcher.py) starts the
 workers itself and hosts the store they meet in; a worker is a replica (one rank under DDP;
 S ranks under ZeRO: [Note: HSDP replicas] in replica.py) and the run a sequence of generations
-([Note: membership] in comm/membership.py). Each step is guarded: when one of its collectives
+([Note: membership] in membership.py). Each step is guarded: when one of its collectives
 fails (a peer died: gloo reports the closed connection at once; or a peer stalled: the group's
 timeout is --collective-timeout, so the collective raises instead of waiting forever), this
 replica
@@ -22,21 +22,22 @@ replica
    gives no way to cancel a wait), so the launcher waits that long, plus a grace, for every
    member;
 3. forms the generation's process group (a new default gloo group on the store under
-   gen/<g>/pg, [Note: quorum keys] in comm/quorum.py) and moves the model to it
+   gen/<g>/pg, [Note: quorum keys] in quorum.py) and moves the model to it
    (`dataparallel.rebind`: same state, new rank, new size, the mean's new divisor);
 4. heals: if a member is behind or new, the source broadcasts its parameters, optimizer state,
    data position, counters and the compression state shared by all ranks (`snapshot` in
    rewind.py), and those members load them;
 5. redoes the step with the whole global batch: the global batch is fixed for the run, and
-   take_share splits it over the new size ([Note: uneven batches] in trainer.py), so the same
+   take_share splits it over the new size ([Note: uneven batches] in train/trainer.py), so the same
    samples are trained on and the gradient stays that of the global batch.
 An evaluation interrupted the same way is redone after the regroup. Between steps each
 member asks the store whether a replacement waits (`Quorum.regroup_asked`), and the members
 agree on the answer in one small all-reduce, so that all of them regroup at the same step
 boundary and the replacement is healed and trains from the next step. A replica that joins
 from outside the launcher (`dataparallel join`, train/elastic.py) enters the same way; a member
-let leave (`dataparallel leave`) reports LEAVE at that boundary instead of STEP, waits for the
-generation formed without it, and ends (`Left`): nothing is rewound, nobody waits for a timeout.
+released (`dataparallel leave`) reports LEAVE at that boundary instead of STEP, waits for the
+generation formed without it, and ends (`Released`): nothing is rewound, nobody waits for a
+timeout.
 Under local SGD or DiLoCo step 1 goes back further, to the window's start, the steps since are
 redone (`Rewound` tells the loop), and replicas are let in or out at the averager's boundaries
 only ([Note: live averaging] in rewind.py).
@@ -55,18 +56,18 @@ import torch.distributed as dist
 
 import dataparallel as dp
 
-from ..comm.membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
-from ..comm.quorum import Quorum, client_store, group_prefix, run_store
-from .config import LaunchConfig
+from ..config import LaunchConfig
+from ..loop import Rewound, Steps
+from ..records import EvalRecord, StepRecord
+from ..tensor_parallel import DataRanks
+from ..trainer import TrainState, evaluate, train_step
 from .groups import Abandoned, move_to_world
-from .loop import Rewound, Steps
-from .records import EvalRecord, StepRecord
-from .replica import ReplicaRanks, ReplicaVote, SiblingFailed
+from .membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
+from .quorum import Quorum
+from .replica import ReplicaVote, Seat, SiblingFailed
 from .rewind import Marks, forget_after, load_snapshot, snapshot
-from .tensor_parallel import DataRanks
-from .trainer import TrainState, evaluate, train_step
+from .store import ENV_LIVE, client_store, group_prefix, run_store
 
-ENV_LIVE = "DATAPARALLEL_LIVE"  # {"store": "host:port", "replica": slot, "joining": bool}
 # The launcher decides; if it dies, its workers die with it (worker.die_with_launcher).
 DECISION_TIMEOUT_S = 3600.0
 
@@ -77,23 +78,26 @@ class Phase(enum.Enum):
     STARTING = "starting"  # not a member of any generation yet
     TRAINING = "training"  # a member of `LiveRecovery.membership`
     REGROUPING = "regrouping"  # reporting, waiting for the decision, forming the group, healing
-    LEFT = "left"  # left the run by request: no longer a member of any generation
+    RELEASED = "released"  # let go by request (`dataparallel leave`): a member of no generation
 
 
 class GroupNotFormed(RuntimeError):
     """A rank of the decided generation never came to form its group: regroup without it."""
 
 
-class LeftOut(RuntimeError):
-    """This replica was left out of a generation (it reported too late: stalled)."""
+class Dropped(RuntimeError):
+    """This replica was dropped from a generation: it reported after the others had gone on
+    (stalled)."""
 
 
-class LetIn(Exception):
-    """The members regroup at this step boundary: a replica waits to join, or one leaves."""
+class RegroupAsked(Exception):
+    """The launcher asked the members to regroup at this step boundary: a replica waits to join,
+    or a member was released."""
 
 
-class Left(Exception):
-    """This replica left the run by request (`dataparallel leave`); the others go on."""
+class Released(Exception):
+    """This replica was released from the run at its request (`dataparallel leave`); the others
+    go on."""
 
 
 def lost_peer(error: BaseException) -> bool:
@@ -115,7 +119,7 @@ class LiveRecovery(Steps):
     """A replica's steps and evaluations, redone after a regroup ([Note: live recovery]).
 
     store: the launcher's store, under the run's prefix (`run_store`).
-    replica: this worker's slot.
+    slot: the slot of this worker's replica.
     joining: a replacement (built alone, then healed) rather than one of the first workers.
     timeout_s: --collective-timeout, the timeout of every generation's group.
     ranks: its index among the --shard-group processes of its replica ([Note: HSDP replicas]).
@@ -126,21 +130,21 @@ class LiveRecovery(Steps):
     def __init__(
         self,
         store: dist.Store,
-        replica: int,
+        slot: int,
         *,
         joining: bool,
         timeout_s: float,
-        ranks: ReplicaRanks | None = None,
+        seat: Seat | None = None,
         owner: int | None = None,
     ):
-        self.store, self.replica, self.joining = store, replica, joining
+        self.store, self.slot, self.joining = store, slot, joining
         # This process's place in its replica, whose ranks agree on each attempt's outcome
         # ([Note: HSDP replicas] in replica.py).
-        self.ranks = ranks or ReplicaRanks()
-        shard = self.ranks.shard > 1
-        self.vote = ReplicaVote(store, replica, self.ranks, timeout_s) if shard else None
+        self.seat = seat or Seat()
+        shard = self.seat.shard > 1
+        self.vote = ReplicaVote(store, slot, self.seat, timeout_s) if shard else None
         self.pid = owner or os.getpid()  # the pid the launcher knows this replica by
-        self.quorum = Quorum(store, replica)
+        self.quorum = Quorum(store, slot)
         self.timeout = timedelta(seconds=timeout_s)
         self.membership: Membership | None = None
         self.phase = Phase.STARTING
@@ -156,19 +160,17 @@ class LiveRecovery(Steps):
             return None
         given = json.loads(text)
         store = run_store(client_store(given["store"]))
-        ranks = ReplicaRanks(
-            int(given.get("index", 0)), int(given.get("shard", 1)), given.get("start", 0)
-        )
+        seat = Seat(int(given.get("index", 0)), int(given.get("shard", 1)), given.get("start", 0))
         return cls(
             store, int(given["replica"]), joining=bool(given["joining"]),
-            timeout_s=launch.collective_timeout, ranks=ranks, owner=given.get("owner"),
+            timeout_s=launch.collective_timeout, seat=seat, owner=given.get("owner"),
         )  # fmt: skip
 
     # -- entering the run -----------------------------------------------------------------
     def enter(self, world: dp.World) -> dp.World:
         """One of the workers started together: meet the others in generation 0 and return the
         world of its group (the model is then built and broadcast as in any run)."""
-        membership = self._meet(0, Report(replica=self.replica, step=0, pid=self.pid))
+        membership = self._meet(0, Report(replica=self.slot, step=0, pid=self.pid))
         world = self._form(world, membership)
         self.phase = Phase.TRAINING
         return world
@@ -176,9 +178,9 @@ class LiveRecovery(Steps):
     def alone(self, world: dp.World) -> dp.World:
         """A replacement's world before it is let in: itself, or its replica's S processes
         (an HSDP replica builds its state sharded as the others hold it)."""
-        if self.ranks.shard == 1:
+        if self.seat.shard == 1:
             return world
-        return self.ranks.meet(self.store, self.timeout, world)
+        return self.seat.meet(self.store, self.timeout, world)
 
     def join(self, state: TrainState) -> None:
         """A replacement with its state built alone: wait to be let in at a step boundary,
@@ -196,10 +198,10 @@ class LiveRecovery(Steps):
             try:
                 if self._at_boundary(state) and self._replacement_waits(state):
                     # Every member, the new one too, starts a step with this check.
-                    raise LetIn("a replica waits to join, or a member leaves")
+                    raise RegroupAsked("a replica waits to join, or a member leaves")
                 return train_step(state)
             except Exception as error:
-                asked = isinstance(error, LetIn)
+                asked = isinstance(error, RegroupAsked)
                 if not asked and not lost_peer(error):
                     raise
                 stalled = not asked and timed_out(error)
@@ -293,14 +295,14 @@ class LiveRecovery(Steps):
 
     def _regroup_once(self, state: TrainState, where: str, stalled: bool = False) -> None:
         if state.world.world_size > 1:  # a replacement starts alone: nothing to leave
-            self._leave(state)
+            self._abandon(state)
         generation = self.membership.generation + 1 if self.membership else self.quorum.latest() + 1
-        if where != JOIN and self.quorum.leaving():
+        if where != JOIN and self.quorum.released():
             where = LEAVE
         membership = self._meet(
             generation,
             Report(
-                replica=self.replica,
+                replica=self.slot,
                 step=state.step,
                 where=where,
                 pid=self.pid,
@@ -309,37 +311,37 @@ class LiveRecovery(Steps):
         )
         state.world = self._form(state.world, membership)
         state.data = DataRanks(rank=state.world.rank, size=state.world.world_size)
-        move_to_world(state, self.ranks)
+        move_to_world(state, self.seat)
         self.marks.forget()
         self._heal(state, membership)
         forget_after(state, state.step)
 
-    def _leave(self, state: TrainState) -> None:
-        """Leave the broken group for a world of one, without waiting for it ([Note:
+    def _abandon(self, state: TrainState) -> None:
+        """Abandon the broken group for a world of one, without waiting for it ([Note:
         abandoned groups] in groups.py)."""
         self.abandoned.keep(state)
         state.world = dp.join_group(dist.HashStore(), 0, 1, self.timeout, state.world)
-        if self.ranks.shard == 1:  # a sharded model waits for the next mesh as it is
-            move_to_world(state, self.ranks)
+        if self.seat.shard == 1:  # a sharded model waits for the next mesh as it is
+            move_to_world(state, self.seat)
 
     def _meet(self, generation: int, report: Report) -> Membership:
         """Report for `generation` and wait for its decision; a replacement left out (the
         members were evaluating) tries the next one."""
         while True:
-            if self.ranks.leader:  # index 0 reports for its replica ([Note: HSDP replicas])
+            if self.seat.leader:  # index 0 reports for its replica ([Note: HSDP replicas])
                 self.quorum.report(generation, report)
             membership = self.quorum.wait(generation, DECISION_TIMEOUT_S)
-            if self.replica in membership.members:
+            if self.slot in membership.members:
                 return membership
             if report.where == LEAVE:
-                self.phase = Phase.LEFT
-                raise Left(
-                    f"replica {self.replica} left the run at step {report.step}; generation "
+                self.phase = Phase.RELEASED
+                raise Released(
+                    f"replica {self.slot} left the run at step {report.step}; generation "
                     f"{generation} goes on without it"
                 )
             if report.where != JOIN:
-                raise LeftOut(
-                    f"replica {self.replica} was left out of generation {generation} (it "
+                raise Dropped(
+                    f"replica {self.slot} was left out of generation {generation} (it "
                     "reported after the others had gone on: stalled)"
                 )
             generation += 1
@@ -348,7 +350,7 @@ class LiveRecovery(Steps):
         """Form `membership`'s group, once every rank of it has arrived ([Note: quorum keys])."""
         g = membership.generation
         store = dist.PrefixStore(group_prefix(g), self.store)
-        rank, size = self.ranks.rank(membership, self.replica), self.ranks.size(membership)
+        rank, size = self.seat.rank(membership, self.slot), self.seat.size(membership)
         self.membership = membership  # a failed formation or heal regroups from here
         timeout_s = self.timeout.total_seconds()
         if not self.quorum.arrive(g, rank, size, timeout_s):
@@ -363,11 +365,11 @@ class LiveRecovery(Steps):
         self.healed_record = None
         if not membership.healed:
             return
-        payload = [snapshot(state) if self.replica == membership.source else None]
+        payload = [snapshot(state) if self.slot == membership.source else None]
         # By index: rank i of the source to rank i of the healed ([Note: HSDP replicas]).
-        group = state.world.group if self.ranks.shard == 1 else self.ranks.heal_group(state)
-        src = self.ranks.heal_source(membership)
+        group = state.world.group if self.seat.shard == 1 else self.seat.heal_group(state)
+        src = self.seat.heal_source(membership)
         dist.broadcast_object_list(payload, src=src, group=group)
-        if self.replica in membership.healed:
+        if self.slot in membership.healed:
             load_snapshot(state, payload[0])
             self.healed_record = payload[0]["last_record"]

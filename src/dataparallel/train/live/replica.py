@@ -1,16 +1,16 @@
 """An HSDP replica of a live run: `--shard-group` S processes that train, fail and heal together.
 
-    ranks = ReplicaRanks(index=1, shard=2, start=4)     # this process: index 1 of 2
-    world = ranks.meet(store, timeout, world)           # a replacement: its own S ranks first
-    rank = ranks.rank(membership, slot)                 # its rank in a generation
-    ranks.rebind(state)                                 # the model onto the generation's mesh
-    vote = ReplicaVote(store, slot, ranks, timeout_s)   # every rank of the replica got through?
+    seat = Seat(index=1, shard=2, start=4)              # this process: index 1 of 2
+    world = seat.meet(store, timeout, world)            # a replacement: its own S ranks first
+    rank = seat.rank(membership, slot)                  # its rank in a generation
+    seat.rebind(state)                                  # the model onto the generation's mesh
+    vote = ReplicaVote(store, slot, seat, timeout_s)    # every rank of the replica got through?
     if not vote(failed=False): ...
 
 [Note: HSDP replicas] Under `--recovery live --shard-group S` (ZeRO-1/2/3 inside each replica) a
 replica is S processes, one shard group, and the failure domain. The launcher starts them
 together, and when one of them ends otherwise than with 0 it kills the others and starts S new
-ones (`Replica` in live_launch.py). Each process knows its slot and its index i in 0..S-1:
+ones (`Replica` in slots.py). Each process knows its slot and its index i in 0..S-1:
 - only index 0 reports for the replica; all S wait for the decision. In a generation the
   replica at position p has the ranks p x S .. p x S + S - 1 (index i at p x S + i), so every
   rank keeps its place in its shard group, and with it its shards: the generation's mesh is
@@ -51,8 +51,9 @@ import torch.distributed as dist
 
 import dataparallel as dp
 
-from ..comm.membership import Membership
-from .trainer import TrainState
+from ..trainer import TrainState
+from .membership import Membership
+from .store import start_prefix, vote_prefix
 
 VOTE_GRACE_S = 10.0  # beyond the collective timeout, for a sibling blocked in a collective
 FAILED = 1 << 20  # what a failed rank adds to a vote's sum (more than any replica's ranks)
@@ -67,8 +68,8 @@ class ReplicaLost(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ReplicaRanks:
-    """This process's place in its replica ([Note: HSDP replicas]).
+class Seat:
+    """This process's seat: its place in its replica ([Note: HSDP replicas]).
 
     index: its index in the replica's shard group, 0..shard - 1 (0 reports for the replica).
     shard: S, the processes of a replica (1: a replica is one process, as under DDP).
@@ -95,7 +96,7 @@ class ReplicaRanks:
 
     def meet(self, store: dist.Store, timeout: timedelta, world: dp.World) -> dp.World:
         """A replacement's first world: the S processes of its replica, among themselves."""
-        prefix = dist.PrefixStore(f"start/{self.start}/pg", store)
+        prefix = dist.PrefixStore(start_prefix(self.start), store)
         return dp.join_group(prefix, self.index, self.shard, timeout, world)
 
     def rebind(self, state: TrainState) -> None:
@@ -115,13 +116,13 @@ class ReplicaVote:
     """The ranks of one HSDP replica agree, through the launcher's store, that every one of
     them got through ([Note: HSDP replicas]): `vote(failed)` is True when none failed.
 
-    store: the run's store; slot: the replica's; ranks: this process's place in it.
+    store: the run's store; slot: the replica's; seat: this process's place in it.
     timeout_s: --collective-timeout (a sibling has VOTE_GRACE_S more to vote).
     """
 
-    def __init__(self, store: dist.Store, slot: int, ranks: ReplicaRanks, timeout_s: float):
-        self.store = dist.PrefixStore(f"vote/{slot}/{ranks.start}", store)
-        self.ranks, self.wait_s, self.round = ranks, timeout_s + VOTE_GRACE_S, 0
+    def __init__(self, store: dist.Store, slot: int, seat: Seat, timeout_s: float):
+        self.store = dist.PrefixStore(vote_prefix(slot, seat.start), store)
+        self.seat, self.wait_s, self.round = seat, timeout_s + VOTE_GRACE_S, 0
         self.slot = slot
 
     def __call__(self, failed: bool) -> bool:
@@ -130,7 +131,7 @@ class ReplicaVote:
         self.round += 1
         n = self.round
         total = self.store.add(f"{n}/sum", 1 + FAILED * int(failed))
-        if total % FAILED == self.ranks.shard:  # the last of the replica's ranks to vote
+        if total % FAILED == self.seat.shard:  # the last of the replica's ranks to vote
             verdict = "failed" if total >= FAILED else "ok"
             self.store.set(f"{n}/verdict", verdict)
         else:
@@ -139,12 +140,12 @@ class ReplicaVote:
             except (dist.DistError, RuntimeError):  # DistStoreError: the wait timed out
                 arrived = self.store.add(f"{n}/sum", 0) % FAILED
                 raise ReplicaLost(
-                    f"replica {self.slot}: {self.ranks.shard - arrived} of its ranks did not "
+                    f"replica {self.slot}: {self.seat.shard - arrived} of its ranks did not "
                     f"vote within {self.wait_s:g} s (lost or hung); the replica ends and is "
                     "replaced"
                 ) from None
             verdict = self.store.get(f"{n}/verdict").decode()
-        if self.ranks.leader and n > 2:  # every sibling is past round n - 2: forget it
+        if self.seat.leader and n > 2:  # every sibling is past round n - 2: forget it
             self.store.delete_key(f"{n - 2}/sum")
             self.store.delete_key(f"{n - 2}/verdict")
         return verdict == "ok"

@@ -41,9 +41,9 @@ import torch
 
 import dataparallel as dp
 
-from ..compression import CompressedHook
-from ..compression.live import StepCopy, load_shared_state, shared_state
-from .trainer import TrainState
+from ...compression import CompressedHook
+from ...compression.live import StepCopy, load_shared_state, shared_state
+from ..trainer import TrainState
 
 
 @dataclass(frozen=True)
