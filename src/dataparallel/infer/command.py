@@ -13,8 +13,8 @@ import math
 import sys
 from pathlib import Path
 
+from ..launch.flags import add_launcher_flags, launcher_config
 from ..train.config import ConfigError
-from ..train.launch_flags import add_launcher_flags, launcher_config
 
 STRATEGIES = ("ddp", "zero3")  # as infer/worker.py takes them
 # Generation and scoring start over on a restart: none unless asked for.
@@ -182,7 +182,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
 
 def start(command: str, source, strategy: str, job, launch) -> int:
     """Run the job: in this process for one worker on one machine, else under the launcher."""
-    from ..train.launch import fair_threads, start_workers
+    from ..launch.workers import fair_threads, start_workers
     from .worker import ENV_JOB, encode_job, run_job
 
     if launch.nproc == 1 and launch.nnodes == 1:

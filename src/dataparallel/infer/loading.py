@@ -23,7 +23,7 @@ from ..data.tokenizer import ByteTokenizer, HFTokenizer
 from ..models import MODEL_CONFIGS
 from ..models.hf import HFSource
 from ..train.config import ConfigError
-from ..train.sampling import load_trained_model, weights_path
+from .sampling import load_trained_model, weights_path
 
 FIELD = "RUN_OR_DIR"
 

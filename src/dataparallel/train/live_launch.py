@@ -52,10 +52,10 @@ from ..comm.membership import (
 )
 from ..comm.quorum import QuorumHost, host_store, run_store
 from ..comm.requests import RUN_KEY, Answer, Desk, Request
+from ..launch.stopped_workers import is_stopped
 from .config import RunConfig
 from .recovery import ENV_LIVE
 from .remote import RUN_FILE, RemoteProcess, write_run_file
-from .stopped_workers import is_stopped
 from .worker import ENV_RUN
 
 WORKER_MODULE = "dataparallel.train.worker"

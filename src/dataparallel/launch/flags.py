@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from .config import LaunchConfig, RunConfig, field_docs, flag_name
+from ..train.config import RunConfig
+from .config import LaunchConfig, field_docs, flag_name
 
 # The [launch] fields that every launched command takes as flags.
 LAUNCHER_FIELDS = (
@@ -49,7 +50,7 @@ def add_launcher_flags(parser: argparse.ArgumentParser, defaults: dict | None = 
 def launcher_config(args: argparse.Namespace, defaults: dict | None = None) -> RunConfig:
     """A config whose [launch] section holds the launcher flags given (else `defaults`),
     checked (ConfigError)."""
-    from .checks import check_launch  # imports torch: only once a command runs
+    from ..train.checks import check_launch  # imports torch: only once a command runs
 
     given = {
         key.split(".", 1)[1]: value

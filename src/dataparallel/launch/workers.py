@@ -20,9 +20,10 @@ import os
 import dataparallel as dp
 
 from ..runtime import ENV_CHECK_COLLECTIVES, ENV_COLLECTIVE_TIMEOUT
-from .config import LaunchConfig, RunConfig
+from ..train.config import RunConfig
+from ..train.worker import ENV_LAUNCHER, ENV_RUN, encode_run
+from .config import LaunchConfig
 from .stopped_workers import StoppedWorkers
-from .worker import ENV_LAUNCHER, ENV_RUN, encode_run
 
 WORKER_MODULE = "dataparallel.train.worker"
 
@@ -110,7 +111,7 @@ def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | 
 def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
     """Start this machine's workers of `dataparallel train` for the (validated) `config`."""
     if config.launch.recovery == "live":  # [Note: live recovery] in recovery.py
-        from .live_launch import launch_live
+        from ..train.live_launch import launch_live
 
         # The global batch is the run's, whatever the number of replicas left.
         config = config.replace(train={"global_batch": config.global_batch})
