@@ -108,7 +108,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from .launch.workers import launch_script
 
     try:
-        config = launcher_config(args, LAUNCH_DEFAULTS)
+        launch = launcher_config(args, LAUNCH_DEFAULTS)
         script = Path(args.script)
         if not script.is_file():
             problem = "is a directory" if script.is_dir() else "does not exist"
@@ -116,7 +116,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"dataparallel launch: error: {error}", file=sys.stderr)
         return 2
-    return launch_script(config.launch, str(script), args.script_args)
+    return launch_script(launch, str(script), args.script_args)
 
 
 def add_sample_parser(commands) -> None:
@@ -265,7 +265,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         run_worker(config, resume=resume, checkpoint=checkpoint)
         return 0
-    from .launch.workers import launch
+    from .train.launch import launch
 
     return launch(config, resume=resume, checkpoint=checkpoint)
 

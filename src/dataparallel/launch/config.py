@@ -7,6 +7,7 @@ field and flag labels are how every command names bad input.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 
@@ -107,3 +108,37 @@ def flag_name(section: str, name: str) -> str:
 def field_label(section: str, name: str) -> str:
     """How errors name a field: the flag and the TOML key."""
     return f"{flag_name(section, name)} ({section}.{name})"
+
+
+def at_least(section: str, name: str, value: float, minimum: float) -> None:
+    """`value` of the field `section.name` is a finite number of at least `minimum`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(
+            field_label(section, name), f"{value} is not a finite number", "give a number"
+        )
+    if value < minimum:
+        raise ConfigError(
+            field_label(section, name), f"{value} is below {minimum}", f"use {minimum} or more"
+        )
+
+
+def check_launch(launch: LaunchConfig) -> None:
+    """Check the launcher's fields (the [launch] section that `dataparallel launch` shares)."""
+    for name, minimum in [("nproc", 1), ("nnodes", 1)] + [
+        (n, 0) for n in ("max_restarts", "threads", "node_rank", "collective_timeout")
+    ]:
+        at_least("launch", name, getattr(launch, name), minimum)
+    if launch.nnodes > 1:
+        host, _, port = launch.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(
+                field_label("launch", "rdzv_endpoint"),
+                f"{launch.rdzv_endpoint!r} is not host:port",
+                "give node 0's address and a free port, e.g. --rdzv-endpoint 10.0.0.1:29500",
+            )
+    if launch.node_rank >= launch.nnodes:
+        raise ConfigError(
+            field_label("launch", "node_rank"),
+            f"{launch.node_rank} is not below nnodes={launch.nnodes}",
+            f"use 0..{launch.nnodes - 1}",
+        )

@@ -20,12 +20,10 @@ import os
 import dataparallel as dp
 
 from ..runtime import ENV_CHECK_COLLECTIVES, ENV_COLLECTIVE_TIMEOUT
-from ..train.config import RunConfig
-from ..train.worker import ENV_LAUNCHER, ENV_RUN, encode_run
 from .config import LaunchConfig
 from .stopped_workers import StoppedWorkers
 
-WORKER_MODULE = "dataparallel.train.worker"
+ENV_LAUNCHER = "DATAPARALLEL_LAUNCHER_PID"  # the launcher's pid, the workers' parent
 
 
 def available_cores() -> int:
@@ -55,7 +53,7 @@ def torchrun_argv(launch: LaunchConfig, entry: list[str], port: int | None = Non
         f"--nproc-per-node={launch.nproc}",
         f"--master-addr={host}",
         f"--master-port={port}",
-        f"--max-restarts={launch.max_restarts}",  # [Note: restarts] in worker.py
+        f"--max-restarts={launch.max_restarts}",  # [Note: restarts] in train/worker.py
         *entry,
     ]
 
@@ -67,7 +65,7 @@ def worker_environment(launch: LaunchConfig) -> dict[str, str]:
         "OMP_NUM_THREADS": str(launch.threads or fair_threads(launch.nproc)),
         ENV_COLLECTIVE_TIMEOUT: repr(float(launch.collective_timeout)),
         ENV_CHECK_COLLECTIVES: "1" if launch.check_collectives else "0",
-        ENV_LAUNCHER: str(os.getpid()),  # worker.die_with_launcher
+        ENV_LAUNCHER: str(os.getpid()),  # train/worker.py's die_with_launcher
     }
 
 
@@ -106,19 +104,6 @@ def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | 
     finally:
         stopped.stop()
     return 0
-
-
-def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
-    """Start this machine's workers of `dataparallel train` for the (validated) `config`."""
-    if config.launch.recovery == "live":  # [Note: live recovery] in recovery.py
-        from ..train.live_launch import launch_live
-
-        # The global batch is the run's, whatever the number of replicas left.
-        config = config.replace(train={"global_batch": config.global_batch})
-        env = {**worker_environment(config.launch), ENV_RUN: encode_run(config, resume, checkpoint)}
-        return launch_live(config, env)
-    env = {ENV_RUN: encode_run(config, resume, checkpoint)}
-    return start_workers(config.launch, ["--module", WORKER_MODULE], env)
 
 
 def launch_script(launch: LaunchConfig, script: str, args: list[str]) -> int:

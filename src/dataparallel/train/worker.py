@@ -23,6 +23,7 @@ import dataparallel as dp
 from ..checkpoint import CheckpointError, latest_checkpoint
 from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
+from ..launch.workers import ENV_LAUNCHER
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
 from .config import RunConfig, field_label
 from .config_toml import apply_mapping, to_toml
@@ -36,7 +37,6 @@ from .trainer import TrainState, setup
 from .writer import RecordsWriter
 
 ENV_RUN = "DATAPARALLEL_RUN"
-ENV_LAUNCHER = "DATAPARALLEL_LAUNCHER_PID"  # the launcher's pid, the workers' parent
 CONFIG_FILE = "config.toml"
 
 

@@ -1,0 +1,24 @@
+"""Starting the workers of `dataparallel train`: its config travels in their environment, and
+the shared launcher (launch/workers.py) starts them; a live run has its own launcher
+(live_launch.py)."""
+
+from __future__ import annotations
+
+from ..launch.workers import start_workers, worker_environment
+from .config import RunConfig
+from .worker import ENV_RUN, encode_run
+
+WORKER_MODULE = "dataparallel.train.worker"
+
+
+def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
+    """Start this machine's workers of `dataparallel train` for the (validated) `config`."""
+    if config.launch.recovery == "live":  # [Note: live recovery] in recovery.py
+        from .live_launch import launch_live
+
+        # The global batch is the run's, whatever the number of replicas left.
+        config = config.replace(train={"global_batch": config.global_batch})
+        env = {**worker_environment(config.launch), ENV_RUN: encode_run(config, resume, checkpoint)}
+        return launch_live(config, env)
+    env = {ENV_RUN: encode_run(config, resume, checkpoint)}
+    return start_workers(config.launch, ["--module", WORKER_MODULE], env)
