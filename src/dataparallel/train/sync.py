@@ -10,8 +10,8 @@ import torch
 
 import dataparallel as dp
 
+from ..averaging.streaming import RECIPE, check_streaming, short_run_recipe
 from ..compression import SPEC_HELP, PowerSGD, build_hook, parse_spec
-from ..streaming import RECIPE, check_streaming, short_run_recipe
 from .config import ConfigError, RunConfig, field_label
 
 OUTER_COMPRESS = dp.OUTER_COMPRESS

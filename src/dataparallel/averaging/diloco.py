@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import finish_param_gather, refresh_params
-from .averaging import LocalSGD, Reduced, flatten, unflatten
-from .compression.feedback import keyed_tensors, load_keyed_tensors
-from .compression.quantize import Quantize
+from ..api import finish_param_gather, refresh_params
+from ..compression.feedback import keyed_tensors, load_keyed_tensors
+from ..compression.quantize import Quantize
+from .local_sgd import LocalSGD, Reduced, flatten, unflatten
 from .streaming import OUTER_FORMATS, check_streaming, split_fragments
 
 __all__ = ["DiLoCo"]

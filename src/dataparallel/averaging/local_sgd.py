@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import finish_param_gather, refresh_params
-from .comm import Comm
+from ..api import finish_param_gather, refresh_params
+from ..comm import Comm
 from .streaming import check_streaming, split_fragments
 
 __all__ = [
