@@ -1,6 +1,6 @@
 """One worker of `dataparallel train`: joins the process group, trains, and (the writer) reports.
 
-The launcher (train/launch.py) starts the workers through torch.distributed.run with the
+The launcher (train/launch.py, through launch/workers.py) starts the workers through torch.distributed.run with the
 resolved, already validated config in the environment variable DATAPARALLEL_RUN. Started by
 `torchrun -m dataparallel.cli train ...` directly, each worker resolves and validates the flags
 itself (cli.py) and then comes here.
