@@ -17,9 +17,7 @@ from __future__ import annotations
 import logging
 import os
 
-import dataparallel as dp
-
-from ..runtime import ENV_CHECK_COLLECTIVES, ENV_COLLECTIVE_TIMEOUT
+from ..runtime import ENV_CHECK_COLLECTIVES, ENV_COLLECTIVE_TIMEOUT, free_port
 from .config import LaunchConfig
 from .stopped_workers import StoppedWorkers
 
@@ -43,7 +41,7 @@ def torchrun_argv(launch: LaunchConfig, entry: list[str], port: int | None = Non
     """The arguments for torch.distributed.run that start this machine's workers of `entry`
     (["--module", NAME, ...] or [SCRIPT, ...args]), as `launch` says."""
     if launch.nnodes == 1:
-        host, port = "127.0.0.1", port or dp.free_port()
+        host, port = "127.0.0.1", port or free_port()
     else:
         host, _, port_text = launch.rdzv_endpoint.rpartition(":")
         port = int(port_text)
