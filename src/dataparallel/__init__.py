@@ -29,7 +29,7 @@ from .api import (
     strategy_of,
     wire_bytes,
 )
-from .averaging import LocalSGD
+from .averaging import DiLoCo, LocalSGD
 from .comm import Tracer
 from .compose import (
     OUTER_COMPRESS,
@@ -42,7 +42,6 @@ from .compose import (
     compose,
 )
 from .data import DistributedSampler
-from .diloco import DiLoCo
 from .plan import plan
 from .runtime import World, destroy, free_port, init, join_group
 from .strategies import DDP, Mesh, MixedPrecision, ZeRO1, ZeRO2, ZeRO3, init_mesh

@@ -30,6 +30,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from .infer.command import add_eval_parser, add_generate_parser, cmd_eval, cmd_generate
+from .launch.flags import add_launcher_flags, launcher_config
 from .plan.command import add_plan_parser, cmd_plan
 from .train.config import (
     SECTIONS,
@@ -40,7 +41,6 @@ from .train.config import (
 )
 from .train.config_toml import load_toml, to_toml
 from .train.elastic import add_join_parser, add_leave_parser, cmd_join, cmd_leave
-from .train.launch_flags import add_launcher_flags, launcher_config
 
 TYPES = {"int": int, "float": float, "str": str}
 
@@ -105,10 +105,10 @@ LAUNCH_DEFAULTS = {"max_restarts": 0}
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from .train.launch import launch_script
+    from .launch.workers import launch_script
 
     try:
-        config = launcher_config(args, LAUNCH_DEFAULTS)
+        launch = launcher_config(args, LAUNCH_DEFAULTS)
         script = Path(args.script)
         if not script.is_file():
             problem = "is a directory" if script.is_dir() else "does not exist"
@@ -116,7 +116,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"dataparallel launch: error: {error}", file=sys.stderr)
         return 2
-    return launch_script(config.launch, str(script), args.script_args)
+    return launch_script(launch, str(script), args.script_args)
 
 
 def add_sample_parser(commands) -> None:
@@ -276,7 +276,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
     from .infer.loading import find_model, load_model
-    from .train.sampling import generate
+    from .infer.sampling import generate
 
     # One sequence, one token at a time: small matrices that more threads barely speed up, and
     # threads that wait for busy cores slow down a lot.

@@ -39,12 +39,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .api import build_optimizer, parallelize
-from .averaging import LocalSGD
+from .averaging import DiLoCo, LocalSGD
+from .averaging.streaming import (
+    OUTER_COMPRESS,
+    RECIPE,
+    Streaming,
+    check_streaming,
+    short_run_recipe,
+)
 from .comm import Tracer
 from .compression import SPEC_HELP, PowerSGD, build_hook, parse_spec
-from .diloco import DiLoCo
 from .strategies import POLICIES, Mesh, MixedPrecision, init_mesh, resolve_policy
-from .streaming import OUTER_COMPRESS, RECIPE, Streaming, check_streaming, short_run_recipe
 
 # --precision name -> (the strategy's MixedPrecision or None, autocast dtype or None, scaling)
 PRECISIONS: dict[str, tuple] = {

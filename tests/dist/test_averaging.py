@@ -1,6 +1,6 @@
 """Local SGD and DiLoCo on real ranks: the exactness anchors, sharded outer state, convergence.
 
-Anchors ([Note: averaging] in averaging.py): local SGD averaging after every step with plain
+Anchors ([Note: averaging] in averaging/local_sgd.py): local SGD averaging after every step with plain
 SGD inside equals DDP (the mean of the replicas' updates is the update of the mean gradient);
 DiLoCo with every=1 and an outer SGD of lr 1 without momentum equals local SGD with every=1.
 Both hold up to summation order (1e-6), also with ZeRO-2 inside each replica of a 2 x 2 mesh.

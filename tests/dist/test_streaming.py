@@ -1,4 +1,4 @@
-"""Streaming DiLoCo on real ranks ([Note: streaming DiLoCo] in averaging.py): the exactness
+"""Streaming DiLoCo on real ranks ([Note: streaming DiLoCo] in averaging/diloco.py): the exactness
 anchor (one fragment, no overlap: DiLoCo as written in the paper, here by hand), the staggered
 schedule of fragments, overlapped reductions, 4-bit outer gradients on the wire, and a
 checkpoint taken while a reduction is in flight."""

@@ -467,7 +467,7 @@ def _hooks_and_averagers(world) -> dict:
 
 def test_compression_and_averagers_work_on_the_data_parallel_dimension():
     """int8 gradients over dp only (close to exact, fewer bytes on the wire); local SGD after
-    every step with plain SGD inside equals DDP (the exactness anchor of averaging.py) over
+    every step with plain SGD inside equals DDP (the exactness anchor of averaging/local_sgd.py) over
     tensor parallelism; Streaming DiLoCo over it trains."""
     for r in run_world(4, _hooks_and_averagers, timeout=300):
         assert r["int8 vs exact"] < 0.02, r

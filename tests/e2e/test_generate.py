@@ -140,7 +140,7 @@ def gpt_run(tmp_path_factory) -> Path:
 
 
 def _greedy_bytes(run: Path, prompt: str, tokens: int) -> str:
-    from dataparallel.train.sampling import load_trained_model
+    from dataparallel.infer.sampling import load_trained_model
 
     model, _ = load_trained_model(run)
     ids = torch.tensor([list(prompt.encode())])

@@ -6,7 +6,7 @@ The other worker's watchdog must print one line naming the stopped rank and the 
 never arrived at, within the timeout plus a few seconds, and the command must exit (status 1)
 within the timeout plus 10 s with no worker left, although nothing continues the stopped worker:
 the launcher continues it once torchrun's agent has told it to end ([Note: stopped workers] in
-train/stopped_workers.py). Before, the agent waited its 30 s shutdown timeout on it. The
+launch/stopped_workers.py). Before, the agent waited its 30 s shutdown timeout on it. The
 latencies are measured and printed (docs/watchdog.md, docs/faults.md).
 """
 

@@ -62,7 +62,7 @@ def test_runs_the_script_on_every_rank_with_our_settings(tmp_path):
 
 
 def test_fair_threads_by_default(tmp_path):
-    from dataparallel.train.launch import fair_threads
+    from dataparallel.launch.workers import fair_threads
 
     result = _launch("--nproc", "2", str(SCRIPT), str(tmp_path))
     assert result.returncode == 0, result.stderr

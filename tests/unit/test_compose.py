@@ -3,7 +3,7 @@
 import pytest
 
 import dataparallel as dp
-from dataparallel.streaming import Streaming
+from dataparallel.averaging import Streaming
 
 
 @pytest.mark.parametrize(

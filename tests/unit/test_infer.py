@@ -13,8 +13,8 @@ from dataparallel.infer.generate import GenerateJob, plan_batches
 from dataparallel.infer.loading import ModelSource
 from dataparallel.infer.ranks import contiguous_share, strided_share
 from dataparallel.infer.worker import decode_job, encode_job
+from dataparallel.launch.workers import torchrun_argv, worker_environment
 from dataparallel.train.config import LaunchConfig
-from dataparallel.train.launch import torchrun_argv, worker_environment
 
 
 def _world(rank: int, size: int):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dataparallel.train.stopped_workers import StoppedWorkers, stopped_with_ending_signal
+from dataparallel.launch.stopped_workers import StoppedWorkers, stopped_with_ending_signal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

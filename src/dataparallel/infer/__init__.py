@@ -1,12 +1,14 @@
 """Inference with data-parallel workers: `dataparallel generate` and `dataparallel eval`.
 
+    sampling.py   a built-in GPT's weights file -> model; `dataparallel sample`'s sampler
     loading.py    a run directory or a save_pretrained directory -> model and tokenizer
     decoding.py   batched decoding with a fixed number of forwards (greedy or sampled)
     generate.py   prompts split across ranks, batched, gathered back in input order
     evaluate.py   the exact perplexity of a dataset, summed over ranks
     ranks.py      shares of the work, and the few numbers the ranks exchange
-    worker.py     one worker (started by the launcher of train/launch.py)
+    worker.py     one worker (started by the shared launcher, launch/workers.py)
     command.py    the two commands' flags and checks
 
-The workers are started by the same launcher as `dataparallel train` (train/launch.py).
+The workers are started by the launcher that `dataparallel train` uses too (launch/workers.py);
+nothing here imports train/.
 """

@@ -2,7 +2,7 @@
 
 Bad input is one line, `dataparallel generate: error: <field>: <problem>; <fix>`, exit status
 2, before any worker starts and before anything is written. One worker on one machine runs in
-this process; more are started by the launcher of `dataparallel train` (train/launch.py).
+this process; more are started by the shared launcher (launch/workers.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import math
 import sys
 from pathlib import Path
 
-from ..train.config import ConfigError
-from ..train.launch_flags import add_launcher_flags, launcher_config
+from ..launch.config import ConfigError
+from ..launch.flags import add_launcher_flags, launcher_config
 
 STRATEGIES = ("ddp", "zero3")  # as infer/worker.py takes them
 # Generation and scoring start over on a restart: none unless asked for.
@@ -164,7 +164,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
     from .loading import check_model, find_model
 
     try:
-        config = launcher_config(args, DEFAULTS)
+        launch = launcher_config(args, DEFAULTS)
         if args.strategy not in STRATEGIES:
             raise ConfigError(
                 "--strategy",
@@ -177,12 +177,12 @@ def _run(command: str, args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"dataparallel {command}: error: {error}", file=sys.stderr)
         return 2
-    return start(command, source, args.strategy, job, config.launch)
+    return start(command, source, args.strategy, job, launch)
 
 
 def start(command: str, source, strategy: str, job, launch) -> int:
     """Run the job: in this process for one worker on one machine, else under the launcher."""
-    from ..train.launch import fair_threads, start_workers
+    from ..launch.workers import fair_threads, start_workers
     from .worker import ENV_JOB, encode_job, run_job
 
     if launch.nproc == 1 and launch.nnodes == 1:

@@ -21,7 +21,7 @@ import dataparallel as dp
 
 from ..data.loading import load_windows
 from ..data.packing import IGNORE
-from ..train.config import ConfigError
+from ..launch.config import ConfigError
 from .loading import LoadedModel, logits
 from .ranks import reduce_numbers, strided_share
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import dataparallel as dp
 
-from ..train.config import ConfigError
+from ..launch.config import ConfigError
 from .decoding import Sampling, decode
 from .loading import LoadedModel
 from .ranks import contiguous_share, gather_objects, reduce_numbers

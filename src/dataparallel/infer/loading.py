@@ -20,10 +20,10 @@ import dataparallel as dp
 
 from ..checkpoint import read_weights_metadata
 from ..data.tokenizer import ByteTokenizer, HFTokenizer
+from ..launch.config import ConfigError
 from ..models import MODEL_CONFIGS
 from ..models.hf import HFSource
-from ..train.config import ConfigError
-from ..train.sampling import load_trained_model, weights_path
+from .sampling import load_trained_model, weights_path
 
 FIELD = "RUN_OR_DIR"
 

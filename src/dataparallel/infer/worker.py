@@ -1,8 +1,8 @@
 """One worker of `dataparallel generate` or `eval`: joins the world, loads the model, does its
 share and (rank 0) writes the result.
 
-The command (command.py) checks the input and starts the workers with the launcher of
-`dataparallel train` (train/launch.py), passing the job in DATAPARALLEL_INFER; with one worker
+The command (command.py) checks the input and starts the workers with the launcher that
+`dataparallel train` uses too (launch/workers.py), passing the job in DATAPARALLEL_INFER; with one worker
 on one machine it runs `run_job` in its own process instead.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import dataparallel as dp
 
-from ..train.config import ConfigError
+from ..launch.config import ConfigError
 from .decoding import Sampling
 from .evaluate import EvalJob, evaluate
 from .generate import GenerateJob, generate

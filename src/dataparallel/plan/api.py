@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..streaming import RECIPE
+from ..averaging.streaming import RECIPE
 from .errors import PlanError
 from .inputs import STRATEGIES, PlanInputs, optimizer_bytes, parse_compress
 from .model import ModelShape, bare_shape, builtin_shape, saved_bytes, shape_of_module

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..streaming import OUTER_COMPRESS, RECIPE, Streaming, check_streaming, short_run_recipe
+from ..averaging.streaming import (
+    OUTER_COMPRESS,
+    RECIPE,
+    Streaming,
+    check_streaming,
+    short_run_recipe,
+)
 from .errors import PlanError
 
 # name -> (compute/param bytes, gradient bytes on the wire and in buckets, fp32 masters,

@@ -2,7 +2,7 @@
 
     config.py        the run's configuration (five frozen dataclasses, TOML, flags)
     checks.py        validation of a config before anything starts
-    launch.py        starting the workers through torch.distributed.run
+    launch.py        starting the workers (the shared launcher, launch/, does it)
     worker.py        one worker: prepare, fit, report
     trainer.py       setup(), train_step(), evaluate()
     loop.py          fit() and the Callback protocol
@@ -12,7 +12,6 @@
     writer.py        who writes the records: rank 0 of the current world (live runs move it)
     checkpointing.py resumable checkpoints and final weights
     report.py        PNG plots and the summary
-    sampling.py      text from trained weights
     live/            live recovery: a run that loses, gains or lets go of replicas (its __init__)
     elastic.py       `dataparallel join` and `leave`: a live run grows or shrinks
 

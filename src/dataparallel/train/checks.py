@@ -18,6 +18,7 @@ from ..data.corpus import corpus_size, num_windows
 from ..data.formats import DataError
 from ..data.loading import check_sources, reads_bytes
 from ..data.tokens import TOKEN_DTYPES
+from ..launch.config import at_least, check_launch
 from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
 from .model_source import ModelSource, check_model
@@ -35,15 +36,7 @@ def _choose(label: str, value: str, known) -> None:
 
 
 def _at_least(config: RunConfig, section: str, name: str, minimum: float) -> None:
-    value = getattr(getattr(config, section), name)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(
-            field_label(section, name), f"{value} is not a finite number", "give a number"
-        )
-    if value < minimum:
-        raise ConfigError(
-            field_label(section, name), f"{value} is below {minimum}", f"use {minimum} or more"
-        )
+    at_least(section, name, getattr(getattr(config, section), name), minimum)
 
 
 def resolve_batch(config: RunConfig) -> RunConfig:
@@ -68,29 +61,6 @@ def resolve_batch(config: RunConfig) -> RunConfig:
     if train.global_batch % parts:
         return config.replace(train={"batch": -(-train.global_batch // parts)})
     return config.replace(train={"batch": train.global_batch // parts, "global_batch": 0})
-
-
-def check_launch(config: RunConfig) -> None:
-    """Check the launcher's fields (the [launch] section that `dataparallel launch` shares)."""
-    for name, minimum in [("nproc", 1), ("nnodes", 1)] + [
-        (n, 0) for n in ("max_restarts", "threads", "node_rank", "collective_timeout")
-    ]:
-        _at_least(config, "launch", name, minimum)
-    launch = config.launch
-    if launch.nnodes > 1:
-        host, _, port = launch.rdzv_endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(
-                field_label("launch", "rdzv_endpoint"),
-                f"{launch.rdzv_endpoint!r} is not host:port",
-                "give node 0's address and a free port, e.g. --rdzv-endpoint 10.0.0.1:29500",
-            )
-    if launch.node_rank >= launch.nnodes:
-        raise ConfigError(
-            field_label("launch", "node_rank"),
-            f"{launch.node_rank} is not below nnodes={launch.nnodes}",
-            f"use 0..{launch.nnodes - 1}",
-        )
 
 
 RECOVERY = ("restart", "live")
@@ -216,7 +186,7 @@ def check_values(config: RunConfig, source: ModelSource | None = None) -> None:
             f"use at most {train.steps}, or 0 to run all steps",
         )
     _check_trace(config)
-    check_launch(config)
+    check_launch(config.launch)
     world = config.data_ranks  # the shard group lies within mesh["dp"]
     # Under local SGD / DiLoCo the shard group is a replica, which may run DDP inside.
     ddp_alone = launch.strategy == "ddp" and not averaging(config)

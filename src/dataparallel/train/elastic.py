@@ -240,7 +240,7 @@ def train_joined(
     to join (the launcher knows the replica by that pid)."""
     import torch
 
-    from .launch import fair_threads, worker_environment
+    from ..launch.workers import fair_threads, worker_environment
     from .worker import ENV_LAUNCHER, decode_run, run_worker
 
     config, _, _ = decode_run(store.get(RUN_KEY))

@@ -1,6 +1,6 @@
 """One worker of `dataparallel train`: joins the process group, trains, and (the writer) reports.
 
-The launcher (train/launch.py) starts the workers through torch.distributed.run with the
+The launcher (train/launch.py, through launch/workers.py) starts the workers through torch.distributed.run with the
 resolved, already validated config in the environment variable DATAPARALLEL_RUN. Started by
 `torchrun -m dataparallel.cli train ...` directly, each worker resolves and validates the flags
 itself (cli.py) and then comes here.
@@ -23,6 +23,7 @@ import dataparallel as dp
 from ..checkpoint import CheckpointError, latest_checkpoint
 from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
+from ..launch.workers import ENV_LAUNCHER
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
 from .config import RunConfig, field_label
 from .config_toml import apply_mapping, to_toml
@@ -36,7 +37,6 @@ from .trainer import TrainState, setup
 from .writer import RecordsWriter
 
 ENV_RUN = "DATAPARALLEL_RUN"
-ENV_LAUNCHER = "DATAPARALLEL_LAUNCHER_PID"  # the launcher's pid, the workers' parent
 CONFIG_FILE = "config.toml"
 
 

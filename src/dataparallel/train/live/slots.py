@@ -17,7 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from ..stopped_workers import is_stopped
+from ...launch.stopped_workers import is_stopped
 from .remote import RemoteProcess
 
 

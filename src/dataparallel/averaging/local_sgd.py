@@ -29,25 +29,15 @@ momentum equals local SGD with every=1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import finish_param_gather, refresh_params
-from .comm import Comm
-from .streaming import check_streaming, split_fragments
+from ..api import finish_param_gather, refresh_params
+from ..comm import Comm
+from .flat import flatten, unflatten
 
-__all__ = [
-    "LocalSGD",
-    "Reduced",
-    "check_streaming",
-    "flatten",
-    "held_tensors",
-    "split_fragments",
-    "unflatten",
-]
+__all__ = ["LocalSGD", "held_tensors"]
 
 
 def held_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -153,26 +143,3 @@ class LocalSGD:
     def adopt(self, shared: dict) -> None:
         """Take `shared` from a live replica, after the model and optimizer were loaded."""
         self.steps = shared["steps"]
-
-
-class Reduced:
-    """An async collective (None: done already) and what its result is once waited for."""
-
-    def __init__(self, work, result: Callable[[], torch.Tensor]):
-        self.work, self.result = work, result
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-        return self.result()
-
-
-def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
-
-
-def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()

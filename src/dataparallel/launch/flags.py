@@ -1,15 +1,16 @@
 """The launcher's flags, shared by `dataparallel launch`, `generate` and `eval`.
 
-They are the [launch] fields of the train config (config.py), with the same names, help
-texts (the fields' documentation) and checks (checks.check_launch) as `dataparallel train`.
+They are fields of `LaunchConfig` (config.py), the [launch] section of the train config, with
+the same names, help texts (the fields' documentation) and checks (`check_launch`) as
+`dataparallel train`.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import fields, replace
 
-from .config import LaunchConfig, RunConfig, field_docs, flag_name
+from .config import LaunchConfig, check_launch, field_docs, flag_name
 
 # The [launch] fields that every launched command takes as flags.
 LAUNCHER_FIELDS = (
@@ -46,16 +47,14 @@ def add_launcher_flags(parser: argparse.ArgumentParser, defaults: dict | None = 
         )
 
 
-def launcher_config(args: argparse.Namespace, defaults: dict | None = None) -> RunConfig:
-    """A config whose [launch] section holds the launcher flags given (else `defaults`),
-    checked (ConfigError)."""
-    from .checks import check_launch  # imports torch: only once a command runs
-
+def launcher_config(args: argparse.Namespace, defaults: dict | None = None) -> LaunchConfig:
+    """The [launch] section that the launcher flags given (else `defaults`) make, checked
+    (ConfigError)."""
     given = {
         key.split(".", 1)[1]: value
         for key, value in vars(args).items()
         if key.startswith("launch.") and value is not None
     }
-    config = RunConfig().replace(launch={**(defaults or {}), **given})
-    check_launch(config)
-    return config
+    launch = replace(LaunchConfig(), **{**(defaults or {}), **given})
+    check_launch(launch)
+    return launch

@@ -1,4 +1,4 @@
-"""DiLoCo: the outer step of [Note: averaging] (averaging.py), streamed by fragments.
+"""DiLoCo: the outer step of [Note: averaging] (local_sgd.py), streamed by fragments.
 
 [Note: streaming DiLoCo] Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512) spreads
 DiLoCo's outer step over time: the held tensors are split into F fragments of about equal size
@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import finish_param_gather, refresh_params
-from .averaging import LocalSGD, Reduced, flatten, unflatten
-from .compression.feedback import keyed_tensors, load_keyed_tensors
-from .compression.quantize import Quantize
+from ..api import finish_param_gather, refresh_params
+from ..compression.feedback import keyed_tensors, load_keyed_tensors
+from .flat import Reduced, flatten, unflatten
+from .local_sgd import LocalSGD
+from .outer_step import OuterStep
+from .schedule import FragmentSchedule
 from .streaming import OUTER_FORMATS, check_streaming, split_fragments
+from .wire import OuterWire
 
 __all__ = ["DiLoCo"]
 
@@ -84,12 +86,12 @@ class DiLoCo(LocalSGD):
         super().__init__(model, optimizer, every, group, tracer)
         self.compress, self.fragments, self.overlap, self.mix = compress, fragments, overlap, mix
         self.warmup = warmup
-        self.quantize = Quantize(compress) if compress in ("int8", "fp8", "int4") else None
-        # The anchors are fp32 copies of what this rank holds (sharded where that is).
-        self.anchors = [t.detach().float().clone().requires_grad_(True) for t in self.tensors]
-        build = outer_optimizer or partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
-        self.outer = build(self.anchors)
+        self.schedule = FragmentSchedule(every, fragments, warmup)
         self.parts = split_fragments([t.numel() for t in self.tensors], fragments)
+        self.outer_step = OuterStep(self.tensors, outer_optimizer, OuterWire(self.comm, compress))
+        # What the state methods below read, by their names: the same objects.
+        self.anchors, self.outer = self.outer_step.anchors, self.outer_step.optimizer
+        self.quantize = self.outer_step.wire.quantize  # the outer residuals (None: no feedback)
         self.pending: tuple[int, int, object] | None = None  # (fragment, due step, reduction)
         self.synced = [0] * fragments  # the step each fragment was last synchronised at
         self.reduced = 0  # the step the last reduction was applied at (`at_boundary`)
@@ -98,10 +100,10 @@ class DiLoCo(LocalSGD):
         """Call after each optimizer step; True when a fragment started or finished its outer
         step here ([Note: streaming DiLoCo])."""
         self.steps += 1
-        if self.steps <= self.warmup:
+        if self.schedule.warming_up(self.steps):
             return self._warm_up()
         due = self.pending is not None and self.pending[1] == self.steps
-        starting = [p for p in range(self.fragments) if self._starts(p, self.steps - self.warmup)]
+        starting = self.schedule.starting(self.steps)
         if not due and not starting:
             return False
         finish_param_gather(self.model)
@@ -119,7 +121,7 @@ class DiLoCo(LocalSGD):
         """A warm-up step: one fragment in turn (with F = 1, every tensor) averaged over the
         replicas, its anchors set to the average."""
         finish_param_gather(self.model)
-        fragment = (self.steps - 1) % self.fragments
+        fragment = self.schedule.warm_fragment(self.steps)
         with torch.no_grad():
             self._average(f"warmup{fragment}" if self.fragments > 1 else "warmup", fragment)
         refresh_params(self.model)
@@ -140,77 +142,31 @@ class DiLoCo(LocalSGD):
         return True
 
     def _average(self, key: str, fragment: int | None = None) -> None:
-        """The replicas' mean of a fragment (None: of every tensor), its anchors and tensors set
-        to it: in fp32 the parameters are averaged; compressed, the movement since the anchors
-        travels (with its own error feedback under `key`) and the anchors move by its mean."""
+        """The replicas' mean of a fragment (None: of every tensor), as `OuterStep.average`."""
         part = range(len(self.tensors)) if fragment is None else self.parts[fragment]
-        anchors = [self.anchors[i].detach() for i in part]
-        tensors = [self.tensors[i] for i in part]
-        if self.compress is None:
-            flat = flatten(tensors).div_(self.comm.world_size)
-            if self.comm.world_size > 1:
-                self.comm.all_reduce(flat)
-            unflatten(flat, tensors)
-            for anchor, tensor in zip(anchors, tensors, strict=True):
-                anchor.copy_(tensor)
-        else:
-            moved = [a - t.float() for a, t in zip(anchors, tensors, strict=True)]
-            flat = self._all_reduce(flatten(moved).div_(self.comm.world_size), key).wait()
-            unflatten(flat, moved)
-            for anchor, step, tensor in zip(anchors, moved, tensors, strict=True):
-                anchor.sub_(step)
-                tensor.copy_(anchor)
+        self.outer_step.average(part, key)
         for p in range(self.fragments) if fragment is None else (fragment,):
             self.synced[p] = self.steps
         self.reduced = self.steps
 
     def _starts(self, fragment: int, step: int) -> bool:
-        return (step + fragment * (self.every // self.fragments)) % self.every == 0
+        return self.schedule.starts(fragment, step)
 
     def _start(self, fragment: int) -> None:
-        """All-reduce the fragment's outer gradient, the replicas' mean movement since its
-        anchor (asynchronously: it is applied `overlap` steps later)."""
-        part = self.parts[fragment]
-        moved = [self.anchors[i].detach() - self.tensors[i].float() for i in part]
-        flat = flatten(moved).div_(self.comm.world_size)  # the mean, summed below
+        """Start the fragment's outer gradient on its way; it is applied `overlap` steps later."""
         key = "outer" if self.fragments == 1 else f"outer{fragment}"  # its own residual
-        self.pending = (fragment, self.steps + self.overlap, self._all_reduce(flat, key))
+        reduction = self.outer_step.gradient(self.parts[fragment], key)
+        self.pending = (fragment, self.steps + self.overlap, reduction)
 
     def _finish(self) -> None:
-        """Apply the reduced outer gradient: the outer step on the fragment's anchors, then
-        the fragment continues from the result (mixed with its local values under overlap)."""
+        """Apply the reduced outer gradient in flight (`OuterStep.apply`)."""
         fragment, _, reduction = self.pending
         self.pending = None
         flat = reduction.wait()
         self.reduced = self.steps
-        part = self.parts[fragment]
-        grads = [torch.empty_like(self.anchors[i]) for i in part]
-        unflatten(flat, grads)
-        for i, grad in zip(part, grads, strict=True):
-            self.anchors[i].grad = grad
-        self.outer.step()  # only the fragment's anchors have a gradient: only they move
-        self.outer.zero_grad(set_to_none=True)
+        self.outer_step.apply(self.parts[fragment], flat, self.overlap, self.mix)
         if not self.overlap or self.mix == 0.0:  # mixed with local values: still apart
             self.synced[fragment] = self.steps
-        for i in part:
-            anchor, tensor = self.anchors[i].detach(), self.tensors[i]
-            if self.overlap:
-                tensor.mul_(self.mix).add_(anchor.to(tensor.dtype), alpha=1 - self.mix)
-            else:
-                tensor.copy_(anchor)
-
-    def _all_reduce(self, flat: torch.Tensor, key: str):
-        """The sum of `flat` over the replicas, as a future (`wait()` gives it)."""
-        if self.comm.world_size == 1:
-            return Reduced(None, lambda: flat)
-        if self.quantize is not None:
-            return self.quantize.reduce(self.comm, key, flat, None)
-        if self.compress == "bf16":
-            low = flat.to(torch.bfloat16)
-            work = self.comm.all_reduce(low, async_op=True)
-            return Reduced(work, lambda: low.float())
-        work = self.comm.all_reduce(flat, async_op=True)
-        return Reduced(work, lambda: flat)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The anchor, the outer optimizer's state and the outer residual (this rank's)."""

@@ -1,0 +1,110 @@
+"""Starting the workers: PyTorch's elastic launcher (torch.distributed.run), set up for the user.
+
+One machine: `--nproc N` starts N workers that meet at 127.0.0.1 on a free port. Several
+machines: each runs the same command with `--nnodes`, its `--node-rank` and node 0's
+`--rdzv-endpoint host:port`, and the workers meet there (static rendezvous: a fixed set of
+nodes, no elastic membership changes).
+
+[Note: threads per worker] Each worker gets max(1, cores // workers on this machine) torch
+threads through OMP_NUM_THREADS. Left alone, every worker would start one thread per core, and
+N workers would run N x cores threads on `cores` cores; on a 2-core machine 2 workers with 2
+threads each ran 11x slower than with 1 thread each (threads spin-waiting for cores that are
+busy). torchrun's own default is 1 thread, which wastes cores when workers are fewer than cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..runtime import ENV_CHECK_COLLECTIVES, ENV_COLLECTIVE_TIMEOUT, free_port
+from .config import LaunchConfig
+from .stopped_workers import StoppedWorkers
+
+ENV_LAUNCHER = "DATAPARALLEL_LAUNCHER_PID"  # the launcher's pid, the workers' parent
+
+
+def available_cores() -> int:
+    """Cores this process may run on (respects taskset / container CPU affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def fair_threads(nproc: int, cores: int | None = None) -> int:
+    """Torch threads per worker so that `nproc` workers share the cores without oversubscribing."""
+    return max(1, (cores or available_cores()) // nproc)
+
+
+def torchrun_argv(launch: LaunchConfig, entry: list[str], port: int | None = None) -> list[str]:
+    """The arguments for torch.distributed.run that start this machine's workers of `entry`
+    (["--module", NAME, ...] or [SCRIPT, ...args]), as `launch` says."""
+    if launch.nnodes == 1:
+        host, port = "127.0.0.1", port or free_port()
+    else:
+        host, _, port_text = launch.rdzv_endpoint.rpartition(":")
+        port = int(port_text)
+    return [
+        f"--nnodes={launch.nnodes}",
+        f"--node-rank={launch.node_rank}",
+        f"--nproc-per-node={launch.nproc}",
+        f"--master-addr={host}",
+        f"--master-port={port}",
+        f"--max-restarts={launch.max_restarts}",  # [Note: restarts] in train/worker.py
+        *entry,
+    ]
+
+
+def worker_environment(launch: LaunchConfig) -> dict[str, str]:
+    """What every worker finds in its environment: its threads ([Note: threads per worker]),
+    the watchdog's settings ([Note: launcher settings] in runtime.py), the launcher's pid."""
+    return {
+        "OMP_NUM_THREADS": str(launch.threads or fair_threads(launch.nproc)),
+        ENV_COLLECTIVE_TIMEOUT: repr(float(launch.collective_timeout)),
+        ENV_CHECK_COLLECTIVES: "1" if launch.check_collectives else "0",
+        ENV_LAUNCHER: str(os.getpid()),  # train/worker.py's die_with_launcher
+    }
+
+
+def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | None = None) -> int:
+    """Run this machine's workers of `entry` under torch.distributed.run until they end; return
+    the exit status (0, 1 when a worker failed for good, 130 on Ctrl-C).
+
+    `env` is added to the workers' environment (with `worker_environment`); the workers of
+    `dataparallel train` get their resolved config there, so they need no shared file system.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # The agent's warnings (the signal it got on Ctrl-C, the workers it stopped) repeat what the
+    # workers say better; its errors (a worker that failed) stay.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)  # each sets its own level
+    os.environ.update({**worker_environment(launch), **(env or {})})
+    # A stopped worker told to end is continued, so it ends now, not after the agent's 30 s
+    # grace ([Note: stopped workers] in stopped_workers.py).
+    stopped = StoppedWorkers().start()
+    try:
+        run(parse_args(torchrun_argv(launch, entry)))
+    except ChildFailedError as failed:
+        # torch.distributed.run has printed which rank failed and its traceback. Workers that
+        # all exited 2 found bad input together (data read by the workers, a checkpoint that
+        # does not fit): rank 0 has said which on one line, and the command exits 2 as well.
+        codes = {failure.exitcode for failure in failed.failures.values()}
+        return 2 if codes == {2} else 1
+    except (KeyboardInterrupt, SignalException):
+        # Ctrl-C: torch.distributed.run passed the signal on to the workers (rank 0 of
+        # `dataparallel train` has said where the run stopped and how to resume it).
+        return 130
+    finally:
+        stopped.stop()
+    return 0
+
+
+def launch_script(launch: LaunchConfig, script: str, args: list[str]) -> int:
+    """`dataparallel launch`: run the user's `script` with `args` in each worker, as torchrun
+    would, with our threads, restarts, watchdog settings and per-attempt store (`dp.init()`)."""
+    return start_workers(launch, [script, *args])
