@@ -62,7 +62,7 @@ from .groups import Abandoned, move_to_world
 from .loop import Rewound, Steps
 from .records import EvalRecord, StepRecord
 from .replica import ReplicaRanks, ReplicaVote, SiblingFailed
-from .rewind import Marks, forget_after, load_snapshot, snapshot
+from .rewind import Marks, load_snapshot, snapshot
 from .tensor_parallel import DataRanks
 from .trainer import TrainState, evaluate, train_step
 
@@ -189,15 +189,15 @@ class LiveRecovery(Steps):
     def step(self, state: TrainState) -> StepRecord:
         self._check_training()
         before = state.step
-        if self.vote is not None:  # [Note: HSDP replicas]: the vote before an update
-            state.agree = self._agree
+        # [Note: HSDP replicas]: the vote before an update
+        agree = self._agree if self.vote is not None else None
         while True:
             mark = self.marks.take(state)
             try:
                 if self._at_boundary(state) and self._replacement_waits(state):
                     # Every member, the new one too, starts a step with this check.
                     raise LetIn("a replica waits to join, or a member leaves")
-                return train_step(state)
+                return train_step(state, agree)
             except Exception as error:
                 asked = isinstance(error, LetIn)
                 if not asked and not lost_peer(error):
@@ -247,7 +247,8 @@ class LiveRecovery(Steps):
         return Rewound(state.step)
 
     def _agree(self) -> None:
-        """`state.agree`: before the update, unless every rank of the replica got through."""
+        """Before the update (train_step's `before_update`): raises unless every rank of the
+        replica got through."""
         if not self.vote(failed=False):
             raise SiblingFailed("a rank of this replica failed a collective of the step")
 
@@ -312,7 +313,7 @@ class LiveRecovery(Steps):
         move_to_world(state, self.ranks)
         self.marks.forget()
         self._heal(state, membership)
-        forget_after(state, state.step)
+        state.ledger.forget_after(state.step)
 
     def _leave(self, state: TrainState) -> None:
         """Leave the broken group for a world of one, without waiting for it ([Note:
