@@ -51,8 +51,14 @@ def run(world, mode, steps, inner="ddp", shard=1, every=1, outer=None, compress=
         loss = F.mse_loss(model(x), y).item()
     held = sum(p.numel() for g in opt.param_groups for p in g["params"])
     per_step = averager.bytes_sent() / steps if averager else 0.0
-    outer_state = sum(t.numel() for t in averager.state_tensors()) if averager else 0
+    outer_state = _state_numel(averager.state_dict()) if averager else 0
     return dp.full_state_dict(model), loss, per_step, held, outer_state
+
+
+def _state_numel(state: dict) -> int:
+    """Elements of an averager's state ([Note: averager state]): per held tensor, and its own."""
+    beside = sum(v.numel() for entries in state["tensors"] for v in entries.values())
+    return beside + sum(t.numel() for t in state["local"].values())
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -228,14 +228,14 @@ def trained_samples(world, state, run_dir: str, steps: int, resume: bool) -> lis
     if resume:
         restore(state, run_dir)
     taken = []
-    take = state.samples.take_share
+    take = state.ledger.samples.take_share
 
     def recording(global_batch, rank, world_size):
         out = take(global_batch, rank, world_size)
         taken.append(out)
         return out
 
-    state.samples.take_share = recording
+    state.ledger.samples.take_share = recording
     for _ in range(steps):
         train_step(state)
     Checkpointer(run_dir, state, "sync").save(state)

@@ -168,14 +168,13 @@ def _wire_and_resume(world):
     saved = (
         dp.full_state_dict(model),
         dp.optimizer_state_dict(model, opt),
-        averager.steps,
-        *averager.state_dict(),
+        averager.state_dict(),
     )
     model, opt, mesh = _model_and_opt()
     averager = dp.DiLoCo(model, opt, EVERY, group=mesh.replicate_group, **kwargs)
     dp.load_full_state_dict(model, saved[0])
     dp.load_optimizer_state_dict(model, opt, saved[1])
-    averager.load_state_dict(*saved[2:])
+    averager.load_state_dict(saved[2])
     for step in range(7, steps + 1):
         _inner_step(model, opt, step, world.rank)
         averager.step()

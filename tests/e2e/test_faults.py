@@ -71,7 +71,7 @@ def test_a_resume_on_one_rank_under_ddp_keeps_every_sample(whole, stopped, tmp_p
     assert "1 ranks x" in result.stdout and "global batch 16 windows" in result.stdout
     latest = run / "checkpoint" / (run / "checkpoint" / "latest").read_text().strip()
     state = json.loads((latest / "train_state.json").read_text())
-    assert state["samples"]["consumed"] == 12 * 16  # the same samples as the whole run
+    assert state["ledger"]["samples"]["consumed"] == 12 * 16  # the same samples as the whole run
     # Sums in another order: Adam turns a rounding difference in a ~0 gradient into a visible
     # part of lr = 3e-3 (tests/unit/test_train_loop.py); 1e-4 is 3% of it (measured: 2.9e-5).
     ours, reference = _weights(run), _weights(whole)
@@ -177,7 +177,7 @@ def test_a_resume_on_three_ranks_shares_the_global_batch_unevenly(whole, stopped
     assert "global batch 16 = 6,5,5 windows per rank in 2 micro-steps (uneven)" in result.stdout
     latest = run / "checkpoint" / (run / "checkpoint" / "latest").read_text().strip()
     state = json.loads((latest / "train_state.json").read_text())
-    assert state["samples"]["consumed"] == 12 * 16 and state["global_batch"] == 16
+    assert state["ledger"]["samples"]["consumed"] == 12 * 16 and state["global_batch"] == 16
     ours, reference = _weights(run), _weights(whole)
     assert max((ours[k] - reference[k]).abs().max().item() for k in ours) < 1e-4
 

@@ -162,7 +162,7 @@ def test_validation_is_exact_and_weights_load_in_plain_torch(reference_run):
     latest = run_dir / "checkpoint" / (run_dir / "checkpoint" / "latest").read_text().strip()
     assert latest.name == "step-000012"
     state = json.loads((latest / "train_state.json").read_text())
-    assert state["step"] == 12 and state["samples"]["consumed"] == 12 * 16
+    assert state["step"] == 12 and state["ledger"]["samples"]["consumed"] == 12 * 16
     assert sorted(p.name for p in latest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     stored = stored_tensors(latest)
     adam = [k for k in stored if k.startswith("optim/") and k.endswith("/exp_avg")]

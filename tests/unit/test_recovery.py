@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dataparallel.data.stream import SampleStream
+from dataparallel.train.ledger import Ledger
 from dataparallel.train.live.recovery import lost_peer
 from dataparallel.train.live.rewind import Mark
 
@@ -26,9 +27,8 @@ def test_a_rewound_step_puts_its_samples_back_and_drops_its_gradients():
     layer = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     samples = SampleStream(100, seed=1, consumed=24)
-    state = SimpleNamespace(
-        step=2, samples=samples, skipped_steps=0, optimizer=optimizer, gradients=None, model=layer
-    )
+    ledger = Ledger(samples=samples, step=2)
+    state = SimpleNamespace(ledger=ledger, optimizer=optimizer, gradients=None, model=layer)
     mark = Mark.of(state)
     samples.take_share(12, 0, 3)  # the interrupted step took its share...
     layer(torch.ones(1, 3)).sum().backward()  # ...and computed part of a gradient
@@ -61,8 +61,7 @@ def _diloco_replica():
     composed = dp.compose(model, recipe, torch.optim.AdamW, lr=1e-2)
     return SimpleNamespace(
         model=composed.model, optimizer=composed.optimizer, averager=composed.averager,
-        samples=SampleStream(1000, seed=1), step=0, skipped_steps=0, consecutive_skips=0,
-        gradients=None, history=[], evals=[],
+        ledger=Ledger(samples=SampleStream(1000, seed=1)), gradients=None,
     )  # fmt: skip
 
 
@@ -73,8 +72,8 @@ def _steps(state, count: int) -> None:
         state.optimizer.step()
         state.optimizer.zero_grad()
         state.averager.step()
-        state.samples.take_share(5, 0, 1)
-        state.step += 1
+        state.ledger.samples.take_share(5, 0, 1)
+        state.ledger.step += 1
 
 
 def test_a_window_mark_brings_a_diloco_replica_back_bit_for_bit():
@@ -91,7 +90,7 @@ def test_a_window_mark_brings_a_diloco_replica_back_bit_for_bit():
     moment = [v.clone() for v in state.averager.outer.state_dict()["state"][0].values()]
     assert not state.averager.at_boundary()
     mark.rewind(state)
-    assert (state.step, state.averager.steps, state.samples.consumed) == (3, 3, 15)
+    assert (state.ledger.step, state.averager.steps, state.ledger.samples.consumed) == (3, 3, 15)
     _steps(state, 5)
     again = list(state.model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
@@ -132,7 +131,7 @@ def test_a_rewound_step_puts_the_compression_state_back():
     reduce(1.0)  # step 1: entries 6 and 7 sent, 0..5 held back
     layer = torch.nn.Linear(3, 2)
     state = SimpleNamespace(
-        step=1, samples=SampleStream(100, seed=1, consumed=12), skipped_steps=0,
+        ledger=Ledger(samples=SampleStream(100, seed=1, consumed=12), step=1),
         optimizer=torch.optim.SGD(layer.parameters(), lr=0.1), gradients=None, model=layer,
     )  # fmt: skip
     mark = Mark.of(state, StepCopy(hook))

@@ -62,11 +62,11 @@ def test_accumulation_gives_the_losses_and_weights_of_the_whole_batch():
 
 def test_the_step_loss_is_the_mean_token_loss_of_the_batch(world):
     state = setup(_config(batch=3, accum=2), world, _corpus())
-    start = dict(state.samples.state_dict())
+    start = dict(state.ledger.samples.state_dict())
     model = type(state.model)(state.model.config)
     model.load_state_dict(state.model.state_dict())
     record = train_step(state)
-    state.samples.load_state_dict(start)
+    state.ledger.samples.load_state_dict(start)
     inputs, targets = state.train_windows.batch(next_indices(state, 6))
     with torch.no_grad():
         expected = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
@@ -95,10 +95,10 @@ def test_evaluation_scores_the_chosen_windows_exactly(world):
 
 def test_indices_run_on_into_the_next_epoch(world):
     state = setup(_config(batch=2), world, _corpus())
-    state.samples = SampleStream(5, seed=0)
+    state.ledger.samples = SampleStream(5, seed=0)
     first, second = next_indices(state, 4), next_indices(state, 4)
     assert sorted(first + second[:1]) == [0, 1, 2, 3, 4]
-    assert (state.samples.epoch, state.samples.consumed) == (1, 8)
+    assert (state.ledger.samples.epoch, state.ledger.samples.consumed) == (1, 8)
 
 
 class _Poisoned(torch.nn.Module):
@@ -124,13 +124,13 @@ def test_non_finite_steps_are_skipped_and_k_in_a_row_stop_the_run(world):
     weights = {k: v.clone() for k, v in dp.full_state_dict(state.model).items()}
     model.poisoned = True
     records = [train_step(state) for _ in range(2)]
-    assert (state.step, state.skipped_steps, state.consecutive_skips) == (1, 2, 2)
+    assert (state.step, state.ledger.skipped_steps, state.ledger.consecutive_skips) == (1, 2, 2)
     assert [r.skipped_steps for r in records] == [1, 2]
     after = dp.full_state_dict(state.model)
     assert all(torch.equal(after[k], weights[k]) for k in weights)  # nothing moved
     model.poisoned = False
     train_step(state)  # a good step resets the count, and trains
-    assert (state.step, state.consecutive_skips) == (2, 0)
+    assert (state.step, state.ledger.consecutive_skips) == (2, 0)
     model.poisoned = True
     with pytest.raises(FloatingPointError, match="3 steps in a row after step 2"):
         fit(state, [])
@@ -142,7 +142,7 @@ def test_an_overflowing_fp16_step_is_skipped_without_moving_anything(world):
     state.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # fp16 overflows at once
     weights = {k: v.clone() for k, v in dp.full_state_dict(state.model).items()}
     record = train_step(state)
-    assert (state.step, state.skipped_steps, record.skipped_steps) == (0, 1, 1)
+    assert (state.step, state.ledger.skipped_steps, record.skipped_steps) == (0, 1, 1)
     assert record.loss_scale == 2.0**39 and not state.optimizer.state  # no step was taken
     after = dp.full_state_dict(state.model)
     assert all(torch.equal(after[k], v) for k, v in weights.items())
@@ -178,11 +178,11 @@ def test_masked_targets_are_neither_summed_nor_counted(world, tmp_path):
     from dataparallel.data.packing import IGNORE
 
     state = setup(_masked_config(tmp_path, batch=3, accum=2), world)
-    start = dict(state.samples.state_dict())
+    start = dict(state.ledger.samples.state_dict())
     model = type(state.model)(state.model.config)
     model.load_state_dict(state.model.state_dict())
     record = train_step(state)
-    state.samples.load_state_dict(start)
+    state.ledger.samples.load_state_dict(start)
     inputs, targets = state.train_windows.batch(next_indices(state, 6))
     counted = int((targets != IGNORE).sum())
     assert 0 < counted < 6 * 16 and record.tokens == counted

@@ -29,7 +29,7 @@ def _step(step: int, loss: float) -> StepRecord:
 
 def _session(run_dir, start: int, stop: int, loss_offset: float = 0.0) -> None:
     """A training session of the logger alone: steps start+1..stop, a validation every 4."""
-    state = SimpleNamespace(step=start, history=[], evals=[])
+    state = SimpleNamespace(step=start, ledger=SimpleNamespace(history=[], evals=[]))
     logger = MetricsLogger(run_dir)
     logger.on_start(state)
     for step in range(start + 1, stop + 1):
@@ -93,8 +93,7 @@ def _state(main: bool, step: int, history: list, evals: list = ()) -> SimpleName
     return SimpleNamespace(
         world=SimpleNamespace(is_main=main),
         step=step,
-        history=history[:step],
-        evals=[e for e in evals if e.step <= step],
+        ledger=SimpleNamespace(history=history[:step], evals=[e for e in evals if e.step <= step]),
         config=SimpleNamespace(train=SimpleNamespace(steps=8)),
         last_step=8,
     )

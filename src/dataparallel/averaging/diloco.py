@@ -18,7 +18,6 @@ DiLoCo, bit for bit.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -168,15 +167,11 @@ class DiLoCo(LocalSGD):
         if not self.overlap or self.mix == 0.0:  # mixed with local values: still apart
             self.synced[fragment] = self.steps
 
-    def state_tensors(self) -> list[torch.Tensor]:
-        """The anchor, the outer optimizer's state and the outer residual (this rank's)."""
-        state = [v for s in self.outer.state.values() for v in s.values() if torch.is_tensor(v)]
-        residual = self.quantize.state_tensors() if self.quantize is not None else []
-        return [a.detach() for a in self.anchors] + state + residual
-
-    def state_dict(self) -> tuple[list[dict], dict[str, torch.Tensor]]:
-        """As LocalSGD's; a reduction in flight is waited for and kept as "pending" entries of
-        its fragment's tensors (the same on every replica), applied when it falls due."""
+    def state_dict(self) -> dict:
+        """As LocalSGD's ([Note: averager state]): per held tensor its anchor and outer
+        optimizer state, this rank's outer residuals as "local", and the schedule's
+        bookkeeping. A reduction in flight is waited for and kept as "pending" entries of its
+        fragment's tensors (the same on every replica), applied when it falls due."""
         pending = {}
         if self.pending is not None:
             fragment, due, reduction = self.pending
@@ -185,7 +180,7 @@ class DiLoCo(LocalSGD):
             values = [torch.empty_like(self.anchors[i]) for i in self.parts[fragment]]
             unflatten(flat, values)
             pending = dict(zip(self.parts[fragment], values, strict=True))
-        shared = [
+        tensors = [
             {
                 "anchor": anchor.detach(),
                 **self.outer.state.get(anchor, {}),
@@ -194,20 +189,25 @@ class DiLoCo(LocalSGD):
             for i, anchor in enumerate(self.anchors)
         ]
         local = keyed_tensors(self.quantize.stores()) if self.quantize is not None else {}
-        return shared, local
+        schedule = {"synced": list(self.synced), "reduced": self.reduced}
+        return {"steps": self.steps, "tensors": tensors, "local": local, "schedule": schedule}
 
     @torch.no_grad()
-    def load_state_dict(self, steps: int, shared: list[dict], local: dict) -> None:
-        super().load_state_dict(steps, shared, local)
-        pending = {}
-        for i, (anchor, entries) in enumerate(zip(self.anchors, shared, strict=True)):
+    def load_state_dict(self, state: dict) -> None:
+        """As LocalSGD's; a state without "schedule" (a checkpoint's) leaves the schedule's
+        bookkeeping as it is."""
+        super().load_state_dict(state)
+        steps, pending = self.steps, {}
+        self.outer.state.clear()
+        for i, (anchor, entries) in enumerate(zip(self.anchors, state["tensors"], strict=True)):
             for key, value in entries.items():
                 if key == "anchor":
                     anchor.copy_(value.view_as(anchor))
                 elif key == "pending":
                     pending[i] = value.view_as(anchor).clone()
-                else:
-                    self.outer.state[anchor][key] = value.view_as(anchor).clone()
+                else:  # the outer optimizer's; a scalar (Adam's step) as it is
+                    shaped = value if value.dim() == 0 else value.view_as(anchor)
+                    self.outer.state[anchor][key] = shaped.to(anchor.device, copy=True)
         self.pending = None
         if pending:  # the fragment whose reduction was in flight, due `overlap` after its start
             fragment = next(p for p, part in enumerate(self.parts) if part and part[0] in pending)
@@ -218,8 +218,11 @@ class DiLoCo(LocalSGD):
             )
             flat = flatten([pending[i] for i in self.parts[fragment]])
             self.pending = (fragment, started + self.overlap, Reduced(None, lambda: flat))
-        if self.quantize is not None:
-            load_keyed_tensors(self.quantize.stores(), local)
+        if "schedule" in state:
+            self.synced = list(state["schedule"]["synced"])
+            self.reduced = state["schedule"]["reduced"]
+        if self.quantize is not None and "local" in state:
+            load_keyed_tensors(self.quantize.stores(), state["local"])
 
     # -- live recovery ([Note: live averaging] in train/live/rewind.py) -----------------------------
     def at_boundary(self) -> bool:
@@ -227,45 +230,12 @@ class DiLoCo(LocalSGD):
         warm-up; the start of each fragment's window, or its end under overlap)."""
         return self.pending is None and self.reduced == self.steps
 
-    def mark(self) -> dict:
-        """The shared state and this replica's own outer residuals, copied."""
-        residuals = {}
-        if self.quantize is not None:
-            residuals = {n: dict(store) for n, store in self.quantize.stores().items()}
-        return copy.deepcopy({**self.shared(), "residuals": residuals})
-
-    def rewind(self, mark: dict) -> None:
-        self.adopt(copy.deepcopy(mark), keep_tensors=True)
-        if self.quantize is not None:
-            for name, store in self.quantize.stores().items():
-                store.clear()
-                store.update(copy.deepcopy(mark["residuals"][name]))
-
-    def shared(self) -> dict:
-        """The step count, the anchors, the outer optimizer's state and the schedule's
-        bookkeeping (equal on every replica at a boundary); not the outer residuals, which
-        are each replica's own error."""
-        return {
-            "steps": self.steps,
-            "anchors": [a.detach() for a in self.anchors],
-            "outer": self.outer.state_dict(),
-            "synced": list(self.synced),
-            "reduced": self.reduced,
-        }
-
     @torch.no_grad()
-    def adopt(self, shared: dict, keep_tensors: bool = False) -> None:
-        """Take a live replica's `shared`; the held tensors then start from the anchors (the
-        source's own inner progress on fragments not yet synchronised is not this replica's
-        to keep); `keep_tensors`: leave them (a rewind restores them with the model)."""
-        self.steps, self.reduced = shared["steps"], shared["reduced"]
-        self.synced = list(shared["synced"])
-        self.pending = None
-        for anchor, value in zip(self.anchors, shared["anchors"], strict=True):
-            anchor.copy_(value)
-        self.outer.load_state_dict(shared["outer"])
-        if keep_tensors:
-            return
+    def adopt(self, shared: dict) -> None:
+        """Take a live replica's `shared()` ([Note: averager state]); the held tensors then
+        start from the anchors (the source's own inner progress on fragments not yet
+        synchronised is not this replica's to keep; its own outer residuals are kept)."""
+        self.load_state_dict(shared)
         for tensor, anchor in zip(self.tensors, self.anchors, strict=True):
             tensor.copy_(anchor.detach().to(tensor.dtype))
         refresh_params(self.model)

@@ -25,6 +25,16 @@ momentum equals local SGD with every=1.
     for batch in batches:
         loss(batch).backward(); optimizer.step(); optimizer.zero_grad()
         averager.step()
+
+[Note: averager state] An averager's state is one dict, `state_dict()`: "steps" (its step
+count), "tensors" (per held tensor, what it keeps beside it: DiLoCo's anchor, its outer
+optimizer's state and a reduction in flight's result, "pending"; sharded as the held tensors
+are), "local" (this rank's own state by name: DiLoCo's outer residuals) and, under DiLoCo,
+"schedule" (the step each fragment was last synchronised at, and the last reduction's). A
+checkpoint stores its steps, tensors and local (checkpoint/state.py); a live replica's rewind
+keeps a copy of all of it (train/rewind.py's WindowMark); a heal sends `shared()`, the same
+less "local" (each replica's own error), which the healed replica `adopt`s: its held tensors
+then start from the anchors.
 """
 
 from __future__ import annotations
@@ -103,18 +113,28 @@ class LocalSGD:
     def wire_bytes(self) -> int:
         return self.comm.total_wire_bytes()
 
-    def state_tensors(self) -> list[torch.Tensor]:
-        return []
+    def state_dict(self) -> dict:
+        """What a checkpoint and a rewind need ([Note: averager state]): local SGD holds
+        nothing but its step count."""
+        return {"steps": self.steps, "tensors": [{} for _ in self.tensors], "local": {}}
 
-    def state_dict(self) -> tuple[list[dict], dict[str, torch.Tensor]]:
-        """(per held tensor, its state; this rank's own state), for a checkpoint. The step
-        count is `steps`."""
-        return [{} for _ in self.tensors], {}
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` (a checkpoint's, a rewind's mark): its "tensors" aligned with
+        the held tensors (any entry may be a flat copy), its "local" this rank's own state
+        (empty after a change of layout; absent: this rank's is kept)."""
+        self.steps = int(state["steps"])
 
-    def load_state_dict(self, steps: int, shared: list[dict], local: dict) -> None:
-        """Continue from a checkpoint: `shared` aligned with the held tensors (any entry may
-        be a flat copy), `local` this rank's own state (empty after a change of layout)."""
-        self.steps = steps
+    def shared(self) -> dict:
+        """What a replica healed at a boundary receives from a live one: the state every
+        replica has in common, `state_dict()` less this rank's own "local" (local SGD: the
+        step count; the parameters, equal at a boundary, travel with the model)."""
+        state = self.state_dict()
+        del state["local"]
+        return state
+
+    def adopt(self, shared: dict) -> None:
+        """Take `shared` from a live replica, after the model and optimizer were loaded."""
+        self.load_state_dict(shared)
 
     # -- live recovery ([Note: live averaging] in train/live/rewind.py) -----------------------------
     def rebind(self, group: dist.ProcessGroup) -> None:
@@ -125,21 +145,3 @@ class LocalSGD:
         """Whether every replica's movement so far has been synchronised and nothing is in
         flight: the point a live replica goes back to when a peer is lost."""
         return self.steps % self.every == 0
-
-    def mark(self) -> dict:
-        """A copy of what `rewind` restores (taken at a boundary)."""
-        return {"steps": self.steps}
-
-    def rewind(self, mark: dict) -> None:
-        """Go back to `mark` (the held tensors go back with the model and optimizer)."""
-        self.steps = mark["steps"]
-
-    def shared(self) -> dict:
-        """What a replica healed at a boundary receives from a live one: the state every
-        replica has in common (local SGD: the step count; the parameters, equal at a
-        boundary, travel with the model)."""
-        return {"steps": self.steps}
-
-    def adopt(self, shared: dict) -> None:
-        """Take `shared` from a live replica, after the model and optimizer were loaded."""
-        self.steps = shared["steps"]

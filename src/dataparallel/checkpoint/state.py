@@ -87,14 +87,14 @@ def _state_chunk(name: str, key: str, value, piece) -> Chunk:
 
 
 def _averager_chunks(averager, by_key: dict, rank: int) -> dict[str, Chunk]:
-    chunks = {"outer/steps": Chunk(torch.tensor(averager.steps))}
-    shared, local = averager.state_dict()
-    for held, entries in zip(averager.tensors, shared, strict=True):
+    state = averager.state_dict()  # [Note: averager state] in averaging.py
+    chunks = {"outer/steps": Chunk(torch.tensor(state["steps"]))}
+    for held, entries in zip(averager.tensors, state["tensors"], strict=True):
         piece = by_key[id(held)]
         for key, value in entries.items():
             flat = value.detach().reshape(-1)
             chunks[f"outer/{piece.name}/{key}"] = _piece_chunk(flat, piece)
-    for name, tensor in local.items():
+    for name, tensor in state["local"].items():
         chunks[f"rank{rank}/outer/{name}"] = Chunk(tensor.detach())
     return chunks
 
@@ -170,7 +170,7 @@ def load_state(
         steps, shared, local_state = outer
         device = averager.tensors[0].device if averager.tensors else "cpu"
         local_state = {k: v.to(device) for k, v in local_state.items()}
-        averager.load_state_dict(int(steps), shared, local_state)
+        averager.load_state_dict({"steps": int(steps), "tensors": shared, "local": local_state})
     strategy.refresh_params()  # ZeRO-1/2 all-gather their loaded shards, ZeRO-3 regathers
 
 

@@ -4,7 +4,9 @@
     checks.py        validation of a config before anything starts
     launch.py        starting the workers (the shared launcher, launch/, does it)
     worker.py        one worker: prepare, fit, report
-    trainer.py       setup(), train_step(), evaluate()
+    trainer.py       TrainState, setup(), train_step(), evaluate()
+    step.py          a step's concerns: data, loss, verdict, vote, update
+    ledger.py        the run's ledger: how far it got (checkpoints, rewinds, heals)
     loop.py          fit() and the Callback protocol
     schedule.py      warm-up + cosine learning rate, linear scaling
     progress.py      rank 0's header and progress bar

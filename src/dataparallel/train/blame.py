@@ -113,6 +113,6 @@ class Blame(Callback):
             self.write(
                 f"dataparallel train: warning: step {record.step + 1} skipped: the loss or "
                 f"gradient of {ranks_text(record.nonfinite_ranks)} was not finite before the "
-                f"reduction ({state.consecutive_skips} in a row, --max-skips "
+                f"reduction ({state.ledger.consecutive_skips} in a row, --max-skips "
                 f"{state.config.train.max_skips})"
             )

@@ -111,9 +111,8 @@ def run_state(state: TrainState) -> dict:
         key = f"model/{first}" if first is not None else f"buffer/{name}"
         weights.append([name, prefix + key])
     return {
-        "step": state.step,
-        "samples": state.samples.state_dict(),
-        "skipped_steps": state.skipped_steps,
+        "step": state.step,  # also in the ledger: what `latest_checkpoint` and tools read
+        "ledger": state.ledger.state_dict(),
         "global_batch": state.config.global_batch,
         "replicas": replicas,
         "layout": layout(state),
@@ -121,6 +120,24 @@ def run_state(state: TrainState) -> dict:
         "shapes": model_shapes(state.model),
         "weights": weights,
         "metadata": weights_metadata(state),
+    }
+
+
+def saved_ledger(plain: dict) -> dict:
+    """The ledger a checkpoint's run state holds ([Note: the ledger] in ledger.py). One written
+    before the ledger (its step, data position and skipped steps at the top level) resumes as
+    it did: no step in a row was non-finite at a save, and the random state, the evaluations
+    and the clock are this session's."""
+    if "ledger" in plain:
+        return plain["ledger"]
+    return {
+        "step": plain["step"],
+        "skipped_steps": plain["skipped_steps"],
+        "consecutive_skips": 0,
+        "samples": plain["samples"],
+        "rng": torch.random.get_rng_state().numpy().tobytes().hex(),
+        "evals": [],
+        "elapsed_s": None,
     }
 
 
@@ -274,9 +291,7 @@ def restore(state: TrainState, run_dir: Path, name: str = "") -> None:
         prefix=replica_prefix(state),
         local=plain["layout"] == layout(state),
     )
-    state.samples.load_state_dict(plain["samples"])
-    state.step = int(plain["step"])
-    state.skipped_steps = int(plain["skipped_steps"])
+    state.ledger.load_state_dict(saved_ledger(plain))
     if state.scaler is not None and plain["scaler"]:
         state.scaler.load_state_dict(plain["scaler"])
 

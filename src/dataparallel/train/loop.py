@@ -72,13 +72,13 @@ def fit(state: TrainState, callbacks: list[Callback], steps: Steps | None = None
 
     steps: how a step and an evaluation run (default `Steps()`: as they are).
     """
-    steps = steps or Steps()
+    steps, ledger = steps or Steps(), state.ledger
     for callback in callbacks:
         callback.on_start(state)
-    if state.step == 0 and not state.evals:  # a live run's replacement healed at step 0 has one
+    if state.step == 0 and not ledger.evals:  # a live run's replacement healed at step 0 has one
         _evaluate_and_report(state, callbacks, steps)
-    if state.fit_started is None:
-        state.fit_started = time.perf_counter()
+    if ledger.fit_started is None:
+        ledger.fit_started = time.perf_counter()
     while state.step < state.last_step:
         before = state.step
         try:
@@ -86,11 +86,11 @@ def fit(state: TrainState, callbacks: list[Callback], steps: Steps | None = None
             if state.step == before:  # skipped on every rank: counted in the next record too
                 for callback in callbacks:
                     callback.on_skip(state, record)
-                if state.consecutive_skips >= state.config.train.max_skips:
+                if ledger.consecutive_skips >= state.config.train.max_skips:
                     raise FloatingPointError(_too_many_skips(state, record))
                 continue
-            record = dataclasses.replace(record, elapsed_s=time.perf_counter() - state.fit_started)
-            state.history.append(record)
+            record = dataclasses.replace(record, elapsed_s=ledger.elapsed())
+            ledger.history.append(record)
             if should_evaluate(state.config, state.step):
                 _evaluate_and_report(state, callbacks, steps)
         except Rewound:
@@ -110,7 +110,7 @@ def _too_many_skips(state: TrainState, record: StepRecord) -> str:
     where = ", ".join(map(str, ranks))
     blame = f"; before the reduction it was not finite on rank(s) {where}" if ranks else ""
     return (
-        f"{state.consecutive_skips} steps in a row after step {state.step} had a non-finite "
+        f"{state.ledger.consecutive_skips} steps in a row after step {state.step} had a non-finite "
         f"loss or gradient (the last loss: {record.loss}){blame}; the run stops with its last "
         "checkpoint kept: lower --lr, or use --precision fp32"
     )
@@ -118,6 +118,6 @@ def _too_many_skips(state: TrainState, record: StepRecord) -> str:
 
 def _evaluate_and_report(state: TrainState, callbacks: list[Callback], steps: Steps) -> None:
     evaluation = steps.evaluate(state)
-    state.evals.append(evaluation)
+    state.ledger.evals.append(evaluation)
     for callback in callbacks:
         callback.on_eval(state, evaluation)

@@ -48,7 +48,7 @@ def after_step(step: int) -> int:
 def start_position(state: TrainState) -> int:
     """Where a writer beginning at `state`'s start writes next: after its step, or at 0 before
     the first evaluation."""
-    return after_step(state.step) if state.step or state.evals else 0
+    return after_step(state.step) if state.step or state.ledger.evals else 0
 
 
 def train_line(record: StepRecord) -> dict:
@@ -114,11 +114,13 @@ class MetricsLogger(Callback):
 
     def open(self, state: TrainState, upto: int) -> None:
         """Begin writing at position `upto`: cut the file to the records before it, then write
-        those before it that this process remembers (the session's `state.history` and
-        `state.evals`) and the file lacks: what a lost writer had no time to write."""
+        those before it that this process remembers (the session's records in `state.ledger`)
+        and the file lacks: what a lost writer had no time to write."""
         kept = cut_metrics(self.run_dir, upto)
         last = max(map(position_of, kept), default=-1)
-        remembered = [train_line(r) for r in state.history] + [val_line(r) for r in state.evals]
+        remembered = [train_line(r) for r in state.ledger.history] + [
+            val_line(r) for r in state.ledger.evals
+        ]
         lost = sorted((r for r in remembered if last < position_of(r) < upto), key=position_of)
         self.handle = open(self.run_dir / METRICS, "a", buffering=1)  # line-buffered
         if self.tensorboard:

@@ -22,8 +22,6 @@ Only targets the loss counts are counted: for prompt/completion and chat data th
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,21 +35,28 @@ from ..comm.progress import PROGRESS
 from ..data.corpus import Corpus, TokenWindows, evenly_spaced
 from ..data.loading import DataInfo, load_datasets
 from ..data.packing import IGNORE, PackedWindows
-from ..data.stream import SampleStream, split_evenly
+from ..data.stream import SampleStream
 from .config import RunConfig
 from .gradient_watch import GradientWatch
+from .ledger import Ledger
 from .loss import all_reduce_sum, token_loss_sum
 from .model_source import BuiltModel, ModelSource, build_for_run
 from .records import EvalRecord, StepRecord
 from .schedule import WarmupCosine, scaled_lr
+from .step import Vote, forward_backward, own_verdict, set_lr, take_batch, update
 from .sync import recipe_of
 from .tensor_parallel import DataRanks, split_for_run
-from .update import bytes_sent, clip_and_step
+from .update import bytes_sent
 
 
 @dataclass(kw_only=True)
 class TrainState:
-    """The live objects of a run and how far it has got (mutable, unlike the configs)."""
+    """A run: what is built once (the configs, the world, the model and its optimizer, the
+    data), and its ledger, how far it has got ([Note: the ledger] in ledger.py).
+
+    The built part changes only when a live run regroups (`world`, `data`: [Note: live
+    recovery] in recovery.py); the ledger changes with every step.
+    """
 
     config: RunConfig
     world: dp.World
@@ -60,28 +65,22 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     schedule: WarmupCosine
     peak_lr: float
-    samples: SampleStream  # the data position, in global samples ([Note: global sample position])
     train_windows: TokenWindows | PackedWindows
     val_windows: TokenWindows | PackedWindows
     corpus: Corpus | DataInfo  # what the records name: sha256, source, num_files, num_tokens
     data: DataRanks  # the ranks that read different data: the dp ones ([Note: the job's mesh])
+    ledger: Ledger  # the step, the skips, the data position, ... ([Note: the ledger])
     scaler: torch.amp.GradScaler | None = None
     averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (dp.compose), or None
     tracer: dp.Tracer = field(default_factory=dp.Tracer)  # on for --trace steps (tracing.py)
     composed: dp.Composed | None = None  # what dp.compose built (autocast, the recipe)
     source: object | None = None  # the Hugging Face directory of an hf:DIR model (models/hf.py)
-    step: int = 0
-    skipped_steps: int = 0  # steps skipped on every rank (overflow or a non-finite loss/gradient)
-    consecutive_skips: int = 0  # non-finite steps in a row ([Note: non-finite steps])
     gradients: GradientWatch | None = None  # this rank's verdict before reduction ([Note: blame])
-    history: list = field(default_factory=list)  # the StepRecords of this session
-    evals: list = field(default_factory=list)  # the EvalRecords of this session
-    # time.perf_counter() when fit began; elapsed_s counts from it (a live run's replacement
-    # takes its source's, so that the run's elapsed_s goes on: [Note: live recovery]).
-    fit_started: float | None = None
-    # Live recovery of HSDP replicas: called before the update; raises unless every rank of
-    # this replica got through the step's collectives ([Note: HSDP replicas] in live/replica.py).
-    agree: Callable[[], None] | None = None
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (the ledger's: what callbacks read most)."""
+        return self.ledger.step
 
     @property
     def global_batch(self) -> int:
@@ -179,11 +178,11 @@ def setup(
         optimizer=composed.optimizer,
         schedule=schedule,
         peak_lr=peak_lr,
-        samples=samples,
         train_windows=train_windows,
         val_windows=val_windows,
         corpus=corpus,
         data=data,
+        ledger=Ledger(samples=samples),
         scaler=composed.scaler,
         averager=composed.averager,
         tracer=composed.tracer,
@@ -196,11 +195,17 @@ def setup(
 def next_indices(state: TrainState, count: int) -> list[int]:
     """This rank's next `count` samples; the stream then counts exactly the samples trained on
     (every rank's), so its state_dict is the resume point with no prefetch to correct for."""
-    return state.samples.take(count, state.data.rank, state.data.size)
+    return state.ledger.samples.take(count, state.data.rank, state.data.size)
 
 
-def train_step(state: TrainState) -> StepRecord:
-    """One optimizer step over `accum` micro-batches of this rank's data.
+def train_step(state: TrainState, before_update: Callable[[], None] | None = None) -> StepRecord:
+    """One optimizer step over `accum` micro-batches of this rank's data, in its concerns: the
+    data, the loss (forward and backward), this rank's own verdict ([Note: blame]), the vote (one
+    all-reduce of the loss, every rank's time and verdict), the update, and the record.
+
+    before_update: called before the update; raises to abandon the step (live recovery of HSDP
+        replicas: unless every rank of the replica got through the step's collectives,
+        [Note: HSDP replicas] in replica.py).
 
     [Note: uneven batches] A global batch that accum x world size does not divide is shared as
     evenly as it goes: rank r takes its share of the step's samples (SampleStream.take_share:
@@ -215,81 +220,37 @@ def train_step(state: TrainState) -> StepRecord:
     """
     started, started_ns = time.perf_counter(), time.perf_counter_ns()
     waited = PROGRESS.waited()  # [Note: blame]: a rank's work time leaves out its waits
-    config, world, model, trace = state.config, state.world, state.model, state.tracer
     sent_before = bytes_sent(state)
-    accum = config.train.accum
-    with trace.span("data"):  # [Note: uneven batches]
-        data = state.data  # the dp coordinate under --tp
-        indices = state.samples.take_share(state.global_batch, data.rank, data.size)
-        micro = [state.train_windows.batch(part) for part in split_evenly(indices, accum)]
-        local_tokens = sum(int((targets != IGNORE).sum()) for _, targets in micro)
-        (global_tokens,) = all_reduce_sum([local_tokens * data.weight], world, trace)
-        # [Note: loss normalisation]; a step of prompts only counts 0 tokens: a zero gradient
-        scale = data.size / max(global_tokens, 1)
-        lr = state.peak_lr * state.schedule(state.step)
-        for group in state.optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
-    scaler = state.scaler
-    for k, (inputs, targets) in enumerate(micro):
-        # Every micro-step but the last accumulates locally; the last one's backward reduces.
-        sync = contextlib.nullcontext() if k == accum - 1 else dp.no_sync(model)
-        with sync:
-            with trace.span("forward", micro=k):
-                summed = token_loss_sum(state, inputs.to(world.device), targets.to(world.device))
-                loss = summed * scale
-            with trace.span("backward", micro=k):
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum += summed.detach().double()
+    with state.tracer.span("data"):  # [Note: uneven batches]
+        batch = take_batch(state)
+        lr = set_lr(state)
+    loss_sum = forward_backward(state, batch)
     work_s = time.perf_counter() - started - (PROGRESS.waited() - waited)
-    bad = not math.isfinite(float(loss_sum))  # this rank's own verdict ([Note: blame])
-    if state.gradients is not None:
-        bad = state.gradients.nonfinite() or bad  # called every step: it starts the next
-    with trace.span("loss"):  # the loss, and each rank's time and verdict in its own slots
-        sums = all_reduce_sum(
-            [float(loss_sum) * data.weight, *_slot(work_s, world), *_slot(float(bad), world)],
-            world,
-            trace,
-        )
-    total_loss, size = sums[0], world.world_size
-    rank_step_s, bad_ranks = sums[1 : 1 + size], sums[1 + size :]
-    if state.agree is not None:
-        state.agree()
-    with trace.span("optimizer"):
-        grad_norm, skipped, nonfinite = clip_and_step(state, total_loss)
-    if state.averager is not None and not skipped:
-        with trace.span("averager"):
-            state.averager.step()  # every H steps: synchronise the replicas' parameters
-            if state.step + 1 == state.config.train.steps:
-                state.averager.finish()  # DiLoCo: the run ends on one model
-    if skipped:
-        state.skipped_steps += 1
-    else:
-        state.step += 1
-    state.consecutive_skips = state.consecutive_skips + 1 if nonfinite else 0
-    if trace.enabled:
-        trace.add(Span("step", "step", started_ns, time.perf_counter_ns(), {"step": state.step}))
+    vote = Vote.of(state, loss_sum, work_s, own_verdict(state, loss_sum))
+    if before_update is not None:
+        before_update()
+    grad_norm, skipped, nonfinite = update(state, vote.loss)
+    state.ledger.count(skipped, nonfinite)  # and the record
+    if state.tracer.enabled:
+        span = Span("step", "step", started_ns, time.perf_counter_ns(), {"step": state.step})
+        state.tracer.add(span)
     sent = bytes_sent(state)
+    scaler = state.scaler
     return StepRecord(
         step=state.step,
-        loss=total_loss / max(global_tokens, 1),
+        loss=vote.loss / max(batch.global_tokens, 1),
         lr=lr,
         grad_norm=grad_norm,
-        tokens=int(global_tokens),
+        tokens=int(batch.global_tokens),
         step_time_s=time.perf_counter() - started,
         elapsed_s=0.0,
         loss_scale=scaler.get_scale() if scaler is not None else 1.0,
-        skipped_steps=state.skipped_steps,
+        skipped_steps=state.ledger.skipped_steps,
         bytes_sent=sent[0] - sent_before[0],
         wire_bytes=sent[1] - sent_before[1],
-        rank_step_s=tuple(round(t, 6) for t in rank_step_s),
-        nonfinite_ranks=tuple(r for r, b in enumerate(bad_ranks) if b) if nonfinite else (),
+        rank_step_s=tuple(round(t, 6) for t in vote.rank_step_s),
+        nonfinite_ranks=vote.bad_ranks if nonfinite else (),
     )
-
-
-def _slot(value: float, world: dp.World) -> list[float]:
-    """`value` in this rank's place of a vector of world size zeros (summed: every rank's)."""
-    return [value if rank == world.rank else 0.0 for rank in range(world.world_size)]
 
 
 @torch.no_grad()

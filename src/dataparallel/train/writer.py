@@ -14,7 +14,7 @@ lowest live slot, so the role follows the membership:
   that record's position (a line the lost writer was killed while writing goes, and so do
   records it wrote of a step the survivors redo), then writes, from memory, the records
   before that position that the file lacks (every member keeps the session's step and
-  evaluation records: `state.history`, `state.evals`); so every step is in the file once.
+  evaluation records: `state.ledger.history`, `.evals`); so every step is in the file once.
 - slot 0's replacement let in: it is rank 0 again and takes the role at its first record;
   the member that held it hands it over (closes its files) at its next.
 - the writer let leave (`dataparallel leave`): it leaves at a step boundary, after its records

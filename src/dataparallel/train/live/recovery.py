@@ -65,7 +65,7 @@ from .groups import Abandoned, move_to_world
 from .membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
 from .quorum import Quorum
 from .replica import ReplicaVote, Seat, SiblingFailed
-from .rewind import Marks, forget_after, load_snapshot, snapshot
+from .rewind import Marks, load_snapshot, snapshot
 from .store import ENV_LIVE, client_store, group_prefix, run_store
 
 # The launcher decides; if it dies, its workers die with it (worker.die_with_launcher).
@@ -191,15 +191,15 @@ class LiveRecovery(Steps):
     def step(self, state: TrainState) -> StepRecord:
         self._check_training()
         before = state.step
-        if self.vote is not None:  # [Note: HSDP replicas]: the vote before an update
-            state.agree = self._agree
+        # [Note: HSDP replicas]: the vote before an update
+        agree = self._agree if self.vote is not None else None
         while True:
             mark = self.marks.take(state)
             try:
                 if self._at_boundary(state) and self._replacement_waits(state):
                     # Every member, the new one too, starts a step with this check.
                     raise RegroupAsked("a replica waits to join, or a member leaves")
-                return train_step(state)
+                return train_step(state, agree)
             except Exception as error:
                 asked = isinstance(error, RegroupAsked)
                 if not asked and not lost_peer(error):
@@ -249,7 +249,8 @@ class LiveRecovery(Steps):
         return Rewound(state.step)
 
     def _agree(self) -> None:
-        """`state.agree`: before the update, unless every rank of the replica got through."""
+        """Before the update (train_step's `before_update`): raises unless every rank of the
+        replica got through."""
         if not self.vote(failed=False):
             raise SiblingFailed("a rank of this replica failed a collective of the step")
 
@@ -314,7 +315,7 @@ class LiveRecovery(Steps):
         move_to_world(state, self.seat)
         self.marks.forget()
         self._heal(state, membership)
-        forget_after(state, state.step)
+        state.ledger.forget_after(state.step)
 
     def _abandon(self, state: TrainState) -> None:
         """Abandon the broken group for a world of one, without waiting for it ([Note:

@@ -20,8 +20,8 @@ ones (`Replica` in slots.py). Each process knows its slot and its index i in 0..
   gradients' all-reduce across replicas) may fail on some ranks of a replica and not on the
   others. A rank that went on would apply its update while its siblings rewind, and its shard
   would be a step ahead of theirs. So before any rank applies its update, the replica's ranks
-  agree that every one of them got through (`ReplicaVote`, called by the trainer through
-  `state.agree`); a rank that failed votes from its error path instead, and then all of them
+  agree that every one of them got through (`ReplicaVote`, called by train_step as its
+  `before_update`); a rank that failed votes from its error path instead, and then all of them
   rewind together. The vote goes through the launcher's store, not a collective: a collective
   on the shard group could pair with a sibling's gradient reduction still in flight there, and
   would fail as the failed collectives do. Every attempt at a step, an evaluation or a regroup

@@ -11,8 +11,8 @@ the replica has moved since the last synchronisation on its own. What can be und
 *window*: at a boundary (`at_boundary()`: every replica's movement so far has been synchronised
 and no reduction is in flight: under local SGD every H steps; under DiLoCo each step a
 reduction is applied at, every step of the warm-up) the replica copies its whole state
-(`WindowMark`: parameters, inner and outer optimizer state, anchors, its own outer residuals,
-the data position and the counters), and when a peer is lost every survivor goes back to it,
+(`WindowMark`: parameters, inner optimizer state, the averager's `state_dict()` and the
+ledger, [Note: the ledger] in ledger.py), and when a peer is lost every survivor goes back to it,
 the members regroup, and the steps since are redone by the survivors with the whole global batch
 of each step. The lost replica's inner steps since the boundary are then trained on again by the
 others: under local SGD and DiLoCo (F = 1, no overlap) no sample is lost or counted twice, and
@@ -24,8 +24,9 @@ synchronised: going back to the last one (a fragment's), the lost replica's move
 other fragments since their own last synchronisation is lost (at most H - H / F of its steps,
 on (F - 1) / F of the model); under overlap, its last tau steps before the boundary too.
 A replica healed at a boundary (new, or behind: its synchronisation failed where the source's
-had completed) takes the source's parameters, inner optimizer state and data position, and the
-averager's shared state (`shared()`: anchors, outer optimizer, schedule), then starts from the
+had completed) takes the source's parameters, inner optimizer state and ledger, and the averager's
+shared state (`shared()`: anchors, outer optimizer, schedule; [Note: averager state] in
+averaging.py), then starts from the
 anchors (DiLoCo: the source's own progress since is not its to keep; its own outer residuals are
 kept, a new replica's are zero). A copy costs one model, its optimizer state and the anchors in
 memory per replica, taken every boundary.
@@ -34,10 +35,7 @@ memory per replica, taken every boundary.
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
-
-import torch
 
 import dataparallel as dp
 
@@ -51,27 +49,23 @@ class Mark:
     """Where a step began, to rewind it (DDP: the step applied no update before its
     collectives, [Note: live recovery] in recovery.py).
 
-    step: the step counter at the start.
-    consumed: the data position at the start.
-    skipped_steps: the count of skipped steps at the start.
+    ledger: the ledger at the start (`Ledger.state_dict`: the step, the data position, ...).
     compression: the compression state at the start (`of` takes the copy), or None.
     """
 
-    step: int
-    consumed: int
-    skipped_steps: int
+    ledger: dict
     compression: StepCopy | None = None
 
     @classmethod
     def of(cls, state: TrainState, compression: StepCopy | None = None) -> Mark:
         if compression is not None:
             compression.take()
-        return cls(state.step, state.samples.consumed, state.skipped_steps, compression)
+        return cls(state.ledger.state_dict(), compression)
 
     def rewind(self, state: TrainState) -> None:
         """Undo a step whose collectives failed: it applied no update; drop its gradients, put
         its samples back and the compression state as it was."""
-        state.samples.consumed = self.consumed
+        state.ledger.rewind(self.ledger)
         state.optimizer.zero_grad(set_to_none=True)
         # A sharded optimizer steps pieces of flat shards: the model's own gradients that the
         # failed backward left (its buckets not reduced yet) would add to the redone ones.
@@ -92,34 +86,28 @@ def compression_hook(state: TrainState) -> CompressedHook | None:
 class WindowMark:
     """A replica's whole state at an averager's boundary, copied ([Note: live averaging]).
 
-    step, skipped_steps, consecutive_skips: the counters.
-    samples: the data position (`SampleStream.state_dict`).
+    ledger: the ledger (`Ledger.state_dict`: the counters, the data position, the random state).
     model: the parameters (`full_state_dict`, copied).
     optimizer: the inner optimizer's state dict (copied).
-    averager: the averager's `mark()`.
-    rng: torch's random state (dropout draws the same numbers when redone).
+    averager: the averager's `state_dict()` (copied).
     """
 
-    step: int
-    skipped_steps: int
-    consecutive_skips: int
-    samples: dict
+    ledger: dict
     model: dict
     optimizer: dict
     averager: dict
-    rng: torch.Tensor
+
+    @property
+    def step(self) -> int:
+        return self.ledger["step"]
 
     @classmethod
     def of(cls, state: TrainState) -> WindowMark:
         return cls(
-            step=state.step,
-            skipped_steps=state.skipped_steps,
-            consecutive_skips=state.consecutive_skips,
-            samples=copy.deepcopy(state.samples.state_dict()),
+            ledger=state.ledger.state_dict(),
             model={k: v.detach().clone() for k, v in dp.full_state_dict(state.model).items()},
             optimizer=copy.deepcopy(state.optimizer.state_dict()),
-            averager=state.averager.mark(),
-            rng=torch.random.get_rng_state(),
+            averager=copy.deepcopy(state.averager.state_dict()),
         )
 
     def rewind(self, state: TrainState) -> None:
@@ -130,13 +118,8 @@ class WindowMark:
             state.gradients.nonfinite()
         dp.load_full_state_dict(state.model, self.model)
         state.optimizer.load_state_dict(copy.deepcopy(self.optimizer))
-        state.averager.rewind(self.averager)
-        state.samples.load_state_dict(copy.deepcopy(self.samples))
-        state.step = self.step
-        state.skipped_steps = self.skipped_steps
-        state.consecutive_skips = self.consecutive_skips
-        torch.random.set_rng_state(self.rng)
-        forget_after(state, self.step)
+        state.averager.load_state_dict(copy.deepcopy(self.averager))
+        state.ledger.rewind(self.ledger)
 
 
 class Marks:
@@ -164,15 +147,10 @@ class Marks:
         self.window = None
 
 
-def forget_after(state: TrainState, step: int) -> None:
-    """Drop the session's records after `step` (steps a rewind undid: they are redone)."""
-    state.history = [r for r in state.history if r.step <= step]
-    state.evals = [r for r in state.evals if r.step <= step]
-
-
 def snapshot(state: TrainState) -> dict:
     """What a healed replica receives: everything a step changes ([Note: live recovery])."""
-    last = state.history[-1] if state.history and state.history[-1].step == state.step else None
+    ledger = state.ledger
+    last = ledger.history[-1] if ledger.history and ledger.history[-1].step == state.step else None
     hook = compression_hook(state)
     return {
         "model": dp.full_state_dict(state.model),
@@ -181,18 +159,15 @@ def snapshot(state: TrainState) -> dict:
         # replicas it is this rank's shard's, exact for the rank of the same index.
         "optimizer": state.optimizer.state_dict(),
         "averager": state.averager.shared() if state.averager is not None else None,
-        "samples": state.samples.state_dict(),
-        "step": state.step,
-        "skipped_steps": state.skipped_steps,
-        "consecutive_skips": state.consecutive_skips,
+        # The counters, the data position, the random state, the last evaluation (a
+        # replacement healed at step 0 skips the first one) and the time the run has trained,
+        # so that a replacement's elapsed_s goes on from it (it may write the records: [Note:
+        # the writer role] in writer.py).
+        "ledger": ledger.state_dict(),
         "last_record": last,
-        "evals": state.evals[-1:],  # a replacement healed at step 0 skips the first evaluation
         # What every rank's compressor holds equal, not this rank's own residuals ([Note:
         # compression across replicas] in compression/live.py).
         "compression": shared_state(hook) if hook is not None else None,
-        # The time the run has trained, so that a replacement's elapsed_s goes on from it (it
-        # may write the records: [Note: the writer role] in writer.py).
-        "elapsed_s": None if state.fit_started is None else time.perf_counter() - state.fit_started,
     }
 
 
@@ -201,12 +176,7 @@ def load_snapshot(state: TrainState, payload: dict) -> None:
     state.optimizer.load_state_dict(payload["optimizer"])
     if state.averager is not None:
         state.averager.adopt(payload["averager"])  # [Note: live averaging]
-    state.samples.load_state_dict(payload["samples"])
-    state.step = payload["step"]
-    state.skipped_steps = payload["skipped_steps"]
-    state.consecutive_skips = payload["consecutive_skips"]
-    state.evals = state.evals or payload["evals"]
-    forget_after(state, state.step)
+    state.ledger.load_state_dict(payload["ledger"])
     hook = compression_hook(state)
     if (hook is None) != (payload["compression"] is None):
         raise ValueError(
@@ -215,5 +185,3 @@ def load_snapshot(state: TrainState, payload: dict) -> None:
         )
     if hook is not None:
         load_shared_state(hook, payload["compression"])
-    if payload["elapsed_s"] is not None:
-        state.fit_started = time.perf_counter() - payload["elapsed_s"]

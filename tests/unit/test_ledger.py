@@ -1,0 +1,121 @@
+"""The run's ledger ([Note: the ledger] in train/ledger.py): its state dict's round trip, a
+rewind that keeps the clock, and checkpoints of the layout before it, which still resume."""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+
+import pytest
+import torch
+
+import dataparallel as dp
+from dataparallel.data.corpus import Corpus
+from dataparallel.data.stream import SampleStream
+from dataparallel.train.checkpointing import Checkpointer, restore
+from dataparallel.train.config import RunConfig
+from dataparallel.train.ledger import Ledger
+from dataparallel.train.records import EvalRecord
+from dataparallel.train.trainer import setup, train_step
+
+TEXT = (b"def f(x):\n    return x * 2\n\nclass A:\n    pass\n" * 40)[:1500]
+
+
+def _ledger() -> Ledger:
+    ledger = Ledger(samples=SampleStream(100, seed=7, consumed=36), step=3, skipped_steps=2)
+    ledger.consecutive_skips = 1
+    ledger.evals = [
+        EvalRecord(step=s, val_loss=5.0 - s, tokens=80, eval_time_s=0.1) for s in (0, 2)
+    ]
+    ledger.fit_started = time.perf_counter() - 40.0
+    return ledger
+
+
+def test_the_state_dict_round_trips_through_json():
+    saved = json.loads(json.dumps(_ledger().state_dict()))  # what a checkpoint writes
+    expected = torch.rand(4)  # the draws that follow the save
+    torch.rand(100)
+    ledger = Ledger(samples=SampleStream(100, seed=7))
+    ledger.load_state_dict(saved)
+    assert (ledger.step, ledger.skipped_steps, ledger.consecutive_skips) == (3, 2, 1)
+    assert ledger.samples.consumed == 36
+    assert torch.equal(torch.rand(4), expected)  # the random state came back
+    assert ledger.evals == [EvalRecord(step=2, val_loss=3.0, tokens=80, eval_time_s=0.1)]
+    assert 40.0 <= ledger.elapsed() < 50.0  # the clock goes on from the saved elapsed time
+    assert sorted(saved) == [
+        "consecutive_skips", "elapsed_s", "evals", "rng", "samples", "skipped_steps", "step",
+    ]  # fmt: skip
+
+
+def test_a_rewind_goes_back_in_steps_not_in_time():
+    ledger = _ledger()
+    saved = ledger.state_dict()
+    started = ledger.fit_started
+    ledger.samples.take_share(12, 0, 3)
+    ledger.step, ledger.consecutive_skips = 5, 0
+    ledger.evals.append(EvalRecord(step=4, val_loss=1.0, tokens=80, eval_time_s=0.1))
+    ledger.rewind(saved)
+    assert (ledger.step, ledger.consecutive_skips, ledger.samples.consumed) == (3, 1, 36)
+    assert [r.step for r in ledger.evals] == [0, 2]  # the records after step 3 are cut
+    assert ledger.fit_started == started
+
+
+def test_a_ledger_of_other_data_is_refused_in_one_line():
+    saved = _ledger().state_dict()
+    with pytest.raises(ValueError, match="seed=7, this run's 8; resume with the same data"):
+        Ledger(samples=SampleStream(100, seed=8)).load_state_dict(saved)
+
+
+def _state(world):
+    tokens = torch.frombuffer(bytearray(TEXT), dtype=torch.uint8)
+    corpus = Corpus(tokens=tokens, num_files=1, sha256="test", source="test")
+    config = RunConfig().replace(
+        data={"block_size": 16, "eval_windows": 5, "val_fraction": 0.2},
+        train={"steps": 6, "seed": 3, "batch": 4},
+        optim={"warmup_steps": 0},
+        launch={"nproc": 1},
+    )
+    return setup(config, world, corpus)
+
+
+def _as_written_before_the_ledger(checkpoint) -> None:
+    """Rewrite a checkpoint's train_state.json in the layout of the commit before the ledger
+    (step, data position and skipped steps at the top level), its manifest entry with it."""
+    path = checkpoint / "train_state.json"
+    plain = json.loads(path.read_text())
+    ledger = plain.pop("ledger")
+    plain.update(samples=ledger["samples"], skipped_steps=ledger["skipped_steps"])
+    path.write_text(json.dumps(plain, indent=1))
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    data = path.read_bytes()
+    manifest[path.name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+@pytest.mark.parametrize("layout", ["ledger", "before the ledger"])
+def test_a_checkpoint_resumes_the_run_where_it_stopped(layout, tmp_path):
+    """Two steps, a checkpoint, two more: the resumed run's two are the same losses; its ledger
+    is the saved one (consecutive skips from a checkpoint before the ledger: 0)."""
+    world = dp.init()
+    try:
+        state = _state(world)
+        [train_step(state) for _ in range(2)]
+        state.ledger.skipped_steps, state.ledger.consecutive_skips = 1, 2
+        Checkpointer(tmp_path, state, "sync").save(state)
+        whole = [train_step(state).loss for _ in range(2)]
+        checkpoint = tmp_path / "checkpoint" / "step-000002"
+        if layout != "ledger":
+            _as_written_before_the_ledger(checkpoint)
+        assert ("ledger" in json.loads((checkpoint / "train_state.json").read_text())) == (
+            layout == "ledger"
+        )
+        resumed = _state(world)
+        restore(resumed, tmp_path)
+        ledger = resumed.ledger
+        in_a_row = 2 if layout == "ledger" else 0
+        assert (ledger.step, ledger.skipped_steps, ledger.consecutive_skips) == (2, 1, in_a_row)
+        assert ledger.samples.consumed == 2 * 4
+        assert [train_step(resumed).loss for _ in range(2)] == whole
+    finally:
+        dp.destroy()
