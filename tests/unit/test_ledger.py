@@ -15,8 +15,7 @@ from dataparallel.data.corpus import Corpus
 from dataparallel.data.stream import SampleStream
 from dataparallel.train.checkpointing import Checkpointer, restore
 from dataparallel.train.config import RunConfig
-from dataparallel.train.ledger import Ledger
-from dataparallel.train.records import EvalRecord
+from dataparallel.train.ledger import EvalRecord, Ledger
 from dataparallel.train.trainer import setup, train_step
 
 TEXT = (b"def f(x):\n    return x * 2\n\nclass A:\n    pass\n" * 40)[:1500]

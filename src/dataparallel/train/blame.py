@@ -28,8 +28,9 @@ import sys
 from collections import deque
 from dataclasses import dataclass
 
-from .loop import Callback
-from .trainer import StepRecord, TrainState
+from .callbacks import Callback
+from .ledger import StepRecord
+from .state import TrainState
 
 
 @dataclass(frozen=True, kw_only=True)

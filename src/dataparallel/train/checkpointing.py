@@ -49,11 +49,12 @@ from ..checkpoint import (
     verify,
     write_safetensors,
 )
+from .callbacks import Callback
 from .export_hf import HF_EXPORT, export_hf
-from .loop import Callback
-from .trainer import StepRecord, TrainState
+from .ledger import StepRecord
+from .run_dir import CHECKPOINTS
+from .state import TrainState
 
-CHECKPOINTS = "checkpoint"
 FINAL_WEIGHTS = "model.safetensors"
 
 

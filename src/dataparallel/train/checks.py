@@ -19,9 +19,9 @@ from ..data.formats import DataError
 from ..data.loading import check_sources, reads_bytes
 from ..data.tokens import TOKEN_DTYPES
 from ..launch.config import at_least, check_launch
-from .checkpointing import CHECKPOINTS
 from .config import ConfigError, RunConfig, field_label
 from .model_source import ModelSource, check_model
+from .run_dir import CHECKPOINTS
 from .sync import averaging, check_run_recipe
 from .tensor_parallel import check_tp
 from .tracing import parse_steps

@@ -128,7 +128,7 @@ def join(run_dir: Path) -> int:
         print(f"dataparallel join: refused: {answer.message}", file=sys.stderr)
         return REFUSED
     print(f"dataparallel join: {answer.message}", file=sys.stderr, flush=True)
-    from .worker import decode_run
+    from .handoff import decode_run
 
     shard = max(decode_run(store.get(RUN_KEY))[0].launch.shard_group, 1)
     if shard == 1:
@@ -241,7 +241,8 @@ def train_joined(
     import torch
 
     from ..launch.workers import fair_threads, worker_environment
-    from .worker import ENV_LAUNCHER, decode_run, run_worker
+    from .handoff import decode_run
+    from .worker import ENV_LAUNCHER, run_worker
 
     config, _, _ = decode_run(store.get(RUN_KEY))
     # The run directory as this process reaches it (the launcher's may be relative to its own

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..launch.workers import start_workers, worker_environment
 from .config import RunConfig
-from .worker import ENV_RUN, encode_run
+from .handoff import ENV_RUN, encode_run
 
 WORKER_MODULE = "dataparallel.train.worker"
 

@@ -10,36 +10,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from .callbacks import Callback
 from .config import RunConfig
-from .records import EvalRecord, StepRecord
-from .trainer import TrainState, evaluate, train_step
-
-
-class Callback:
-    """Hooks the loop calls on every rank; override what you need (all default to nothing).
-
-    Callbacks run in the order given. Collective work (a checkpoint gathers shards) must be done
-    by a callback present on every rank; logging callbacks are usually given to rank 0 only.
-    """
-
-    def on_start(self, state: TrainState) -> None: ...
-
-    def on_step(self, state: TrainState, record: StepRecord) -> None: ...
-
-    def on_skip(self, state: TrainState, record: StepRecord) -> None:
-        """A step skipped on every rank (overflow, or a non-finite loss or gradient)."""
-
-    def on_eval(self, state: TrainState, record: EvalRecord) -> None: ...
-
-    def on_rewind(self, state: TrainState) -> None:
-        """The run went back to `state.step` (a live run under an averager lost a replica:
-        [Note: live averaging] in live/rewind.py); the steps after it are redone and recorded
-        again."""
-
-    def on_leave(self, state: TrainState) -> None:
-        """This process left a live run by request (`dataparallel leave`); the others go on."""
-
-    def on_end(self, state: TrainState) -> None: ...
+from .ledger import EvalRecord, StepRecord
+from .state import TrainState
+from .trainer import evaluate, train_step
 
 
 class Rewound(Exception):

@@ -22,8 +22,9 @@ import json
 import os
 from pathlib import Path
 
-from .loop import Callback
-from .trainer import EvalRecord, StepRecord, TrainState
+from .callbacks import Callback
+from .ledger import EvalRecord, StepRecord
+from .state import TrainState
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"

@@ -10,10 +10,11 @@ import sys
 import time
 
 from ..data.stream import share
-from .loop import Callback
+from .callbacks import Callback
+from .ledger import EvalRecord, StepRecord
+from .state import TrainState
 from .sync import recipe_of
 from .tensor_parallel import mesh_text, parameter_count
-from .trainer import EvalRecord, StepRecord, TrainState
 
 
 def format_duration(seconds: float) -> str:

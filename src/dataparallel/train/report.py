@@ -13,11 +13,11 @@ from pathlib import Path
 
 from .metrics import read_metrics
 from .progress import format_count, format_duration, plural
+from .run_dir import RUN_INFO
 from .tensor_parallel import mesh_text
 from .trace_report import load_traces, plot_timeline, summarize_traces, trace_lines
 
 REPORT = "report"
-RUN_INFO = "run.json"
 
 
 def _smooth(values: list[float], weight: float = 0.9) -> list[float]:

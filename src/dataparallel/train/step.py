@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,10 +16,8 @@ import dataparallel as dp
 from ..data.packing import IGNORE
 from ..data.stream import split_evenly
 from .loss import all_reduce_sum, token_loss_sum
+from .state import TrainState
 from .update import clip_and_step
-
-if TYPE_CHECKING:
-    from .trainer import TrainState
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,6 @@ only the first rank of each row counts them. With T = 1 all of this is the plain
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -24,26 +22,7 @@ import dataparallel as dp
 
 from ..models import MODEL_CONFIGS, build_model
 from .config import ConfigError, RunConfig, field_label
-
-
-@dataclass(frozen=True)
-class DataRanks:
-    """The ranks that read different data ([Note: the job's mesh]).
-
-    rank: this rank's data coordinate (its dp coordinate; its rank without tensor parallelism).
-    size: how many different data slices a step reads (the dp size).
-    counts: whether this rank's token and loss sums count in the sums over every rank: only
-        the first rank of each tp row's do (its peers hold the same).
-    """
-
-    rank: int
-    size: int
-    counts: bool = True
-
-    @property
-    def weight(self) -> int:
-        """1 for a rank whose sums count, else 0."""
-        return int(self.counts)
+from .state import DataRanks
 
 
 def check_tp(config: RunConfig) -> None:

@@ -16,8 +16,9 @@ import json
 from pathlib import Path
 
 from ..comm import Span, Tracer
-from .loop import Callback
-from .trainer import StepRecord, TrainState
+from .callbacks import Callback
+from .ledger import StepRecord
+from .state import TrainState
 
 TRACES = "traces"
 TRAINING_THREAD = 0  # the tid of the training thread's phases and waits

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -33,65 +32,20 @@ import dataparallel as dp
 from ..comm import Span
 from ..comm.progress import PROGRESS
 from ..data.corpus import Corpus, TokenWindows, evenly_spaced
-from ..data.loading import DataInfo, load_datasets
-from ..data.packing import IGNORE, PackedWindows
+from ..data.loading import load_datasets
+from ..data.packing import IGNORE
 from ..data.stream import SampleStream
 from .config import RunConfig
 from .gradient_watch import GradientWatch
-from .ledger import Ledger
+from .ledger import EvalRecord, Ledger, StepRecord
 from .loss import all_reduce_sum, token_loss_sum
 from .model_source import BuiltModel, ModelSource, build_for_run
-from .records import EvalRecord, StepRecord
 from .schedule import WarmupCosine, scaled_lr
+from .state import TrainState
 from .step import Vote, forward_backward, own_verdict, set_lr, take_batch, update
 from .sync import recipe_of
-from .tensor_parallel import DataRanks, split_for_run
+from .tensor_parallel import split_for_run
 from .update import bytes_sent
-
-
-@dataclass(kw_only=True)
-class TrainState:
-    """A run: what is built once (the configs, the world, the model and its optimizer, the
-    data), and its ledger, how far it has got ([Note: the ledger] in ledger.py).
-
-    The built part changes only when a live run regroups (`world`, `data`: [Note: live
-    recovery] in recovery.py); the ledger changes with every step.
-    """
-
-    config: RunConfig
-    world: dp.World
-    model: torch.nn.Module
-    model_name: str  # a reference model's name, or the class name of the user's model
-    optimizer: torch.optim.Optimizer
-    schedule: WarmupCosine
-    peak_lr: float
-    train_windows: TokenWindows | PackedWindows
-    val_windows: TokenWindows | PackedWindows
-    corpus: Corpus | DataInfo  # what the records name: sha256, source, num_files, num_tokens
-    data: DataRanks  # the ranks that read different data: the dp ones ([Note: the job's mesh])
-    ledger: Ledger  # the step, the skips, the data position, ... ([Note: the ledger])
-    scaler: torch.amp.GradScaler | None = None
-    averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (dp.compose), or None
-    tracer: dp.Tracer = field(default_factory=dp.Tracer)  # on for --trace steps (tracing.py)
-    composed: dp.Composed | None = None  # what dp.compose built (autocast, the recipe)
-    source: object | None = None  # the Hugging Face directory of an hf:DIR model (models/hf.py)
-    gradients: GradientWatch | None = None  # this rank's verdict before reduction ([Note: blame])
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps done (the ledger's: what callbacks read most)."""
-        return self.ledger.step
-
-    @property
-    def global_batch(self) -> int:
-        """Windows per optimizer step over all ranks ([Note: uneven batches])."""
-        train = self.config.train
-        return train.global_batch or train.batch * train.accum * self.data.size
-
-    @property
-    def last_step(self) -> int:
-        """The step this session ends at (stop_after, or the end of the schedule)."""
-        return self.config.train.stop_after or self.config.train.steps
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

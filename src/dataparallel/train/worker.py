@@ -24,30 +24,23 @@ from ..checkpoint import CheckpointError, latest_checkpoint
 from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
 from ..launch.workers import ENV_LAUNCHER
-from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
+from .callbacks import Callback
+from .checkpointing import CheckpointSaver, restore
 from .config import RunConfig, field_label
-from .config_toml import apply_mapping, to_toml
+from .config_toml import to_toml
+from .handoff import ENV_RUN, decode_run
 from .live.recovery import Dropped, LiveRecovery, Released
 from .live.replica import ReplicaLost
-from .loop import Callback, fit
-from .report import RUN_INFO, make_report
+from .loop import fit
+from .report import make_report
+from .run_dir import CHECKPOINTS, RUN_INFO
+from .state import TrainState
 from .tensor_parallel import parameter_count
 from .tracing import TraceWriter, parse_steps
-from .trainer import TrainState, setup
+from .trainer import setup
 from .writer import RecordsWriter
 
-ENV_RUN = "DATAPARALLEL_RUN"
 CONFIG_FILE = "config.toml"
-
-
-def encode_run(config: RunConfig, resume: bool, checkpoint: str = "") -> str:
-    return json.dumps({"config": config.to_dict(), "resume": resume, "checkpoint": checkpoint})
-
-
-def decode_run(text: str) -> tuple[RunConfig, bool, str]:
-    data = json.loads(text)
-    config = apply_mapping(RunConfig(), data["config"], ENV_RUN)
-    return config, bool(data["resume"]), data.get("checkpoint", "")
 
 
 def restarted() -> int:

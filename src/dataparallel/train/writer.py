@@ -33,12 +33,12 @@ import os
 from pathlib import Path
 
 from .blame import Blame
-from .loop import Callback
+from .callbacks import Callback
+from .ledger import EvalRecord, StepRecord
 from .metrics import MetricsLogger, after_step, position, start_position
 from .progress import ProgressBar
-from .records import EvalRecord, StepRecord
-from .report import RUN_INFO
-from .trainer import TrainState
+from .run_dir import RUN_INFO
+from .state import TrainState
 
 
 class Role(enum.Enum):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import dataparallel as dp
 
-from ..trainer import TrainState
+from ..state import TrainState
 from .replica import Seat
 
 GRACE_S = 10.0  # beyond 2 x the collective timeout: an abandoned group has nothing pending

@@ -57,10 +57,10 @@ import torch.distributed as dist
 import dataparallel as dp
 
 from ..config import LaunchConfig
+from ..ledger import EvalRecord, StepRecord
 from ..loop import Rewound, Steps
-from ..records import EvalRecord, StepRecord
-from ..tensor_parallel import DataRanks
-from ..trainer import TrainState, evaluate, train_step
+from ..state import DataRanks, TrainState
+from ..trainer import evaluate, train_step
 from .groups import Abandoned, move_to_world
 from .membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
 from .quorum import Quorum

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 import dataparallel as dp
 
-from ..trainer import TrainState
+from ..state import TrainState
 from .membership import Membership
 from .store import start_prefix, vote_prefix
 

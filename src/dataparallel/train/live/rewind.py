@@ -41,7 +41,7 @@ import dataparallel as dp
 
 from ...compression import CompressedHook
 from ...compression.live import StepCopy, load_shared_state, shared_state
-from ..trainer import TrainState
+from ..state import TrainState
 
 
 @dataclass(frozen=True)
