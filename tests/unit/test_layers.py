@@ -1,0 +1,105 @@
+"""The layout's import rules (README, "Layout"), read from every module's imports (pure logic:
+nothing is imported, the files are parsed)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "dataparallel"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """The dataparallel modules `path` imports, at any depth of the file (lazy imports too)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("dataparallel")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            if target.startswith("dataparallel"):
+                found.add(target)
+                # `from . import x` and `from .pkg import mod` may name modules
+                found |= {f"{target}.{alias.name}" for alias in node.names}
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {t for t in imports_of(path) if t in modules} for name, path in modules.items()}
+
+
+IMPORTS = graph()
+
+
+def under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+# (importer package, imported package): an import the README's rules forbid.
+FORBIDDEN = [
+    ("dataparallel.infer", "dataparallel.train"),  # inference never imports the job
+    ("dataparallel.launch", "dataparallel.train"),  # the launcher imports neither
+    ("dataparallel.launch", "dataparallel.infer"),
+    ("dataparallel.checkpoint", "dataparallel.strategies"),  # checkpoints: the public API
+    ("dataparallel.train", "dataparallel.strategies"),  # the job: the public API only
+    ("dataparallel.infer", "dataparallel.strategies"),
+    ("dataparallel.comm", "dataparallel.train"),  # collectives know no quorum
+    ("dataparallel.comm", "dataparallel.strategies"),
+    ("dataparallel.comm", "dataparallel.launch"),
+]
+
+
+@pytest.mark.parametrize("importer,imported", FORBIDDEN)
+def test_a_layer_imports_nothing_the_readme_forbids(importer, imported):
+    importers = [name for name in IMPORTS if under(name, importer)]
+    assert importers, f"no module under {importer}: the rule would pass on nothing"
+    broken = sorted(
+        f"{name} -> {target}"
+        for name in importers
+        for target in IMPORTS[name]
+        if under(target, imported)
+    )
+    assert broken == []
+
+
+def test_the_rules_cover_every_layer_named():
+    assert len(FORBIDDEN) == 9
+    assert len(IMPORTS) > 140  # every module of the package was read
+
+
+def test_no_module_imports_itself_back():
+    """No circle of imports among the package's modules (a package's __init__ re-exporting its
+    own modules is not a circle: it stands above them)."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    circles = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(IMPORTS[name]):
+            if under(name, target) and PACKAGE.joinpath(*target.split(".")[1:]).is_dir():
+                continue  # a module importing its own package's __init__ (re-exports)
+            if state.get(target) == 1:
+                circles.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(IMPORTS):
+        if name not in state:
+            visit(name, [name])
+    assert circles == []
