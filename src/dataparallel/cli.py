@@ -30,6 +30,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from .infer.command import add_eval_parser, add_generate_parser, cmd_eval, cmd_generate
+from .launch.environments import Topology, detect
 from .launch.flags import add_launcher_flags, launcher_config
 from .plan.command import add_plan_parser, cmd_plan
 from .train.config import (
@@ -160,16 +161,15 @@ def _flags(args: argparse.Namespace) -> dict[str, dict]:
     return given
 
 
-def _torchrun_world() -> dict | None:
-    """nproc/nnodes/node_rank from torchrun's environment, or None when not under torchrun."""
-    if "LOCAL_WORLD_SIZE" not in os.environ or "WORLD_SIZE" not in os.environ:
+def cluster_topology(args: argparse.Namespace) -> Topology | None:
+    """Where this process stands, as the scheduler or launcher that started it says (Slurm,
+    Kubeflow, torchrun, Ray, MPI: launch/environments.py), or None when none did; ConfigError
+    on an inconsistent allocation."""
+    environment = detect(os.environ)
+    if environment is None:
         return None
-    local = int(os.environ["LOCAL_WORLD_SIZE"])
-    return {
-        "nproc": local,
-        "nnodes": int(os.environ["WORLD_SIZE"]) // local,
-        "node_rank": int(os.environ.get("GROUP_RANK", "0")),
-    }
+    asked = getattr(args, "launch.nproc", None)
+    return environment.topology(asked, default=resolve_config(args, None).launch.nproc)
 
 
 def default_out(config: RunConfig) -> str:
@@ -186,7 +186,9 @@ def default_out(config: RunConfig) -> str:
 
 
 def resolve_config(args: argparse.Namespace, torchrun: dict | None) -> RunConfig:
-    """Defaults < the TOML file (or the resumed run's config.toml) < flags < torchrun's world."""
+    """Defaults < the TOML file (or the resumed run's config.toml) < flags < `torchrun`: the
+    [launch] fields that the scheduler or launcher that started this process decides
+    (`Topology.launch_fields`)."""
     from .train.checks import keep_global_batch, resolve_batch
 
     given = _flags(args)
@@ -238,11 +240,11 @@ def split_resume(path: str) -> tuple[Path, str]:
 def cmd_train(args: argparse.Namespace) -> int:
     from .train.checks import check_values, preflight
 
-    torchrun = _torchrun_world()
     resume = bool(args.resume)
     checkpoint = split_resume(args.resume)[1] if resume else ""
     try:
-        config = resolve_config(args, torchrun)
+        topology = cluster_topology(args)
+        config = resolve_config(args, topology.launch_fields() if topology else None)
         if args.print_config:
             check_values(config)
             print(to_toml(config), end="")
@@ -251,18 +253,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"dataparallel train: error: {error}", file=sys.stderr)
         return 2
-    if torchrun:  # started by torchrun: this process is a worker
+    if topology and not (topology.worker and topology.rank):
+        print(f"dataparallel train: {topology.describe()}", flush=True)
+    if topology and topology.worker:  # started as a worker: train in place
+        from .launch.workers import fair_threads
         from .train.worker import run_worker
 
         if config.launch.recovery == "live":
             label = "--recovery (launch.recovery)"
             print(
                 f"dataparallel train: error: {label}: live needs dataparallel's own launcher, "
-                "not torchrun; run dataparallel train --recovery live",
+                f"not a {topology.source}; run dataparallel train --recovery live (under Slurm: "
+                "one task per node)",
                 file=sys.stderr,
             )
             return 2
-
+        os.environ.update(topology.worker_variables())
+        if not config.launch.threads and "OMP_NUM_THREADS" not in os.environ:
+            # srun and mpirun set no threads ([Note: threads per worker] in launch/workers.py)
+            config = config.replace(launch={"threads": fair_threads(topology.nproc)})
         run_worker(config, resume=resume, checkpoint=checkpoint)
         return 0
     from .train.launch import launch
