@@ -13,6 +13,8 @@
     dataparallel eval runs/small --data valid/ --nproc 2   # the exact perplexity of a dataset
     dataparallel plan --model llama-8b --ranks 64 --precision bf16-params   # before launch
     torchrun --nproc-per-node 2 -m dataparallel.cli train --steps 50   # under torchrun itself
+    srun --ntasks-per-node=1 dataparallel train --nproc 4 ...   # Slurm, Kubeflow: docs/clusters.md
+    dataparallel cluster slurm --nodes 2 --nproc 4 --steps 1000 > job.sbatch   # a job file
 
 Every `train` flag is a field of the config (train/config.py; `--print-config` shows them all
 with their documentation); `launch`, `generate` and `eval` take its launcher flags (--nproc,
@@ -30,6 +32,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from .infer.command import add_eval_parser, add_generate_parser, cmd_eval, cmd_generate
+from .launch.cluster_command import add_cluster_parser, cmd_cluster
 from .launch.environments import Topology, detect
 from .launch.flags import add_launcher_flags, launcher_config
 from .plan.command import add_plan_parser, cmd_plan
@@ -147,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(commands)
     add_join_parser(commands)
     add_leave_parser(commands)
+    add_cluster_parser(commands)
     # `bench` (benchmarks/) will be registered here as a third command.
     return parser
 
@@ -327,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": cmd_plan,
         "join": cmd_join,
         "leave": cmd_leave,
+        "cluster": cmd_cluster,
     }[args.command]
     return handler(args)
 
