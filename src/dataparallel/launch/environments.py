@@ -100,7 +100,8 @@ class Topology:
 class Environment:
     """One scheduler's or launcher's variables; subclasses read them, `topology` combines."""
 
-    source = ""
+    source = ""  # the environment, in words
+    node_rank_variable = ""  # the variable a bad node rank is blamed on
 
     def __init__(self, env: Mapping[str, str]):
         self.env = env
@@ -153,8 +154,6 @@ class Environment:
                 "start one process per node with ranks 0..nodes-1",
             )
         return topology
-
-    node_rank_variable = ""
 
     # Reading variables, each failure one line naming the variable.
     def text(self, name: str, fix: str) -> str:
