@@ -50,9 +50,9 @@ def one_host(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "variables,line",
     [
-        (slurm_variables, "slurm, one task per node: node {node} of 2, 1 workers each (world 2), "
+        (slurm_variables, "slurm, one task per node: node {node} of 2, 1 worker each (world 2), "
          "rank 0 at 10.77.0.1:19242"),
-        (pet_variables, "kubeflow: node {node} of 2, 1 workers each (world 2), "
+        (pet_variables, "kubeflow: node {node} of 2, 1 worker each (world 2), "
          "rank 0 at 10.77.0.1:29517"),
     ],
     ids=["slurm", "kubeflow"],

@@ -252,3 +252,26 @@ def test_each_refusal_is_one_line_naming_the_variable_and_the_fix(env, asked, va
 
 def test_refusal_cases_count():
     assert len(REFUSALS) == 11
+
+
+def test_train_refuses_a_bad_allocation_on_one_line(monkeypatch, capsys):
+    from dataparallel.cli import main
+
+    for name, value in REFUSALS[2][0].items():  # a two-node batch script, without srun
+        monkeypatch.setenv(name, value)
+    assert main(["train", "--steps", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "dataparallel train: error: SLURM_STEP_ID: not set: this is the job's batch script, not "
+        "a task of srun, on 2 nodes; start it as srun --ntasks-per-node=1 dataparallel train ...\n"
+    )
+
+
+def test_train_takes_the_launch_fields_from_the_environment(monkeypatch, capsys):
+    from dataparallel.cli import main
+
+    for name, value in ({"PET_NNODES": "3", "PET_NODE_RANK": "1"} | PET_MAIN).items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", "--nproc", "4", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    for line in ("nproc = 4", "nnodes = 3", "node_rank = 1", 'rdzv_endpoint = "h0:29400"'):
+        assert line in printed.splitlines()

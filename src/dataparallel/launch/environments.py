@@ -73,7 +73,8 @@ class Topology:
                 f"{self.nnodes}), {where}"
             )
         return (
-            f"{self.source}: node {self.node_rank} of {self.nnodes}, {self.nproc} workers each "
+            f"{self.source}: node {self.node_rank} of {self.nnodes}, {self.nproc} "
+            f"worker{'s' if self.nproc > 1 else ''} each "
             f"(world {self.world_size}), {where}"
         )
 
