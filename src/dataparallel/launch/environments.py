@@ -137,6 +137,7 @@ class Environment:
         raise NotImplementedError
 
     def topology(self, asked: int | None = None, default: int = 2) -> Topology:
+        """The answers as one Topology; ConfigError naming the variable that does not fit."""
         topology = Topology(
             source=self.source,
             worker=self.is_worker(),
