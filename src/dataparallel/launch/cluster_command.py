@@ -1,12 +1,5 @@
 """`dataparallel cluster slurm|k8s ARGS...`: print the job file that runs `dataparallel train
-ARGS` on a scheduler (jobfiles.py; cli.py registers it).
-
-    dataparallel cluster slurm --nodes 2 --nproc 4 --steps 1000 > job.sbatch && sbatch job.sbatch
-    dataparallel cluster slurm --nodes 2 --nproc 4 --layout worker --steps 1000
-    dataparallel cluster k8s --nodes 2 --nproc 4 --image REGISTRY/dp:1 --steps 1000 | kubectl apply -f -
-
-The options below are the job file's; every other argument is `dataparallel train`'s (--nproc and
---out among them: the workers per node and the shared run directory).
+ARGS` on a scheduler (jobfiles.py; cli.py registers the command).
 """
 
 from __future__ import annotations
@@ -18,6 +11,17 @@ from dataclasses import fields
 
 from .config import ConfigError, field_docs
 from .jobfiles import JobSpec, k8s_manifest, slurm_script
+
+USAGE = """Print the sbatch script or the Kubeflow TrainJob that runs `dataparallel train ARGS`,
+with the requeue signal and the shared run directory in place; it says what it assumed.
+
+    dataparallel cluster slurm --nodes 2 --nproc 4 --steps 1000 > job.sbatch && sbatch job.sbatch
+    dataparallel cluster slurm --nodes 2 --nproc 4 --layout worker --steps 1000
+    dataparallel cluster k8s --nodes 2 --nproc 4 --image REGISTRY/dp:1 --steps 1000 | kubectl apply -f -
+
+The options below are the job file's; every other argument is `dataparallel train`'s (--nproc
+and --out among them: the workers per node and the shared run directory). docs/clusters.md.
+"""
 
 # JobSpec's fields that are options of `cluster` (nproc, run_dir and train_args come from ARGS).
 _OPTIONS = {
@@ -55,7 +59,7 @@ def job_parser() -> argparse.ArgumentParser:
     for name, flag in _OPTIONS.items():
         kind = int if types[name] == "int" else str
         help = docs[name].replace("%", "%%")
-        parser.add_argument(flag, dest=name, type=kind, metavar=name.upper(), help=help)
+        parser.add_argument(flag, dest=name, type=kind, metavar=flag[2:].upper(), help=help)
     parser.add_argument("--nproc", type=int, help="workers per node (a train flag)")
     parser.add_argument("--out", help="the shared run directory (a train flag)")
     return parser
@@ -65,7 +69,7 @@ def add_cluster_parser(commands) -> None:
     parser = commands.add_parser(
         "cluster",
         help="print an sbatch script or a Kubeflow TrainJob that runs dataparallel train",
-        description=__doc__.split("\n\n")[0],
+        description=USAGE,
         epilog=job_parser().format_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -187,7 +187,8 @@ def k8s_manifest(spec: JobSpec, printed_by: str) -> str:
         "# - Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1) and JobSet are installed; its",
         "#   torch policy sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and",
         "#   PET_MASTER_PORT in each node's pod, and dataparallel train reads them.",
-        f"# - {spec.nodes} node(s) of {spec.nproc} workers; image {spec.image} holds dataparallel.",
+        f"# - {spec.nodes} node(s) of {spec.nproc} workers; image {spec.image} holds dataparallel"
+        + (" (a placeholder: give --image)." if spec.image == JobSpec.image else "."),
         f"# - the PersistentVolumeClaim {spec.claim} (ReadWriteMany) holds the run directory",
         f"#   {run_dir}: node 0 writes the run there, a restarted job resumes from it.",
         "# - a disruption (preemption, eviction: the pod's DisruptionTarget condition) fails the",
