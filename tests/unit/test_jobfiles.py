@@ -140,3 +140,13 @@ def test_k8s_has_no_worker_layout(capsys):
     )
     with pytest.raises(ConfigError):
         k8s_manifest(job_spec(["--layout", "worker"]), "x")
+
+
+def test_docs_show_the_script_as_printed(capsys):
+    """docs/clusters.md's example is what the command prints today."""
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "clusters.md").read_text()
+    shown = docs.split("```bash\n", 1)[1].split("```", 1)[0]
+    args = shlex.split(shown.splitlines()[1].removeprefix("# Printed by: dataparallel cluster "))
+    assert printed(capsys, *args) == shown
