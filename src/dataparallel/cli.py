@@ -13,6 +13,8 @@
     dataparallel eval runs/small --data valid/ --nproc 2   # the exact perplexity of a dataset
     dataparallel plan --model llama-8b --ranks 64 --precision bf16-params   # before launch
     torchrun --nproc-per-node 2 -m dataparallel.cli train --steps 50   # under torchrun itself
+    srun --ntasks-per-node=1 dataparallel train --nproc 4 ...   # Slurm, Kubeflow: docs/clusters.md
+    dataparallel cluster slurm --nodes 2 --nproc 4 --steps 1000 > job.sbatch   # a job file
 
 Every `train` flag is a field of the config (train/config.py; `--print-config` shows them all
 with their documentation); `launch`, `generate` and `eval` take its launcher flags (--nproc,
@@ -30,6 +32,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from .infer.command import add_eval_parser, add_generate_parser, cmd_eval, cmd_generate
+from .launch.cluster_command import add_cluster_parser, cmd_cluster
+from .launch.environments import Topology, detect
 from .launch.flags import add_launcher_flags, launcher_config
 from .plan.command import add_plan_parser, cmd_plan
 from .train.config import (
@@ -146,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(commands)
     add_join_parser(commands)
     add_leave_parser(commands)
+    add_cluster_parser(commands)
     # `bench` (benchmarks/) will be registered here as a third command.
     return parser
 
@@ -160,16 +165,15 @@ def _flags(args: argparse.Namespace) -> dict[str, dict]:
     return given
 
 
-def _torchrun_world() -> dict | None:
-    """nproc/nnodes/node_rank from torchrun's environment, or None when not under torchrun."""
-    if "LOCAL_WORLD_SIZE" not in os.environ or "WORLD_SIZE" not in os.environ:
+def cluster_topology(args: argparse.Namespace) -> Topology | None:
+    """Where this process stands, as the scheduler or launcher that started it says (Slurm,
+    Kubeflow, torchrun, Ray, MPI: launch/environments.py), or None when none did; ConfigError
+    on an inconsistent allocation."""
+    environment = detect(os.environ)
+    if environment is None:
         return None
-    local = int(os.environ["LOCAL_WORLD_SIZE"])
-    return {
-        "nproc": local,
-        "nnodes": int(os.environ["WORLD_SIZE"]) // local,
-        "node_rank": int(os.environ.get("GROUP_RANK", "0")),
-    }
+    asked = getattr(args, "launch.nproc", None)
+    return environment.topology(asked, default=resolve_config(args, None).launch.nproc)
 
 
 def default_out(config: RunConfig) -> str:
@@ -186,7 +190,9 @@ def default_out(config: RunConfig) -> str:
 
 
 def resolve_config(args: argparse.Namespace, torchrun: dict | None) -> RunConfig:
-    """Defaults < the TOML file (or the resumed run's config.toml) < flags < torchrun's world."""
+    """Defaults < the TOML file (or the resumed run's config.toml) < flags < `torchrun`: the
+    [launch] fields that the scheduler or launcher that started this process decides
+    (`Topology.launch_fields`)."""
     from .train.checks import keep_global_batch, resolve_batch
 
     given = _flags(args)
@@ -238,11 +244,11 @@ def split_resume(path: str) -> tuple[Path, str]:
 def cmd_train(args: argparse.Namespace) -> int:
     from .train.checks import check_values, preflight
 
-    torchrun = _torchrun_world()
     resume = bool(args.resume)
     checkpoint = split_resume(args.resume)[1] if resume else ""
     try:
-        config = resolve_config(args, torchrun)
+        topology = cluster_topology(args)
+        config = resolve_config(args, topology.launch_fields() if topology else None)
         if args.print_config:
             check_values(config)
             print(to_toml(config), end="")
@@ -251,18 +257,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"dataparallel train: error: {error}", file=sys.stderr)
         return 2
-    if torchrun:  # started by torchrun: this process is a worker
+    if topology and not (topology.worker and topology.rank):
+        print(f"dataparallel train: {topology.describe()}", flush=True)
+    if topology and topology.worker:  # started as a worker: train in place
+        from .launch.workers import fair_threads
         from .train.worker import run_worker
 
         if config.launch.recovery == "live":
             label = "--recovery (launch.recovery)"
             print(
                 f"dataparallel train: error: {label}: live needs dataparallel's own launcher, "
-                "not torchrun; run dataparallel train --recovery live",
+                f"not a {topology.source}; run dataparallel train --recovery live (under Slurm: "
+                "one task per node)",
                 file=sys.stderr,
             )
             return 2
-
+        os.environ.update(topology.worker_variables())
+        if not config.launch.threads and "OMP_NUM_THREADS" not in os.environ:
+            # srun and mpirun set no threads ([Note: threads per worker] in launch/workers.py)
+            config = config.replace(launch={"threads": fair_threads(topology.nproc)})
         run_worker(config, resume=resume, checkpoint=checkpoint)
         return 0
     from .train.launch import launch
@@ -318,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": cmd_plan,
         "join": cmd_join,
         "leave": cmd_leave,
+        "cluster": cmd_cluster,
     }[args.command]
     return handler(args)
 

@@ -5,6 +5,11 @@
     flags.py           the launcher's flags, as `launch`, `generate` and `eval` take them
     workers.py         start_workers: torch.distributed.run, threads, the workers' environment
     stopped_workers.py continuing stopped workers told to end ([Note: stopped workers])
+    environments.py    the scheduler or launcher that started the process (Slurm's two layouts,
+                       Kubeflow, torchrun/Ray, MPI), one class each; detect() and the Topology
+    hostlist.py        Slurm's host lists and tasks per node, expanded in pure Python
+    jobfiles.py        the sbatch script and the Kubeflow TrainJob that run `dataparallel train`
+    cluster_command.py `dataparallel cluster slurm|k8s ARGS...`, which prints them
 
 It imports neither train/ nor infer/: a caller hands it what to run (a module or a script, and
 the job in the workers' environment), so training and inference start workers the same way.

@@ -1,0 +1,152 @@
+"""`dataparallel cluster slurm|k8s ARGS...` (launch/jobfiles.py, launch/cluster_command.py): the
+printed sbatch lines and the manifest's structure (parsed with PyYAML), and the one-line
+refusals. The sbatch script itself runs under a real Slurm in benchmarks/slurm_trial.py."""
+
+import shlex
+
+import pytest
+import yaml
+
+from dataparallel.cli import main
+from dataparallel.launch.cluster_command import job_spec
+from dataparallel.launch.config import ConfigError
+from dataparallel.launch.jobfiles import k8s_manifest, slurm_script
+
+
+def printed(capsys, *args):
+    assert main(["cluster", *args]) == 0
+    return capsys.readouterr().out
+
+
+def sbatch_options(text):
+    return [line.removeprefix("#SBATCH ") for line in text.splitlines() if line[:7] == "#SBATCH"]
+
+
+def test_slurm_one_task_per_node(capsys):
+    text = printed(
+        capsys, "slurm", "--nodes", "2", "--nproc", "4", "--steps", "9", "--time", "1:00:00"
+    )
+    assert sbatch_options(text) == [
+        "--job-name=dataparallel",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--time=1:00:00",
+        "--signal=B:USR1@90",
+        "--requeue",
+        "--open-mode=append",
+        "--output=dataparallel-%j.out",
+    ]
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    assert (
+        lines[1]
+        == "# Printed by: dataparallel cluster slurm --nodes 2 --nproc 4 --steps 9 --time 1:00:00"
+    )
+    assert "# Assumed:" in lines
+    assert "  set -- --steps 9 --nproc 4 --out runs/dataparallel" in lines
+    assert "  set -- --resume runs/dataparallel" in lines
+    assert 'srun --ntasks-per-node=1 dataparallel train "$@" &' in lines
+    assert '  scontrol requeue "$SLURM_JOB_ID"' in lines
+    # Every #SBATCH line comes before the first command, or sbatch ignores it.
+    first_command = next(i for i, line in enumerate(lines) if line and line[0] != "#")
+    assert max(i for i, line in enumerate(lines) if line.startswith("#SBATCH")) < first_command
+
+
+def test_slurm_one_task_per_worker_and_the_options():
+    spec = job_spec(
+        shlex.split(
+            "--layout worker --nodes 3 --nproc 2 --cpus-per-node 8 --gpus-per-node 2 "
+            "--partition gpu --name tiny --out /shared/r --setup 'module load py' "
+            "--program 'python -m dataparallel.cli' --signal-s 120 --model gpt-tiny"
+        )
+    )
+    text = slurm_script(spec, "x")
+    assert sbatch_options(text)[:6] == [
+        "--job-name=tiny",
+        "--nodes=3",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=4",
+        "--gpus-per-node=2",
+        "--partition=gpu",
+    ]
+    assert "--signal=B:USR1@120" in sbatch_options(text)
+    lines = text.splitlines()
+    assert "module load py" in lines and "RUN_DIR=/shared/r" in lines
+    assert "  set -- --model gpt-tiny --nproc 2 --out /shared/r" in lines
+    assert 'srun --ntasks-per-node=2 python -m dataparallel.cli train "$@" &' in lines
+
+
+def test_k8s_manifest_structure(capsys):
+    text = printed(capsys, "k8s", "--nodes", "2", "--nproc", "3", "--cpus-per-node", "6",
+                   "--image", "reg/dp:1", "--claim", "runs", "--name", "tiny", "--steps", "5")  # fmt: skip
+    assert text.startswith("# Printed by: dataparallel cluster k8s --nodes 2")
+    runtime, job = yaml.safe_load_all(text)
+    assert (runtime["kind"], job["kind"]) == ("TrainingRuntime", "TrainJob")
+    assert job["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"] == "tiny-runtime"
+    assert runtime["spec"]["mlPolicy"] == {"numNodes": 2, "torch": {"numProcPerNode": 3}}
+    jobset = runtime["spec"]["template"]["spec"]
+    assert jobset["failurePolicy"]["rules"] == [
+        {
+            "action": "RestartJobSetAndIgnoreMaxRestarts",
+            "onJobFailureReasons": ["PodFailurePolicy"],
+        }
+    ]
+    node = jobset["replicatedJobs"][0]["template"]["spec"]
+    assert node["podFailurePolicy"]["rules"] == [
+        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    ]
+    pod = node["template"]["spec"]
+    assert (pod["restartPolicy"], pod["terminationGracePeriodSeconds"]) == ("Never", 90)
+    (container,) = pod["containers"]
+    assert container["image"] == "reg/dp:1"
+    assert container["resources"]["requests"] == {"cpu": 6}
+    assert container["volumeMounts"] == [{"name": "runs", "mountPath": "/runs"}]
+    assert pod["volumes"][0]["persistentVolumeClaim"] == {"claimName": "runs"}
+    assert container["command"] == [
+        "/bin/sh",
+        "-c",
+        "if [ -f /runs/tiny/config.toml ]; then exec dataparallel train --resume /runs/tiny; "
+        "else exec dataparallel train --steps 5 --nproc 3 --out /runs/tiny; fi",
+    ]
+
+
+# (ARGS, the field named); each refusal is one line.
+REFUSALS = [
+    (["--resume", "runs/x"], "--resume"),
+    (["--nnodes=2"], "--nnodes"),
+    (["--nodes", "0"], "--nodes"),
+    (["--nodes", "two"], "--nodes"),
+    (["--layout", "task"], "--layout"),
+    (["--name", "a b"], "--name"),
+    (["--layout", "worker", "--nproc", "3", "--cpus-per-node", "8"], "--cpus-per-node"),
+]
+
+
+@pytest.mark.parametrize("args,field", REFUSALS)
+def test_refusals(args, field):
+    with pytest.raises(ConfigError) as error:
+        slurm_script(job_spec(args), "x")
+    assert error.value.field == field and "\n" not in str(error.value)
+
+
+def test_refusal_cases_count():
+    assert len(REFUSALS) == 7
+
+
+def test_k8s_has_no_worker_layout(capsys):
+    assert main(["cluster", "k8s", "--layout", "worker"]) == 2
+    assert capsys.readouterr().err == (
+        "dataparallel cluster: error: --layout: worker is Slurm's; leave --layout out for k8s\n"
+    )
+    with pytest.raises(ConfigError):
+        k8s_manifest(job_spec(["--layout", "worker"]), "x")
+
+
+def test_docs_show_the_script_as_printed(capsys):
+    """docs/clusters.md's example is what the command prints today."""
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "clusters.md").read_text()
+    shown = docs.split("```bash\n", 1)[1].split("```", 1)[0]
+    args = shlex.split(shown.splitlines()[1].removeprefix("# Printed by: dataparallel cluster "))
+    assert printed(capsys, *args) == shown
