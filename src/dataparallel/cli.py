@@ -33,8 +33,9 @@ from pathlib import Path
 
 from .infer.command import add_eval_parser, add_generate_parser, cmd_eval, cmd_generate
 from .launch.cluster_command import add_cluster_parser, cmd_cluster
-from .launch.environments import Topology, detect
+from .launch.environments import detect
 from .launch.flags import add_launcher_flags, launcher_config
+from .launch.topology import Topology
 from .plan.command import add_plan_parser, cmd_plan
 from .train.config import (
     SECTIONS,

@@ -7,16 +7,9 @@ The Slurm variables are those srun sets (slurm-wlm 22.05, checked in benchmarks/
 import pytest
 
 from dataparallel.launch.config import ConfigError
-from dataparallel.launch.environments import (
-    SLURM_PORT_BASE,
-    Kubeflow,
-    OpenMPI,
-    SlurmTaskPerNode,
-    SlurmTaskPerWorker,
-    Torchrun,
-    detect,
-)
+from dataparallel.launch.environments import Kubeflow, OpenMPI, Torchrun, detect
 from dataparallel.launch.hostlist import expand_hostlist, expand_tasks_per_node
+from dataparallel.launch.slurm import SLURM_PORT_BASE, SlurmTaskPerNode, SlurmTaskPerWorker
 
 HOSTLISTS = [
     ("node1", ["node1"]),

@@ -5,6 +5,8 @@
     flags.py           the launcher's flags, as `launch`, `generate` and `eval` take them
     workers.py         start_workers: torch.distributed.run, threads, the workers' environment
     stopped_workers.py continuing stopped workers told to end ([Note: stopped workers])
+    topology.py        Topology (what the launcher needs to know) and the Environment interface
+    slurm.py           Slurm's two layouts: one task per node, one task per worker
     environments.py    the scheduler or launcher that started the process (Slurm's two layouts,
                        Kubeflow, torchrun/Ray, MPI), one class each; detect() and the Topology
     hostlist.py        Slurm's host lists and tasks per node, expanded in pure Python
