@@ -5,6 +5,7 @@ from .ddp import DDP, DDPStrategy
 from .fsdp import ZeRO3, ZeRO3Strategy
 from .parts.geometry import SCALAR_STATE_KEYS, Geometry, HeldPiece, elementwise
 from .parts.mesh import Groups, Mesh, as_layout, init_mesh
+from .parts.owners import ELEMENTWISE, whole_parameters
 from .parts.precision import MixedPrecision
 from .parts.tensor_parallel import (
     TensorParallel,
@@ -20,6 +21,7 @@ from .zero import ZeRO1, ZeRO2, ZeROStrategy
 __all__ = [
     "DDP",
     "DDPStrategy",
+    "ELEMENTWISE",
     "Geometry",
     "Groups",
     "HeldPiece",
@@ -43,5 +45,6 @@ __all__ = [
     "localize_parameters",
     "resolve_policy",
     "tensor_parallel_of",
+    "whole_parameters",
     "whole_shape",
 ]
