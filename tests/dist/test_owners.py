@@ -10,15 +10,18 @@ Each grid asserts its number of cases, so none passes vacuously.
 from __future__ import annotations
 
 import contextlib
+import copy
+import tempfile
 from functools import cache
 
 import torch
 from torch import nn
 
 import dataparallel as dp
+from dataparallel.checkpoint import load_state, save_chunks, state_chunks
 
 from .harness import run_world
-from .models import batch, build, loss_fn, max_param_diff, reference_loss
+from .models import batch, build, loss_fn, reference_loss
 
 TOL = 1e-5
 STEPS = 4
@@ -126,7 +129,7 @@ def case(world, model_name, opt_name, names, grouped=False, accum=1, clip=None) 
     cls, kwargs = OPTIMIZERS[opt_name]
     reference = make(model_name, 100)
     ref_opt = cls(groups_of(reference, grouped) or reference.parameters(), **kwargs)
-    ref_norms = train(world, reference, ref_opt, model_name, 0, STEPS, clip=clip, reference=True)
+    ref_norms = train(world, reference, ref_opt, model_name, 0, STEPS, accum, clip, reference=True)
     out = {}
     for name in names:
         policy, options = strategy(name)
@@ -142,14 +145,15 @@ def case(world, model_name, opt_name, names, grouped=False, accum=1, clip=None) 
     return out
 
 
-def resume(world, opt_name) -> dict:
-    """Train 2 steps on one strategy, save the plain states, resume 2 more on another; the
-    saved optimizer state against the reference's, the end against 4 reference steps."""
+def resume(world, opt_name, root: str) -> dict:
+    """Train 2 steps on one strategy, save, resume 2 more on another, through the plain state
+    dicts and through a sharded checkpoint; the saved optimizer state against the reference's,
+    the end against 4 reference steps."""
     cls, kwargs = OPTIMIZERS[opt_name]
     reference = make("transformer", 100)
     ref_opt = cls(reference.parameters(), **kwargs)
     train(world, reference, ref_opt, "transformer", 0, 2, reference=True)
-    ref_state = ref_opt.state_dict()["state"]
+    ref_state = copy.deepcopy(ref_opt.state_dict()["state"])  # before it steps on
     train(world, reference, ref_opt, "transformer", 2, 4, reference=True)
     out = {}
     for first, second in (("zero1", "zero3"), ("zero2", "zero1"), ("zero3", "zero2")):
@@ -163,18 +167,24 @@ def resume(world, opt_name) -> dict:
             for k, v in entry.items()
             if torch.is_tensor(v)
         )
-        again = dp.parallelize(make("transformer", 7), strategy(second)[0])
-        opt = dp.build_optimizer(again, cls, **kwargs)
-        dp.load_full_state_dict(again, weights)
-        dp.load_optimizer_state_dict(again, opt, state)
-        train(world, again, opt, "transformer", 2, 4)
-        end = dp.full_state_dict(again)
-        diff = max((end[k] - v).abs().max().item() for k, v in reference.state_dict().items())
-        out[f"{first}->{second}"] = {"state": saved, "params": diff}
+        folder = f"{root}/{opt_name}-{first}"
+        save_chunks(state_chunks(model, opt, rank=world.rank), folder, world.group)
+        for way in ("plain", "dcp"):
+            again = dp.parallelize(make("transformer", 7), strategy(second)[0])
+            opt = dp.build_optimizer(again, cls, **kwargs)
+            if way == "plain":
+                dp.load_full_state_dict(again, weights)
+                dp.load_optimizer_state_dict(again, opt, state)
+            else:
+                load_state(folder, again, opt, rank=world.rank, group=world.group)
+            train(world, again, opt, "transformer", 2, 4)
+            end = dp.full_state_dict(again)
+            diff = max((end[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+            out[f"{first}->{second} {way}"] = {"state": saved, "params": diff}
     return out
 
 
-def world2(world) -> dict:
+def world2(world, root: str) -> dict:
     names = ("ddp", "zero1", "zero2", "zero3")
     out = {}
     for opt_name in OPTIMIZERS:
@@ -182,11 +192,11 @@ def world2(world) -> dict:
         out[opt_name, "groups"] = case(world, "transformer", opt_name, names, grouped=True)
         out[opt_name, "no_sync"] = case(world, "transformer", opt_name, names, accum=2)
         out[opt_name, "clip"] = case(world, "transformer", opt_name, names, clip=0.05)
-        out[opt_name, "resume"] = resume(world, opt_name)
+        out[opt_name, "resume"] = resume(world, opt_name, root)
     return out
 
 
-def world4(world) -> dict:
+def world4(world, root: str) -> dict:
     out = {}
     mesh = ("zero1-2d", "zero2-2d", "zero3-2d")
     flat = ("zero1", "zero2", "zero3")
@@ -203,7 +213,8 @@ def world4(world) -> dict:
 @cache
 def results(n: int) -> list[dict]:
     """Every rank's results of the world of `n` ranks (the ranks' diffs are equal)."""
-    return run_world(n, world2 if n == 2 else world4, timeout=600)
+    root = tempfile.mkdtemp(prefix="owners-")  # the sharded checkpoints (every rank sees it)
+    return run_world(n, world2 if n == 2 else world4, root, timeout=600)
 
 
 def flatten(result: dict) -> dict:
@@ -226,7 +237,7 @@ def test_clipping_counts_each_owned_gradient_once():
 
 def test_checkpoint_of_an_owned_layout_resumes_on_another_strategy():
     cases = {k: v for k, v in flatten(results(2)[0]).items() if k[1] == "resume"}
-    assert len(cases) == 2 * 3
+    assert len(cases) == 2 * 3 * 2  # optimizers x strategy pairs x (plain state, DCP)
     assert max(v["state"] for v in cases.values()) < TOL, cases
     assert max(v["params"] for v in cases.values()) < TOL, cases
 
