@@ -184,6 +184,37 @@ def resume(world, opt_name, root: str) -> dict:
     return out
 
 
+def scaled(world, opt_name, names) -> dict:
+    """An unmodified `torch.amp.GradScaler`, and an inf in rank 1's loss at step 1: every rank
+    skips that step together (the owners see the poisoned gradient), as one process skips it."""
+    cls, kwargs = OPTIMIZERS[opt_name]
+    reference = make("transformer", 100)
+    ref_opt = cls(reference.parameters(), **kwargs)
+    for step in range(STEPS):
+        if step != 1:
+            train(world, reference, ref_opt, "transformer", step, step + 1, reference=True)
+    out = {}
+    for name in names:
+        policy, options = strategy(name)
+        model = dp.parallelize(make("transformer", 100), policy, **options)
+        opt = dp.build_optimizer(model, cls, **kwargs)
+        scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+        n, rank = world.world_size, world.rank
+        for step in range(STEPS):
+            x, y = batch("transformer", step, PER_RANK * n)
+            loss = loss_fn("transformer", model, x.chunk(n)[rank], y.chunk(n)[rank], step, rank)
+            if step == 1 and rank == 1:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        full = dp.full_state_dict(model)
+        diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+        out[name] = {"params": diff, "scale": scaler.get_scale()}
+    return out
+
+
 def world2(world, root: str) -> dict:
     names = ("ddp", "zero1", "zero2", "zero3")
     out = {}
@@ -193,6 +224,7 @@ def world2(world, root: str) -> dict:
         out[opt_name, "no_sync"] = case(world, "transformer", opt_name, names, accum=2)
         out[opt_name, "clip"] = case(world, "transformer", opt_name, names, clip=0.05)
         out[opt_name, "resume"] = resume(world, opt_name, root)
+        out[opt_name, "scaler"] = scaled(world, opt_name, names)
     return out
 
 
@@ -222,7 +254,7 @@ def flatten(result: dict) -> dict:
 
 
 def test_every_strategy_matches_one_process_for_adafactor_and_a_users_lamb():
-    cases = {k: v for k, v in flatten(results(2)[0]).items() if k[1] != "resume"}
+    cases = {k: v for k, v in flatten(results(2)[0]).items() if k[1] not in ("resume", "scaler")}
     assert len(cases) == 2 * 4 * 4  # optimizers x (plain, groups, no_sync, clip) x strategies
     worst = {k: v["params"] for k, v in cases.items() if v["params"] > TOL}
     assert not worst, worst
@@ -240,6 +272,14 @@ def test_checkpoint_of_an_owned_layout_resumes_on_another_strategy():
     assert len(cases) == 2 * 3 * 2  # optimizers x strategy pairs x (plain state, DCP)
     assert max(v["state"] for v in cases.values()) < TOL, cases
     assert max(v["params"] for v in cases.values()) < TOL, cases
+
+
+def test_a_loss_scalers_skipped_step_is_skipped_by_every_rank():
+    for rank in results(2):
+        cases = {k: v for k, v in flatten(rank).items() if k[1] == "scaler"}
+        assert len(cases) == 2 * 4
+        assert {v["scale"] for v in cases.values()} == {8.0}  # 16, halved once
+        assert max(v["params"] for v in cases.values()) < TOL, cases
 
 
 def test_a_2d_mesh_and_ranks_that_own_nothing():
