@@ -27,6 +27,7 @@ from .strategies import (
     resolve_policy,
     whole_parameters,
 )
+from .strategies.parts.grouped import GROUP_CLASS_KEY, Grouped, split_classes
 
 _ATTR = "_dataparallel_strategy"
 
@@ -133,6 +134,10 @@ def build_optimizer(
         ([Note: optimizer layout] in strategies/parts/owners.py, docs/optimizers.md). None:
         torch's elementwise classes (SGD, Adam, AdamW, ...) are, every other class is not
         (the exact layout); True declares your own class elementwise.
+        A param group may name its own class under "optimizer" (Muon on the matrices, AdamW
+        on the rest, one optimizer for one scheduler: [Note: grouped optimizer] in
+        strategies/parts/grouped.py); the keyword arguments go to `optimizer`'s class, a
+        group's other class takes its hyper-parameters from the group.
     kwargs: passed to the optimizer class (lr, weight_decay, ...).
     """
     strategy = strategy_of(model)
@@ -147,8 +152,14 @@ def build_optimizer(
         raise TypeError(
             f"build_optimizer: optimizer must be a torch.optim.Optimizer class, got {optimizer!r}"
         )
+    groups = None if params is None else list(params)
+    if groups and isinstance(groups[0], dict) and any(GROUP_CLASS_KEY in g for g in groups):
+        # [Note: grouped optimizer]: a group may name its own class (Muon + AdamW)
+        groups, classes = split_classes(groups, optimizer)
+        whole = [whole_parameters(c, elementwise if c is optimizer else None) for c in classes]
+        return strategy.build_optimizer(Grouped(classes, optimizer), groups, whole=whole, **kwargs)
     whole = whole_parameters(optimizer, elementwise)
-    return strategy.build_optimizer(optimizer, params, whole=whole, **kwargs)
+    return strategy.build_optimizer(optimizer, groups, whole=whole, **kwargs)
 
 
 def no_sync(model: nn.Module):

@@ -331,12 +331,12 @@ class ZeRO3Strategy(Strategy):
 
     # -- the public calls ---------------------------------------------------------------------
     def build_optimizer(
-        self, optimizer_cls, params=None, *, whole: bool = False, **kwargs
+        self, optimizer_cls, params=None, *, whole: bool | list[bool] = False, **kwargs
     ) -> torch.optim.Optimizer:
-        """An optimizer over this rank's shard pieces (`whole`: over the whole masters it
-        owns, [Note: optimizer layout] in parts/owners.py), with the user's param groups kept.
-        """
-        if issubclass(optimizer_cls, torch.optim.LBFGS):
+        """An optimizer over this rank's shard pieces (for the groups `whole` names, True:
+        all, over the whole masters it owns, [Note: optimizer layout] in parts/owners.py),
+        with the user's param groups kept."""
+        if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.LBFGS):
             raise ValueError(
                 "build_optimizer: LBFGS takes dot products over all parameters, which ZeRO-3 "
                 "shards; it cannot run on shards"
@@ -353,13 +353,18 @@ class ZeRO3Strategy(Strategy):
             pieces = [self.piece_of[id(p)] for p in group["params"] if p.requires_grad]
             shard_groups.append(dict(group, params=[q for q in pieces if q is not None]))
         owners = None
-        if whole:
-            trainable = [[p for p in g if p.requires_grad] for g in originals]
+        wholes = whole if isinstance(whole, list) else [whole] * len(groups)
+        if any(wholes):
+            trainable = [
+                [p for p in g if p.requires_grad] if w else []
+                for g, w in zip(originals, wholes, strict=True)
+            ]
             shards = [(u.shard, u.params) for u in self.units]
             name = optimizer_cls.__name__
             owners, chosen = own_groups(trainable, shards, self.groups.shard, name)
-            for group, masters in zip(shard_groups, chosen, strict=True):
-                group["params"] = masters
+            for group, masters, w in zip(shard_groups, chosen, wholes, strict=True):
+                if w:
+                    group["params"] = masters
         optimizer = optimizer_cls(shard_groups, **kwargs)
         if owners is not None:  # the owners' new values into the shards
             self.owners.append(owners)

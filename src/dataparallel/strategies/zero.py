@@ -274,10 +274,11 @@ class ZeROStrategy(Strategy):
 
     # -- the calls the public API forwards ---------------------------------------------------
     def build_optimizer(
-        self, optimizer_cls, params=None, *, whole: bool = False, **kwargs
+        self, optimizer_cls, params=None, *, whole: bool | list[bool] = False, **kwargs
     ) -> torch.optim.Optimizer:
-        """The user's optimizer over this rank's flat shard pieces, or, with `whole`, over
-        the whole masters it owns ([Note: optimizer layout] in parts/owners.py)."""
+        """The user's optimizer over this rank's flat shard pieces, or, for the groups
+        `whole` names (True: all), over the whole masters it owns ([Note: optimizer layout]
+        in parts/owners.py)."""
         if self.optimizer is not None:
             raise ValueError(
                 f"build_optimizer: strategy {self.name!r} already built this model's sharded "
@@ -292,20 +293,22 @@ class ZeROStrategy(Strategy):
         shard_groups = [[p for p in g if id(p) in trainable] for g in self.user_groups_]
         if [[id(p) for p in g] for g in shard_groups] != self.groups_ids:
             self._shard_parameters(shard_groups, self._full_values())
-        if whole:
-            shards = [(b.shard, b.params) for b in self.buckets]
-            name = optimizer_cls.__name__
-            self.owners, chosen = own_groups(shard_groups, shards, self.groups.shard, name)
-        else:
-            chosen = [
-                [
-                    t
-                    for b, grads in zip(self.buckets, self.reducer.buckets, strict=True)
-                    if grads.spec.group == g
-                    for t in b.shard.params
-                ]
-                for g in range(len(groups))
+        wholes = whole if isinstance(whole, list) else [whole] * len(groups)
+        chosen = [
+            [
+                t
+                for b, grads in zip(self.buckets, self.reducer.buckets, strict=True)
+                if grads.spec.group == g
+                for t in b.shard.params
             ]
+            for g in range(len(groups))
+        ]
+        if any(wholes):
+            shards = [(b.shard, b.params) for b in self.buckets]
+            owned = [g if w else [] for g, w in zip(shard_groups, wholes, strict=True)]
+            name = optimizer_cls.__name__
+            self.owners, masters = own_groups(owned, shards, self.groups.shard, name)
+            chosen = [m if w else c for m, c, w in zip(masters, chosen, wholes, strict=True)]
         optimizer = optimizer_cls(
             [
                 {**{k: v for k, v in group.items() if k != "params"}, "params": params_of}
