@@ -8,8 +8,9 @@ parameter fit together:
 - ZeRO-1/2/3: per parameter, its part inside this rank's flat shard ([Note: flat shard]): the
   piece the optimizer steps (fp32 masters in mixed precision); over the shard group the parts
   of one parameter are disjoint and cover it. A parameter with no element on this rank has no
-  piece here. Parameters a sharded strategy keeps whole (ZeRO-1/2's frozen ones) are listed
-  whole and marked `replicated`.
+  piece here. An owned parameter ([Note: optimizer layout] in owners.py) is one whole piece
+  (offset 0, `whole`) on its owner, its master, and nothing elsewhere. Parameters a sharded
+  strategy keeps whole (ZeRO-1/2's frozen ones) are listed whole and marked `replicated`.
 From it, and nowhere else, come the whole-model state dict (`full_state_dict`: every rank lays
 its runs into zeros, one sum over the group, replicated runs counted once), loading one
 (`load_full_state_dict`: each rank copies its runs out; no collective), the optimizer state in
