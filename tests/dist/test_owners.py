@@ -215,11 +215,36 @@ def scaled(world, opt_name, names) -> dict:
     return out
 
 
+def diloco(world, opt_name, mesh) -> dict:
+    """DiLoCo over the replicas of a 2 x 2 mesh with an owned inner optimizer: ZeRO-1/3 in each
+    replica against DDP in each replica (DiLoCo reads and writes the owners' masters)."""
+    cls, kwargs = OPTIMIZERS[opt_name]
+    rank, n = world.rank, world.world_size
+    out = {}
+    for name in ("ddp", "zero1", "zero3"):
+        policy = strategy(name)[0]
+        model = dp.parallelize(make("transformer", 100), policy, group=mesh.shard_group)
+        opt = dp.build_optimizer(model, cls, **kwargs)
+        averager = dp.DiLoCo(model, opt, every=2, group=mesh.replicate_group)
+        for step in range(STEPS):
+            x, y = batch("transformer", step, PER_RANK * n)
+            loss_fn("transformer", model, x.chunk(n)[rank], y.chunk(n)[rank], step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+            averager.step()
+        out[name] = dp.full_state_dict(model)
+    return {
+        name: {"params": max((out[name][k] - v).abs().max().item() for k, v in out["ddp"].items())}
+        for name in ("zero1", "zero3")
+    }
+
+
 def world2(world, root: str) -> dict:
     names = ("ddp", "zero1", "zero2", "zero3")
     out = {}
     for opt_name in OPTIMIZERS:
         out[opt_name, "plain"] = case(world, "transformer", opt_name, names)
+        out[opt_name, "tied"] = case(world, "tied", opt_name, names)
         out[opt_name, "groups"] = case(world, "transformer", opt_name, names, grouped=True)
         out[opt_name, "no_sync"] = case(world, "transformer", opt_name, names, accum=2)
         out[opt_name, "clip"] = case(world, "transformer", opt_name, names, clip=0.05)
@@ -232,7 +257,9 @@ def world4(world, root: str) -> dict:
     out = {}
     mesh = ("zero1-2d", "zero2-2d", "zero3-2d")
     flat = ("zero1", "zero2", "zero3")
+    grid = dp.init_mesh(2)
     for opt_name in OPTIMIZERS:
+        out[opt_name, "diloco"] = diloco(world, opt_name, grid)
         out[opt_name, "2d"] = case(world, "transformer", opt_name, mesh)
         out[opt_name, "empty"] = case(world, "two", opt_name, flat)
         cls, kwargs = OPTIMIZERS[opt_name]
@@ -255,7 +282,7 @@ def flatten(result: dict) -> dict:
 
 def test_every_strategy_matches_one_process_for_adafactor_and_a_users_lamb():
     cases = {k: v for k, v in flatten(results(2)[0]).items() if k[1] not in ("resume", "scaler")}
-    assert len(cases) == 2 * 4 * 4  # optimizers x (plain, groups, no_sync, clip) x strategies
+    assert len(cases) == 2 * 5 * 4  # optimizers x (plain, tied, groups, no_sync, clip) x strategies
     worst = {k: v["params"] for k, v in cases.items() if v["params"] > TOL}
     assert not worst, worst
 
@@ -283,10 +310,16 @@ def test_a_loss_scalers_skipped_step_is_skipped_by_every_rank():
 
 
 def test_a_2d_mesh_and_ranks_that_own_nothing():
-    cases = {k: v for k, v in flatten(results(4)[0]).items() if k[1] != "owned"}
+    cases = {k: v for k, v in flatten(results(4)[0]).items() if k[1] in ("2d", "empty")}
     assert len(cases) == 2 * 3 * 2  # optimizers x strategies x (2-D mesh, empty owners)
     worst = {k: v["params"] for k, v in cases.items() if v["params"] > TOL}
     assert not worst, worst
+
+
+def test_diloco_averages_the_owners_masters():
+    cases = {k: v for k, v in flatten(results(4)[0]).items() if k[1] == "diloco"}
+    assert len(cases) == 2 * 2  # optimizers x (ZeRO-1, ZeRO-3 in each replica)
+    assert max(v["params"] for v in cases.values()) < TOL, cases
 
 
 def test_on_four_ranks_two_matrices_leave_two_ranks_owning_nothing():
