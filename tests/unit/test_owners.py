@@ -59,3 +59,19 @@ def test_declaring_a_whole_tensor_optimizer_elementwise_is_refused():
         whole_parameters(torch.optim.Adafactor, True)
     with pytest.raises(TypeError, match="elementwise='yes'"):
         whole_parameters(torch.optim.SGD, "yes")
+
+
+def test_a_tensor_parallel_shard_is_refused_whole_parameters_in_one_line():
+    from torch import nn
+
+    from dataparallel.strategies.parts import tensor_parallel
+    from dataparallel.strategies.parts.owners import own_groups
+
+    class ShardedOverTp:  # what localize_parameters attaches, reduced to what is read
+        def norm_groups(self):
+            return ("tp",)
+
+    p = nn.Parameter(torch.zeros(4, 8))
+    setattr(p, tensor_parallel._ATTR, ShardedOverTp())
+    with pytest.raises(ValueError, match=r"Muon needs whole parameters.*\[4, 8\] is tensor-par"):
+        own_groups([[p]], [], comm=None, who="Muon")
