@@ -6,8 +6,9 @@ The contract (docs/zero.md has it in full, with the memory theory and measuremen
   group, padded to a multiple of the shard group's size; the parameters become views into them
   and rank r of the shard group owns the r-th slice of every bucket ([Note: sharded step] in
   zero_step.py; [Note: mesh] in parts/mesh.py for 2-D layouts).
-- `build_optimizer` builds the user's optimizer over the pieces of this rank's slices; when
-  `step()` returns every rank holds the full model.
+- `build_optimizer` builds the user's optimizer over the pieces of this rank's slices (an
+  optimizer that is not elementwise: over the whole parameters this rank owns, [Note:
+  optimizer layout] in parts/owners.py); when `step()` returns every rank holds the full model.
 - Backward reduces bucket by bucket as DDP does ([Note: overlap] in parts/reducer.py), through
   the policy's communication hook ([Note: reduction interface] in comm/hooks.py); what happens
   to a reduced bucket is the only difference between the stages: ZeRO-1 keeps full-size
