@@ -25,7 +25,9 @@ from .strategies import (
     check_apart,
     localize_parameters,
     resolve_policy,
+    whole_parameters,
 )
+from .strategies.parts.grouped import GROUP_CLASS_KEY, Grouped, split_classes
 
 _ATTR = "_dataparallel_strategy"
 
@@ -118,17 +120,29 @@ def rebind(model: nn.Module, group) -> None:
     strategy_of(model).rebind(group)
 
 
-def build_optimizer(model: nn.Module, optimizer, params=None, **kwargs) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, optimizer, params=None, *, elementwise: bool | None = None, **kwargs
+) -> torch.optim.Optimizer:
     """Build the optimizer for a parallelized model.
 
     optimizer: a `torch.optim.Optimizer` class (built here, on shards for sharded strategies)
         or, for DDP, an optimizer already built on this model's parameters (checked).
     params: optional parameters or param-group dicts of this model (default: all trainable).
+    elementwise: whether the class's update of an element reads only that element's gradient
+        and state (and per-parameter scalars). Under ZeRO-1/2/3 an elementwise optimizer steps
+        flat shards; any other gets whole parameters, each stepped on one owner rank
+        ([Note: optimizer layout] in strategies/parts/owners.py, docs/optimizers.md). None:
+        torch's elementwise classes (SGD, Adam, AdamW, ...) are, every other class is not
+        (the exact layout); True declares your own class elementwise.
+        A param group may name its own class under "optimizer" (Muon on the matrices, AdamW
+        on the rest, one optimizer for one scheduler: [Note: grouped optimizer] in
+        strategies/parts/grouped.py); the keyword arguments go to `optimizer`'s class, a
+        group's other class takes its hyper-parameters from the group.
     kwargs: passed to the optimizer class (lr, weight_decay, ...).
     """
     strategy = strategy_of(model)
     if isinstance(optimizer, torch.optim.Optimizer):
-        if params is not None or kwargs:
+        if params is not None or kwargs or elementwise is not None:
             raise ValueError(
                 "build_optimizer: pass an optimizer class with its arguments, or a built "
                 "optimizer alone"
@@ -138,7 +152,14 @@ def build_optimizer(model: nn.Module, optimizer, params=None, **kwargs) -> torch
         raise TypeError(
             f"build_optimizer: optimizer must be a torch.optim.Optimizer class, got {optimizer!r}"
         )
-    return strategy.build_optimizer(optimizer, params, **kwargs)
+    groups = None if params is None else list(params)
+    if groups and isinstance(groups[0], dict) and any(GROUP_CLASS_KEY in g for g in groups):
+        # [Note: grouped optimizer]: a group may name its own class (Muon + AdamW)
+        groups, classes = split_classes(groups, optimizer)
+        whole = [whole_parameters(c, elementwise if c is optimizer else None) for c in classes]
+        return strategy.build_optimizer(Grouped(classes, optimizer), groups, whole=whole, **kwargs)
+    whole = whole_parameters(optimizer, elementwise)
+    return strategy.build_optimizer(optimizer, groups, whole=whole, **kwargs)
 
 
 def no_sync(model: nn.Module):

@@ -80,6 +80,8 @@ def _state_chunk(name: str, key: str, value, piece) -> Chunk:
         return _piece_chunk(value.detach().reshape(-1), piece)
     if kind == "scalar":
         return Chunk(value.detach().reshape(()))
+    if torch.is_tensor(value) and piece.whole:  # its owner's alone, any shape (Adafactor's)
+        return Chunk(value.detach())
     raise ValueError(
         f"checkpoint: optimizer state {name!r} is neither elementwise nor a scalar tensor; "
         "sharded checkpoints hold such state only"
@@ -179,6 +181,8 @@ def _target(size: torch.Size, dtype: torch.dtype, piece) -> Chunk:
     piece's run of an elementwise entry."""
     if len(size) == 0:
         return Chunk(torch.zeros((), dtype=dtype))
+    if piece.whole and tuple(size) != (piece.value.numel(),):  # an owner's other state
+        return Chunk(torch.zeros(size, dtype=dtype, device=piece.value.device))
     blank = torch.zeros(piece.value.numel(), dtype=dtype, device=piece.value.device)
     return _piece_chunk(blank, piece)
 
@@ -222,7 +226,8 @@ def _load_optimizer(optimizer, optim_state: dict[int, dict]) -> None:
             if entry:
                 shaped = {}
                 for key, value in entry.items():
-                    shaped[key] = value.view_as(param) if value.dim() else value
+                    flat = value.dim() == 1 and value.numel() == param.numel()
+                    shaped[key] = value.view_as(param) if flat else value
                 ours["state"][index] = shaped
             indices.append(index)
             index += 1

@@ -200,6 +200,28 @@ class Comm:
 
         return self._run("all_to_all", input, async_op, call)
 
+    def send_recv(self, sends: dict, recvs: dict) -> None:
+        """Point-to-point messages within the group, waited for: `sends[(peer, dtype)]` goes
+        to group rank `peer`, `recvs[(peer, dtype)]` is filled from it (whole-parameter
+        ownership, strategies/parts/owners.py). Every rank of the group calls it, in one order,
+        even with nothing to send: the exchange takes the next tag ([Note: pairwise
+        collectives] in pairwise.py), and messages of one pair are posted in key order."""
+        tag, ranks, works = self._next_tag(0), self._global_ranks(), []
+        order = lambda key: (key[0], str(key[1]))  # noqa: E731
+        for peer, dtype in sorted(sends, key=order):
+            tensor = sends[(peer, dtype)]
+            size = tensor.numel() * tensor.element_size()
+            self.bytes_sent["send_recv"] += size
+            self.wire_sent["send_recv"] += size
+            works.append(dist.isend(tensor, dst=ranks[peer], group=self.group, tag=tag))
+        for peer, dtype in sorted(recvs, key=order):
+            works.append(
+                dist.irecv(recvs[(peer, dtype)], src=ranks[peer], group=self.group, tag=tag)
+            )
+        self.calls["send_recv"] += 1
+        for work in works:
+            work.wait()
+
     def total_bytes(self) -> int:
         """Bytes handed to every kind of collective so far."""
         return sum(self.bytes_sent.values())

@@ -9,6 +9,7 @@ from .ddp import DDP
 from .fsdp import ZeRO3
 from .parts.geometry import SCALAR_STATE_KEYS, Geometry, elementwise
 from .parts.mesh import Groups, Mesh, as_layout, init_mesh
+from .parts.owners import ELEMENTWISE, whole_parameters
 from .parts.precision import MixedPrecision
 from .parts.tensor_parallel import (
     bind_dtensor_views,
@@ -22,6 +23,7 @@ from .zero import ZeRO1, ZeRO2
 
 __all__ = [
     "DDP",
+    "ELEMENTWISE",
     "Geometry",
     "Groups",
     "Mesh",
@@ -41,5 +43,6 @@ __all__ = [
     "localize_parameters",
     "resolve_policy",
     "tensor_parallel_of",
+    "whole_parameters",
     "whole_shape",
 ]

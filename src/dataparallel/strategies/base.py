@@ -129,7 +129,11 @@ class Strategy:
         self.hook = None  # the communication hook the strategy reduces gradients with
 
     # -- the calls the public API forwards ---------------------------------------------------
-    def build_optimizer(self, optimizer_cls, params=None, **kwargs) -> torch.optim.Optimizer:
+    def build_optimizer(
+        self, optimizer_cls, params=None, *, whole: bool = False, **kwargs
+    ) -> torch.optim.Optimizer:
+        """The user's optimizer for this strategy; `whole`: its update is not elementwise, so
+        it gets whole parameters ([Note: optimizer layout] in parts/owners.py)."""
         raise NotImplementedError
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -156,7 +156,10 @@ class DDPStrategy(Strategy):
         self.sync_enabled = enabled
         self.reducer.sync_enabled = enabled
 
-    def build_optimizer(self, optimizer_cls, params=None, **kwargs) -> torch.optim.Optimizer:
+    def build_optimizer(
+        self, optimizer_cls, params=None, *, whole: bool = False, **kwargs
+    ) -> torch.optim.Optimizer:
+        # Every rank steps whole parameters: either layout is this one.
         return optimizer_cls(normalize_param_groups(self.model, params), **kwargs)
 
     def rebind(self, group) -> None:

@@ -44,7 +44,6 @@ S ranks of a shard group and each reduced shard is all-reduced across the replic
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,15 +73,11 @@ from .parts.footprint import Footprint, unitwise
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
 from .parts.opaque import opaque
+from .parts.owners import Owners, own_groups
 from .parts.precision import MixedPrecision, cast_floats, check_precision, install_casts, is_norm
 from .parts.round import BackwardRound
 
 REDUCE_KINDS = ("auto", "reduce_scatter", "all_reduce")
-# Optimizers that run on the 1-D shard pieces but then differ from the whole-model algorithm.
-NOT_ELEMENTWISE = {
-    torch.optim.Adafactor: "factors the second moment of each matrix into rows and columns; on "
-    "1-D shard pieces it keeps the full second moment instead (more memory, other numerics)",
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,6 +216,7 @@ class ZeRO3Strategy(Strategy):
             for p, piece in zip(u.params, u.shard.pieces, strict=True)
         }
         self.original_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.owners: list[Owners] = []  # [Note: optimizer layout] in parts/owners.py
         self.handles = []
         of_module: dict[int, list[FlatUnit]] = {}  # a module's units ([Note: frozen parameters])
         for unit in self.units:
@@ -315,6 +311,11 @@ class ZeRO3Strategy(Strategy):
         for u in self.units:
             start, stop = self.first_index[u.index], self.first_index[u.index + 1]
             u.finish_round(None if used is None else used[start:stop])
+        if used is not None and self.owners:
+            params = [p for u in self.units for p in u.params]
+            chosen = {id(p) for p, u in zip(params, used, strict=True) if u}
+            for owners in self.owners:
+                owners.collect_grads(chosen)
         self.round.reset()
         self.comm.tracer.mark("reduce_end")
 
@@ -329,20 +330,17 @@ class ZeRO3Strategy(Strategy):
         self.round.reset()
 
     # -- the public calls ---------------------------------------------------------------------
-    def build_optimizer(self, optimizer_cls, params=None, **kwargs) -> torch.optim.Optimizer:
-        """An optimizer over this rank's shard pieces, with the user's param groups kept.
-
-        Exact for optimizers whose update is elementwise given per-parameter scalars (every
-        torch.optim one but those in NOT_ELEMENTWISE); see docs/zero3.md.
-        """
-        if issubclass(optimizer_cls, torch.optim.LBFGS):
+    def build_optimizer(
+        self, optimizer_cls, params=None, *, whole: bool | list[bool] = False, **kwargs
+    ) -> torch.optim.Optimizer:
+        """An optimizer over this rank's shard pieces (for the groups `whole` names, True:
+        all, over the whole masters it owns, [Note: optimizer layout] in parts/owners.py),
+        with the user's param groups kept."""
+        if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.LBFGS):
             raise ValueError(
                 "build_optimizer: LBFGS takes dot products over all parameters, which ZeRO-3 "
                 "shards; it cannot run on shards"
             )
-        for cls, why in NOT_ELEMENTWISE.items():
-            if issubclass(optimizer_cls, cls):
-                warnings.warn(f"ZeRO3: {optimizer_cls.__name__} {why}", stacklevel=3)
         groups = normalize_param_groups(self.model, params)
         seen: set[int] = set()
         originals, shard_groups = [], []
@@ -354,7 +352,23 @@ class ZeRO3Strategy(Strategy):
             originals.append(list(group["params"]))
             pieces = [self.piece_of[id(p)] for p in group["params"] if p.requires_grad]
             shard_groups.append(dict(group, params=[q for q in pieces if q is not None]))
+        owners = None
+        wholes = whole if isinstance(whole, list) else [whole] * len(groups)
+        if any(wholes):
+            trainable = [
+                [p for p in g if p.requires_grad] if w else []
+                for g, w in zip(originals, wholes, strict=True)
+            ]
+            shards = [(u.shard, u.params) for u in self.units]
+            name = optimizer_cls.__name__
+            owners, chosen = own_groups(trainable, shards, self.groups.shard, name)
+            for group, masters, w in zip(shard_groups, chosen, wholes, strict=True):
+                if w:
+                    group["params"] = masters
         optimizer = optimizer_cls(shard_groups, **kwargs)
+        if owners is not None:  # the owners' new values into the shards
+            self.owners.append(owners)
+            optimizer.register_step_post_hook(lambda *_: owners.send_values())
         self.original_groups[optimizer] = originals
         return optimizer
 
@@ -362,20 +376,24 @@ class ZeRO3Strategy(Strategy):
         """Clip by the global norm: each rank's shard norms, combined over the shard group."""
         shards = [(u.shard, u.params) for u in self.units]
         params = list(self.model.parameters())
-        return clip_shards_(shards, params, max_norm, norm_type, self.groups.shard)
+        owned = [g for owners in self.owners for g in owners.grads()]
+        return clip_shards_(shards, params, max_norm, norm_type, self.groups.shard, owned)
 
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """Each unit's shard pieces, in the units' master dtype ([Note: geometry])."""
         dtypes = {id(p): u.dtype for u in self.units for p in u.params}
         shards = [(u.shard, u.params) for u in self.units]
+        owned = {i: m for owners in self.owners for i, m in owners.masters().items()}
         return build_geometry(
-            self.model, shards, self.groups.shard, optimized_ids(optimizer), dtypes
+            self.model, shards, self.groups.shard, optimized_ids(optimizer), dtypes, owned
         )
 
     def user_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
         return self._originals(optimizer)
 
     def refresh_params(self) -> None:
+        for owners in self.owners:  # the owners' masters into the shards
+            owners.send_values()
         for unit in self.units:
             unit.free()  # the next forward gathers the shards the optimizer holds
 

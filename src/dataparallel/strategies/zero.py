@@ -6,8 +6,9 @@ The contract (docs/zero.md has it in full, with the memory theory and measuremen
   group, padded to a multiple of the shard group's size; the parameters become views into them
   and rank r of the shard group owns the r-th slice of every bucket ([Note: sharded step] in
   zero_step.py; [Note: mesh] in parts/mesh.py for 2-D layouts).
-- `build_optimizer` builds the user's optimizer over the pieces of this rank's slices; when
-  `step()` returns every rank holds the full model.
+- `build_optimizer` builds the user's optimizer over the pieces of this rank's slices (an
+  optimizer that is not elementwise: over the whole parameters this rank owns, [Note:
+  optimizer layout] in parts/owners.py); when `step()` returns every rank holds the full model.
 - Backward reduces bucket by bucket as DDP does ([Note: overlap] in parts/reducer.py), through
   the policy's communication hook ([Note: reduction interface] in comm/hooks.py); what happens
   to a reduced bucket is the only difference between the stages: ZeRO-1 keeps full-size
@@ -46,6 +47,7 @@ from .parts.footprint import Footprint, bucketed
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
 from .parts.opaque import opaque
+from .parts.owners import Owners, own_groups
 from .parts.precision import MixedPrecision, check_precision, install_casts, norm_params
 from .parts.reducer import GradientReducer
 from .parts.tensor_parallel import to_local
@@ -165,6 +167,7 @@ class ZeROStrategy(Strategy):
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = None
         self.sharded_step: ShardedStep | None = None
+        self.owners: Owners | None = None  # [Note: optimizer layout] in parts/owners.py
         self.user_groups_: list[list[nn.Parameter]] = [list(self.trainable)]
         self.reducer: GradientReducer | None = None
         self.buckets: list[BucketShard] = []
@@ -186,6 +189,7 @@ class ZeROStrategy(Strategy):
         self.groups_ids = [[id(p) for p in g] for g in groups]
         group_of = {id(p): g for g, params in enumerate(groups) for p in params}
         planned = list(reversed(self.trainable))  # [Note: bucket order]
+        self.planned = planned
         shard_comm = self.groups.shard
         specs = plan_buckets(
             [(p.numel(), self._dtype_of(p), p.device, group_of.get(id(p), -1)) for p in planned],
@@ -255,6 +259,8 @@ class ZeROStrategy(Strategy):
         for bucket, grads in zip(self.buckets, self.reducer.buckets, strict=True):
             bucket.shard.attach_grads([used[i] for i in grads.spec.param_indices])
             self.keeper.after_round(bucket.shard, grads)
+        if self.owners is not None:
+            self.owners.collect_grads({id(p) for p, u in zip(self.planned, used, strict=True) if u})
         self.round_done = True
 
     def rebind(self, group) -> None:
@@ -268,7 +274,12 @@ class ZeROStrategy(Strategy):
         self.reducer.sync_enabled = enabled
 
     # -- the calls the public API forwards ---------------------------------------------------
-    def build_optimizer(self, optimizer_cls, params=None, **kwargs) -> torch.optim.Optimizer:
+    def build_optimizer(
+        self, optimizer_cls, params=None, *, whole: bool | list[bool] = False, **kwargs
+    ) -> torch.optim.Optimizer:
+        """The user's optimizer over this rank's flat shard pieces, or, for the groups
+        `whole` names (True: all), over the whole masters it owns ([Note: optimizer layout]
+        in parts/owners.py)."""
         if self.optimizer is not None:
             raise ValueError(
                 f"build_optimizer: strategy {self.name!r} already built this model's sharded "
@@ -283,24 +294,34 @@ class ZeROStrategy(Strategy):
         shard_groups = [[p for p in g if id(p) in trainable] for g in self.user_groups_]
         if [[id(p) for p in g] for g in shard_groups] != self.groups_ids:
             self._shard_parameters(shard_groups, self._full_values())
+        wholes = whole if isinstance(whole, list) else [whole] * len(groups)
+        chosen = [
+            [
+                t
+                for b, grads in zip(self.buckets, self.reducer.buckets, strict=True)
+                if grads.spec.group == g
+                for t in b.shard.params
+            ]
+            for g in range(len(groups))
+        ]
+        if any(wholes):
+            shards = [(b.shard, b.params) for b in self.buckets]
+            owned = [g if w else [] for g, w in zip(shard_groups, wholes, strict=True)]
+            name = optimizer_cls.__name__
+            self.owners, masters = own_groups(owned, shards, self.groups.shard, name)
+            chosen = [m if w else c for m, c, w in zip(masters, chosen, wholes, strict=True)]
         optimizer = optimizer_cls(
             [
-                {
-                    **{k: v for k, v in group.items() if k != "params"},
-                    "params": [
-                        t
-                        for b, grads in zip(self.buckets, self.reducer.buckets, strict=True)
-                        if grads.spec.group == g
-                        for t in b.shard.params
-                    ],
-                }
-                for g, group in enumerate(groups)
+                {**{k: v for k, v in group.items() if k != "params"}, "params": params_of}
+                for group, params_of in zip(groups, chosen, strict=True)
             ],
             **kwargs,
         )
         overlap_with = self.model if self.policy.overlap_param_gather else None
         self.sharded_step = ShardedStep(self.buckets, self.groups.shard, overlap_with)
         optimizer.register_step_pre_hook(self.sharded_step.before)
+        if self.owners is not None:  # the owners' new values into the shards, then gathered
+            optimizer.register_step_post_hook(lambda *_: self.owners.send_values())
         optimizer.register_step_post_hook(self.sharded_step.after)
         self.optimizer = optimizer
         return optimizer
@@ -314,6 +335,8 @@ class ZeROStrategy(Strategy):
         bucket again."""
         self.finish_param_gather()
         shard = self.groups.shard
+        if self.owners is not None:
+            self.owners.send_values()
         for bucket in self.buckets:
             bucket.write_back()
             if shard.world_size > 1:
@@ -330,7 +353,8 @@ class ZeROStrategy(Strategy):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         shards = [(b.shard, b.params) for b in self.buckets]
         params = list(self.model.parameters())
-        return clip_shards_(shards, params, max_norm, norm_type, self.groups.shard)
+        owned = self.owners.grads() if self.owners is not None else []
+        return clip_shards_(shards, params, max_norm, norm_type, self.groups.shard, owned)
 
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """The buckets' shard pieces (masters in mixed precision), frozen parameters whole
@@ -339,8 +363,9 @@ class ZeROStrategy(Strategy):
             self._check_ours(optimizer)
         shards = [(b.shard, b.params) for b in self.buckets]
         optimized = optimized_ids(optimizer)
+        owned = self.owners.masters() if self.owners is not None else None
         return build_geometry(
-            self.model, shards, self.groups.shard, optimized, self.original_dtypes
+            self.model, shards, self.groups.shard, optimized, self.original_dtypes, owned
         )
 
     def user_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:

@@ -73,15 +73,17 @@ def clip_grad_norm_(
 
 
 def clip_shards_(
-    shards: list, params: list, max_norm: float, norm_type: float, comm: Comm
+    shards: list, params: list, max_norm: float, norm_type: float, comm: Comm, owned=()
 ) -> torch.Tensor:
     """Clip the gradients of flat shards, `shards` of (FlatShard, its parameters), held over
-    `comm`; `params`: every parameter of the model (their tensor-parallel spreads)."""
+    `comm`; `params`: every parameter of the model (their tensor-parallel spreads); `owned`:
+    the gradients of the whole masters this rank owns ([Note: optimizer layout] in owners.py;
+    one owner per parameter in the group, so each counts once)."""
     spreads = all_spreads(params)
     if not spreads:  # the whole store at once where it can
-        grads = [g for shard, _ in shards for g in shard.grad_tensors()]
+        grads = [g for shard, _ in shards for g in shard.grad_tensors()] + list(owned)
         return clip_grad_norm_(grads, max_norm, norm_type, comm)
-    grads, spread = [], []
+    grads, spread = list(owned), [()] * len(owned)
     for shard, owners in shards:
         for piece, param in zip(shard.pieces, owners, strict=True):
             if piece is not None and piece.grad is not None:

@@ -8,8 +8,9 @@ parameter fit together:
 - ZeRO-1/2/3: per parameter, its part inside this rank's flat shard ([Note: flat shard]): the
   piece the optimizer steps (fp32 masters in mixed precision); over the shard group the parts
   of one parameter are disjoint and cover it. A parameter with no element on this rank has no
-  piece here. Parameters a sharded strategy keeps whole (ZeRO-1/2's frozen ones) are listed
-  whole and marked `replicated`.
+  piece here. An owned parameter ([Note: optimizer layout] in owners.py) is one whole piece
+  (offset 0, `whole`) on its owner, its master, and nothing elsewhere. Parameters a sharded
+  strategy keeps whole (ZeRO-1/2's frozen ones) are listed whole and marked `replicated`.
 From it, and nowhere else, come the whole-model state dict (`full_state_dict`: every rank lays
 its runs into zeros, one sum over the group, replicated runs counted once), loading one
 (`load_full_state_dict`: each rank copies its runs out; no collective), the optimizer state in
@@ -35,7 +36,7 @@ for every piece of a parameter, taken from a rank that holds one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -64,6 +65,9 @@ class HeldPiece:
     value: the elements, a 1-D view of what the optimizer updates (saved from, loaded into).
     key: the tensor the optimizer keys this piece's state by (None: not optimized).
     replicated: every rank of the group holds this same run (counted once when assembling).
+    whole: an owned parameter's master ([Note: optimizer layout] in owners.py): `value` is the
+        whole parameter, held by this rank alone, and its optimizer state is the plain one
+        (any shape), kept in the parameter's shape.
     """
 
     name: str
@@ -73,6 +77,7 @@ class HeldPiece:
     value: torch.Tensor
     key: torch.Tensor | None
     replicated: bool = False
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,15 +124,26 @@ def build_geometry(
     group: Comm | None,
     optimized: set[int],
     dtypes: dict[int, torch.dtype] | None = None,
+    owned: dict[int, nn.Parameter | None] | None = None,
 ) -> Geometry:
     """The geometry of a model whose `sharded` (FlatShard, its parameters) pairs this rank
     holds a shard of, every other parameter whole; `optimized`: ids of the tensors the
-    optimizer steps (pieces or parameters)."""
+    optimizer steps (pieces or parameters); `owned`: id(parameter) -> its whole master on this
+    rank, or None where another rank of the group owns it ([Note: optimizer layout])."""
     names = parameter_names(model)
+    owned = owned or {}
     pieces, covered = [], set()
     for shard, params in sharded:
         for position, (piece, param) in enumerate(zip(shard.pieces, params, strict=True)):
             covered.add(id(param))
+            if id(param) in owned:
+                master = owned[id(param)]
+                if master is not None:
+                    key = master if id(master) in optimized else None
+                    value = master.detach().view(-1)
+                    held = HeldPiece(names[id(param)], param, param.shape, 0, value, key)
+                    pieces.append(replace(held, whole=True))
+                continue
             if piece is None:
                 continue
             inner = shard.starts[position]
@@ -230,15 +246,16 @@ def load_full_state_dict(model: nn.Module, geometry: Geometry, state: dict) -> N
             t.copy_(state[name])
 
 
-def _describe(state: dict, piece: torch.Tensor) -> dict:
-    """What a piece's state holds, small enough to all-gather as an object."""
+def _describe(state: dict, piece: torch.Tensor, whole: bool = False) -> dict:
+    """What a piece's state holds, small enough to all-gather as an object (a whole piece's
+    other tensors, Adafactor's row and column factors, go whole)."""
     kinds, scalars = {}, {}
     for key, value in state.items():
         if elementwise(key, value, piece):
             kinds[key] = value.dtype
             continue
         if torch.is_tensor(value):
-            if value.dim() > 0 and key not in SCALAR_STATE_KEYS:
+            if value.dim() > 0 and key not in SCALAR_STATE_KEYS and not whole:
                 raise ValueError(
                     f"optimizer_state_dict: state {key!r} of shape {list(value.shape)} is not "
                     "elementwise; sharded checkpoints hold elementwise state only (docs/zero.md)"
@@ -257,7 +274,9 @@ def optimizer_state_dict(
     order = [i for i in geometry.names if i in plain_index]
     held = {id(p.param): p for p in geometry.pieces if p.key is not None}
     local = {
-        geometry.names[i]: _describe(optimizer.state.get(held[i].key, {}), held[i].key)
+        geometry.names[i]: _describe(
+            optimizer.state.get(held[i].key, {}), held[i].key, held[i].whole
+        )
         for i in order
         if i in held
     }
@@ -338,7 +357,9 @@ def _piece_state(param_state: dict | None, piece: HeldPiece) -> dict:
     entry = {}
     for key, value in param_state.items():
         value = to_local(piece.param, value) if torch.is_tensor(value) else value
-        if elementwise(key, value, piece.param):
+        if piece.whole and torch.is_tensor(value):  # the plain state, in its own shape
+            entry[key] = value.detach().clone()
+        elif elementwise(key, value, piece.param):
             entry[key] = value.detach().reshape(-1)[piece.offset : stop].clone()
         else:
             entry[key] = value.clone() if torch.is_tensor(value) else value
