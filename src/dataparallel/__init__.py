@@ -14,9 +14,11 @@ from .api import (
     build_optimizer,
     bytes_sent,
     clip_grad_norm_,
+    clip_grad_value_,
     finish_param_gather,
     full_state_dict,
     geometry,
+    grad_norms,
     join,
     load_full_state_dict,
     load_optimizer_state_dict,
@@ -34,6 +36,7 @@ from .comm import Tracer
 from .compose import OUTER_COMPRESS, PRECISIONS, STRATEGIES, Composed, Recipe, compose
 from .data import DistributedSampler
 from .diloco import DiLoCo
+from .ema import EMA
 from .plan import plan
 from .runtime import World, destroy, free_port, init, join_group
 from .strategies import DDP, Mesh, MixedPrecision, ZeRO1, ZeRO2, ZeRO3, init_mesh
@@ -47,6 +50,7 @@ __all__ = [
     "STRATEGIES",
     "DDP",
     "DiLoCo",
+    "EMA",
     "LocalSGD",
     "DistributedSampler",
     "Mesh",
@@ -61,6 +65,7 @@ __all__ = [
     "bytes_sent",
     "wire_bytes",
     "clip_grad_norm_",
+    "clip_grad_value_",
     "comm",
     "compose",
     "compression",
@@ -70,6 +75,7 @@ __all__ = [
     "free_port",
     "full_state_dict",
     "geometry",
+    "grad_norms",
     "init",
     "init_mesh",
     "join",
