@@ -90,6 +90,9 @@ def ema_grid(world) -> dict:
                     _diff(inside, emas[name].full_state_dict()),
                     _diff(after, before),
                 )
+    for name in averaged:  # right after a step: under overlap, its gathers are in flight
+        copied = copy.deepcopy(models[name]).state_dict()
+        out[f"{name}-copy"] = _diff(copied, dp.full_state_dict(models[name]))
     ema_state = {k: v.detach() for k, v in ref_ema.module.state_dict().items()}
     out["lag"] = _diff(ema_state, reference.state_dict())  # how far the average trails
     for name, model in models.items():
@@ -120,6 +123,7 @@ def test_ema_on_every_strategy_equals_one_process():
         assert got["applied"] == (0.0, 0.0), (name, got)  # the average in, the weights back
         if name != "zero3":
             assert out[f"{name}-plain"], name
+            assert out[f"{name}-copy"] == 0.0, name  # the whole current weights
             assert got["averaged_model"] < TOL, (name, got)
         cases += 1
     assert cases == len(POLICIES) == 5
