@@ -36,7 +36,7 @@ from ...comm import Comm
 # Reads of metadata only (true of the gradient), and the clears `nn.Module.zero_grad` makes.
 METADATA = frozenset({"shape", "dtype", "device", "layout", "ndim", "is_sparse", "requires_grad"})
 METADATA_CALLS = frozenset({"size", "dim", "numel", "__len__"})
-CLEARS = frozenset({"zero_", "requires_grad_", "detach_", "_foreach_zero_", "grad_fn"})
+CLEARS = frozenset({"zero_", "requires_grad_", "detach_", "_foreach_zero_"})
 
 
 def _name(func) -> str:
@@ -48,11 +48,13 @@ def _name(func) -> str:
 
 
 def _caller(func) -> str:
-    """The call to name in the error: the outermost public torch function on the stack above
-    this read (`torch.nn.utils.clip_grad_norm_`), or the read itself (`.grad.norm`)."""
+    """The call to name in the error: the outermost torch function on the stack above this
+    read, wrappers left out (`torch.nn.utils.clip_grad_norm_`; a private `_get_total_norm` is
+    public `get_total_norm`), or the read itself (`.grad.norm`) when the user's code made it."""
     frame, outermost = sys._getframe(2), None
     while frame is not None and frame.f_globals.get("__name__", "").startswith("torch"):
-        if not frame.f_code.co_name.startswith("_"):
+        name = frame.f_code.co_name
+        if not name.startswith("<") and "wrapper" not in name and name != "decorate_context":
             outermost = frame
         frame = frame.f_back
     module = outermost.f_globals["__name__"] if outermost is not None else "torch._tensor"
@@ -60,7 +62,7 @@ def _caller(func) -> str:
         return f".grad.{_name(func)}"
     if module.startswith("torch.nn.utils"):
         module = "torch.nn.utils"
-    return f"{module}.{outermost.f_code.co_name}"
+    return f"{module}.{outermost.f_code.co_name.lstrip('_')}"
 
 
 class ShardedGrad(torch.Tensor):
@@ -79,7 +81,8 @@ class ShardedGrad(torch.Tensor):
             return None
         if name in CLEARS:
             return args[0] if name != "_foreach_zero_" else None
-        strategy = next((a.strategy for a in args if isinstance(a, ShardedGrad)), cls.strategy)
+        flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])]
+        strategy = next((t.strategy for t in flat if isinstance(t, ShardedGrad)), cls.strategy)
         raise RuntimeError(
             f"{_caller(func)} read a model parameter's .grad, which under {strategy} is not "
             "the reduced gradient (it lives sharded in the optimizer, no rank holds it whole); "
