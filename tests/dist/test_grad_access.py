@@ -6,7 +6,8 @@ a run of flat shards; the model's `.grad` refuse every use with one line naming 
 way that works ([Note: sharded gradients]): PyTorch's clips, a logged `p.grad.norm()`, the
 `if p.grad is not None: total += p.grad.norm()` loop (which used to sum zero). What works is
 exact: `dp.clip_grad_norm_` and `dp.clip_grad_value_` with bounds that bite at every step, and
-`dp.grad_norms`, within 1e-5 of one process (momentum SGD, 5 steps, 2 ranks).
+`dp.grad_norms`, within 1e-5 of one process (momentum SGD, 5 steps, 2 ranks), and on a 2 x 2
+mesh (4 ranks, with `dp.EMA`).
 """
 
 from __future__ import annotations
@@ -153,3 +154,56 @@ def test_torch_clip_exact_under_ddp_refused_in_one_line_under_zero_ours_exact_ev
                     assert "dataparallel.clip_grad_norm_(model, max_norm)" in message, message
             cases += 1
     assert cases == 2 * 5
+
+
+def mesh_grid(world) -> dict:
+    """ZeRO-1/2/3 on a 2 x 2 mesh (shards of 2, 2 replicas): dp.grad_norms, dp.clip_grad_value_
+    and dp.EMA against one process (the replicas hold the same shards: counted once)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    n, rank = world.world_size, world.rank
+    reference = build(MODEL, SEED)
+    ref_opt = torch.optim.SGD(reference.parameters(), **SGD)
+    ref_ema = AveragedModel(reference, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    mesh = dp.init_mesh(2)
+    sharded = ("zero1", "zero2", "zero3")
+    models = {name: dp.parallelize(build(MODEL, SEED), name, mesh=mesh) for name in sharded}
+    opts = {name: dp.build_optimizer(m, torch.optim.SGD, **SGD) for name, m in models.items()}
+    emas = {name: dp.EMA(m, 0.9) for name, m in models.items()}
+    out = {name: {} for name in models}
+    for step in range(3):
+        x, y = batch(MODEL, step, PER_RANK * n)
+        reference_loss(MODEL, reference, x, y, step, n).backward()
+        if step == 0:
+            ref_norms = {k: p.grad.norm().item() for k, p in reference.named_parameters()}
+        torch.nn.utils.clip_grad_value_(reference.parameters(), MAX_VALUE)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_ema.update_parameters(reference)
+        mine = x.chunk(n)[rank], y.chunk(n)[rank]
+        for name, model in models.items():
+            loss_fn(MODEL, model, *mine, step, rank).backward()
+            if step == 0:
+                norms = dp.grad_norms(model)
+                out[name]["grad_norms"] = max(
+                    abs(norms[k].item() - v) / v for k, v in ref_norms.items()
+                )
+                out[name]["refusal"] = _refusals(model)["torch.nn.utils.clip_grad_norm_"]
+            dp.clip_grad_value_(model, MAX_VALUE)
+            opts[name].step()
+            opts[name].zero_grad()
+            emas[name].update()
+    weights, average = reference.state_dict(), ref_ema.module.state_dict()
+    for name, model in models.items():
+        state, ema = dp.full_state_dict(model), emas[name].full_state_dict()
+        out[name]["diff"] = max((state[k] - v).abs().max().item() for k, v in weights.items())
+        out[name]["ema"] = max((ema[k] - v).abs().max().item() for k, v in average.items())
+    return out
+
+
+def test_on_a_2x2_mesh_ours_exact_and_torch_clip_refused():
+    out = run_world(4, mesh_grid)[0]
+    assert sorted(out) == ["zero1", "zero2", "zero3"]
+    for name, got in out.items():
+        assert max(got["grad_norms"], got["diff"], got["ema"]) < TOL, (name, got)
+        assert got["refusal"].startswith("torch.nn.utils.clip_grad_norm_ read"), got
