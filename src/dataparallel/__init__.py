@@ -14,9 +14,11 @@ from .api import (
     build_optimizer,
     bytes_sent,
     clip_grad_norm_,
+    clip_grad_value_,
     finish_param_gather,
     full_state_dict,
     geometry,
+    grad_norms,
     join,
     load_full_state_dict,
     load_optimizer_state_dict,
@@ -42,6 +44,7 @@ from .compose import (
     compose,
 )
 from .data import DistributedSampler
+from .ema import EMA
 from .plan import plan
 from .runtime import World, destroy, free_port, init, join_group
 from .strategies import DDP, Mesh, MixedPrecision, ZeRO1, ZeRO2, ZeRO3, init_mesh
@@ -56,6 +59,7 @@ __all__ = [
     "STRATEGIES",
     "DDP",
     "DiLoCo",
+    "EMA",
     "LocalSGD",
     "DistributedSampler",
     "Mesh",
@@ -71,6 +75,7 @@ __all__ = [
     "check_recipe",
     "wire_bytes",
     "clip_grad_norm_",
+    "clip_grad_value_",
     "comm",
     "compose",
     "compression",
@@ -80,6 +85,7 @@ __all__ = [
     "free_port",
     "full_state_dict",
     "geometry",
+    "grad_norms",
     "init",
     "init_mesh",
     "join",

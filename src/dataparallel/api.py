@@ -27,6 +27,7 @@ from .strategies import (
     resolve_policy,
     whole_parameters,
 )
+from .strategies.model_copy import PlainCopy, next_hook_id
 from .strategies.parts.grouped import GROUP_CLASS_KEY, Grouped, split_classes
 
 _ATTR = "_dataparallel_strategy"
@@ -64,6 +65,10 @@ def parallelize(
     `clip_grad_norm_`, `full_state_dict` and the plain optimizer state see the whole tensors
     (docs/core.md, "Hybrid parallelism").
 
+    `copy.deepcopy(model)` (and so torch's `AveragedModel`) gives a plain module with the
+    current weights under DDP and ZeRO-1/2, and is refused under ZeRO-3 ([Note: model copies]
+    in strategies/model_copy.py; `dataparallel.EMA` is the sharded EMA for every strategy).
+
     Collective: every rank of the group must call it, with the same model.
     """
     if not isinstance(model, nn.Module):
@@ -90,10 +95,12 @@ def parallelize(
     # hooks ([Note: tensor-parallel parameters] in strategies/parts/tensor_parallel.py).
     groups = Groups.build(group, mesh, tracer, pairwise)
     check_apart(model, groups.world.group)
+    first_hook = next_hook_id()  # hooks from here on are the strategy's ([Note: model copies])
     localized = localize_parameters(model)
     instance = apply_policy(policy, model, groups)
     bind_dtensor_views(localized)
     object.__setattr__(model, _ATTR, instance)
+    object.__setattr__(model, "__deepcopy__", PlainCopy(instance, first_hook, _ATTR))
     return model
 
 
@@ -199,8 +206,27 @@ def wire_bytes(model: nn.Module) -> int:
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients by their global norm across ranks and shards; return that norm."""
+    """Clip gradients by their global norm across ranks and shards; return that norm.
+
+    Use it, not `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`: under ZeRO-1/2/3
+    the model's `.grad` are not the reduced gradient, and PyTorch's clip raises one line that
+    says so ([Note: sharded gradients] in strategies/parts/sharded_grads.py). Collective."""
     return strategy_of(model).clip_grad_norm_(max_norm, norm_type)
+
+
+def clip_grad_value_(model: nn.Module, clip_value: float) -> None:
+    """Clamp every element of the reduced gradient into [-clip_value, clip_value], where it
+    lives (`torch.nn.utils.clip_grad_value_`'s result; elementwise, so no collective)."""
+    if not float(clip_value) >= 0:
+        raise ValueError(f"clip_grad_value_: clip_value={clip_value} must be >= 0")
+    strategy_of(model).clip_grad_value_(clip_value)
+
+
+def grad_norms(model: nn.Module, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
+    """Per parameter name, the norm of its reduced gradient (what `p.grad.norm(norm_type)` is
+    in one process; parameters without a gradient left out), on every rank. For logging under
+    any strategy. Collective under ZeRO-1/2/3 (one all-reduce), local under DDP."""
+    return strategy_of(model).grad_norms(norm_type)
 
 
 def geometry(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Geometry:

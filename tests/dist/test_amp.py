@@ -1,15 +1,17 @@
 """PyTorch's AMP recipe for fp16, unmodified, on every strategy across 2 ranks.
 
 fp32 parameters, `torch.autocast(dtype=torch.float16)`, a default `torch.amp.GradScaler` and
-AdamW, with the AMP docs' gradient clipping (`scaler.unscale_(opt)`, then
-`torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`) at a bound the true norm never
-reaches, so clipping changes nothing in one process. Under sharded strategies the model's
-`.grad` are not the reduced gradient (docs/zero.md), so that clip must leave the step alone.
-ZeRO-1 used to keep its shard's gradient in the very memory its model `.grad` view, and the
-clip, reading this rank's still-scaled local sums there, shrank each rank's shard by its own
-factor: 6e-2 from one process where PyTorch's DDP is 2.8e-4. Bound: fp16 rounds the chunked
-forward differently from the one-process forward, so PyTorch's DDP sits a little away from one
-process; each of ours must be within 1.5 times that.
+AdamW, with the AMP docs' gradient clipping (`scaler.unscale_(opt)`, then the global-norm clip)
+at a bound the true norm never reaches, so clipping changes nothing in one process. The clip is
+PyTorch's `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` in one process and under
+PyTorch's DDP and ours (its `.grad` are the reduced gradient), `dp.clip_grad_norm_(model, ...)`
+under the sharded strategies, where PyTorch's raises one line ([Note: sharded gradients];
+tests/dist/test_grad_access.py). ZeRO-1 used to keep its shard's gradient in the very memory
+its model `.grad` view, and PyTorch's clip, reading this rank's still-scaled local sums there,
+shrank each rank's shard by its own factor: 6e-2 from one process where PyTorch's DDP is
+2.8e-4. Bound: fp16 rounds the chunked forward differently from the one-process forward, so
+PyTorch's DDP sits a little away from one process; each of ours must be within 1.5 times that.
+Natural overflows at the default scale: tests/dist/test_amp_overflow.py.
 """
 
 from __future__ import annotations
@@ -29,11 +31,19 @@ SMALL = {"bucket_mb": 0.02, "first_bucket_mb": 0.002}  # a few buckets: shards s
 SLACK = 1.5
 
 
-def _step(model, opt, scaler, loss, clip: bool) -> None:
+def _torch_clip(model) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+
+
+def _our_clip(model) -> None:
+    dp.clip_grad_norm_(model, CLIP)
+
+
+def _step(model, opt, scaler, loss, clip) -> None:
     scaler.scale(loss.float()).backward()
-    if clip:
+    if clip is not None:
         scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        clip(model)
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
@@ -61,12 +71,14 @@ def recipe(world, clip: bool) -> dict[str, float]:
         x, y = batch(MODEL, step, PER_RANK * n)
         with torch.autocast("cpu", dtype=torch.float16):
             loss = reference_loss(MODEL, reference, x, y, step, n)
-        _step(reference, ref_opt, scalers["one"], loss, clip)
+        _step(reference, ref_opt, scalers["one"], loss, _torch_clip if clip else None)
         mine = x.chunk(n)[rank], y.chunk(n)[rank]
         for name, model in models.items():
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = loss_fn(MODEL, model, *mine, step, rank)
-            _step(model, opts[name], scalers[name], loss, clip)
+            sharded = name.startswith("zero")
+            clipper = (_our_clip if sharded else _torch_clip) if clip else None
+            _step(model, opts[name], scalers[name], loss, clipper)
     assert all(s.get_scale() == 2.0**16 for s in scalers.values())  # no step overflowed
     out = {}
     for name, model in models.items():

@@ -8,6 +8,7 @@ import torch
 import dataparallel as dp
 from dataparallel.comm import allreduce_hook, low_precision_hook, reduce_hook
 from dataparallel.comm.hooks import HookState
+from dataparallel.strategies.parts import buckets
 from dataparallel.strategies.parts.flat_shard import FlatShard
 from dataparallel.strategies.parts.layout import ShardLayout
 
@@ -61,6 +62,25 @@ def test_found_inf_poisons_every_held_gradient():
     assert not shard.nonfinite()
     shard.poison()
     assert all(torch.isnan(g).all() for g in shard.grads()) and shard.nonfinite()
+
+
+def test_poison_and_launch_keep_padding_zero():
+    """[Note: finite padding]: a skipped step's poison never reaches a later sum."""
+    shard = shard_of(1)  # the second parameter's last two elements, a frozen one, padding
+    shard.take_reduced(torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0]), borrow=True)
+    shard.attach_grads([True, True, True])
+    shard.poison()
+    assert shard.store[:2].isnan().all() and shard.store[2:].tolist() == [0, 0, 0]
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
+    spec = buckets.plan_buckets([(p.numel(), F32, "cpu") for p in params], 1 << 20, pad_to=3)[0]
+    bucket = buckets.Bucket(spec, params, divisor=2)
+    assert (bucket.end, spec.numel) == (7, 9)
+    bucket.buffer.fill_(float("nan"))  # what a hook, or a borrowing shard, may leave
+    for position, param in enumerate(params):
+        param.grad = torch.ones(param.numel())
+        bucket.adopt_grad(position)
+    bucket.complete()
+    assert bucket.buffer.tolist() == [0.5] * 7 + [0, 0]
 
 
 # -- MixedPrecision: what each field means ---------------------------------------------------

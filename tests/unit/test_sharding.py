@@ -9,6 +9,7 @@ from torch import nn
 import dataparallel as dp
 from dataparallel.strategies.parts.buckets import Bucket, plan_buckets
 from dataparallel.strategies.parts.layout import Piece, ShardLayout, padded_numel
+from dataparallel.strategies.parts.sharded_grads import is_sharded_grad
 
 F32, CPU = torch.float32, torch.device("cpu")
 
@@ -158,8 +159,9 @@ def test_every_elementwise_torch_optimizer_steps_exactly(stage):
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero1_gradients_live_on_the_optimizer(set_to_none):
-    """[Note: consumed sums]: after backward the model's .grad are None under ZeRO-1 (as under
-    ZeRO-2); the reduced gradient is the optimizer's, and its zero_grad clears it."""
+    """[Note: consumed sums]: after backward the model's .grad are not the local sums under
+    ZeRO-1 but refuse every use ([Note: sharded gradients]), as under ZeRO-2; the reduced
+    gradient is the optimizer's, and its zero_grad clears it."""
     plain, ours = _model(), dp.parallelize(_model(), dp.ZeRO1(bucket_mb=0.0002))
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     opt = dp.build_optimizer(ours, torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -167,7 +169,7 @@ def test_zero1_gradients_live_on_the_optimizer(set_to_none):
         for model, optimizer in ((plain, plain_opt), (ours, opt)):
             (model(_data(step)[0]) ** 2).mean().backward()
             if model is ours:
-                assert all(p.grad is None for p in model.parameters())
+                assert all(is_sharded_grad(p.grad) for p in model.parameters())
             optimizer.step()
             optimizer.zero_grad(set_to_none=set_to_none)
     for a, b in zip(plain.parameters(), ours.parameters(), strict=True):

@@ -6,6 +6,7 @@ from .errors import PlanError
 from .hardware import HardwareProfile, Link, load_profile
 from .inputs import PlanInputs
 from .model import ModelShape
+from .ownership import MuonCompute, OptimizerMemory, Ownership, muon_compute, optimizer_memory
 from .planner import Plan, Row
 from .profiles import BUILTIN, get_profile
 
@@ -14,11 +15,16 @@ __all__ = [
     "HardwareProfile",
     "Link",
     "ModelShape",
+    "MuonCompute",
+    "OptimizerMemory",
+    "Ownership",
     "Plan",
     "PlanError",
     "PlanInputs",
     "Row",
     "get_profile",
     "load_profile",
+    "muon_compute",
+    "optimizer_memory",
     "plan",
 ]

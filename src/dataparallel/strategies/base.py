@@ -15,6 +15,7 @@ from torch import nn
 from ..comm import Comm
 from .parts import geometry as geo
 from .parts.geometry import Geometry
+from .parts.sharded_grads import clip_grad_value_, grad_norms, held_runs
 
 
 def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -120,6 +121,9 @@ class Strategy:
     """
 
     name = "base"
+    # Whether a parameter at rest is a placeholder rather than its value (ZeRO-3): a plain
+    # copy of the model is then refused ([Note: model copies] in model_copy.py).
+    placeholders_at_rest = False
 
     def __init__(self, model: nn.Module, comm: Comm, groups=None):
         self.model = model
@@ -178,6 +182,27 @@ class Strategy:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         raise NotImplementedError
+
+    # -- the reduced gradient where it lives ([Note: sharded gradients]) ----------------------
+    def shard_holders(self) -> list | None:
+        """What holds the flat shards (ZeRO-1/2's buckets, ZeRO-3's units: each with `.shard`
+        and `.params`); None where every rank holds the model's `.grad` whole (DDP)."""
+        return None
+
+    def reduced_runs(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(model parameter, the run of its reduced gradient this rank holds)."""
+        holders = self.shard_holders()
+        if holders is None:
+            return [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
+        return held_runs(holders)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        clip_grad_value_([grad for _, grad in self.reduced_runs()], clip_value)
+
+    def grad_norms(self, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
+        comm = self.groups.shard if self.shard_holders() is not None else None
+        names = geo.parameter_names(self.model)
+        return grad_norms(self.reduced_runs(), names, norm_type, comm)
 
     # -- what this rank holds, and every plain form of it ([Note: geometry]) --------------------
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:

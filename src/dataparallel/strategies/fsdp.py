@@ -167,6 +167,7 @@ class ZeRO3Strategy(Strategy):
     """Wiring: module and gradient hooks that call the units' verbs and the schedule."""
 
     name = "zero3"
+    placeholders_at_rest = True  # [Note: parameters at rest] in fsdp_unit.py
 
     def __init__(self, model: nn.Module, groups: Groups, policy: ZeRO3):
         super().__init__(model, groups.world, groups)
@@ -378,6 +379,9 @@ class ZeRO3Strategy(Strategy):
         params = list(self.model.parameters())
         owned = [g for owners in self.owners for g in owners.grads()]
         return clip_shards_(shards, params, max_norm, norm_type, self.groups.shard, owned)
+
+    def shard_holders(self) -> list[FlatUnit]:
+        return self.units
 
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """Each unit's shard pieces, in the units' master dtype ([Note: geometry])."""

@@ -44,6 +44,7 @@ from .fsdp_plan import UnitPlan
 from .parts.buckets import Bucket, BucketSpec
 from .parts.flat_shard import FlatShard, shard_values
 from .parts.layout import ShardLayout
+from .parts.sharded_grads import ShardedGrads, is_sharded_grad
 
 
 class ShardedState(enum.Enum):
@@ -103,6 +104,7 @@ class FlatUnit:
         values = [p.detach() for p in self.params]
         data = shard_values(self.layout, rank, values, self.dtype, self.device)
         self.shard = FlatShard(self.layout, rank, data, [p.requires_grad for p in self.params])
+        self.sharded_grads = ShardedGrads(self.params, "zero3")  # [Note: sharded gradients]
         self._new_buffer()
         self.nan = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
         self._rest()
@@ -209,6 +211,7 @@ class FlatUnit:
         if gather:
             self.gather()
         if training:
+            self.sharded_grads.drop()
             self.training_state = TrainingState.FORWARD
             self.pending_backwards += 1
 
@@ -271,6 +274,7 @@ class FlatUnit:
         `no_sync`): pieces of used parameters get their .grad, and the unit is freed."""
         if used is not None:
             self.shard.attach_grads(used)
+            self.sharded_grads.attach(used)
         self.training_state = TrainingState.IDLE
         self.pending_backwards = 0
         self.free()
@@ -279,7 +283,8 @@ class FlatUnit:
     def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(parameter storages, gradient storages) this unit holds right now."""
         params = [self.shard.data, self.full]
-        grads = [self.shard.store] + [p.grad for p in self.params if p.grad is not None]
+        held = [p.grad for p in self.params if p.grad is not None]
+        grads = [self.shard.store] + [g for g in held if not is_sharded_grad(g)]
         if self.bucket.buffer is not None:
             grads.append(self.bucket.buffer)
         return params, grads

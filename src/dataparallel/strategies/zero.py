@@ -14,7 +14,8 @@ The contract (docs/zero.md has it in full, with the memory theory and measuremen
   to a reduced bucket is the only difference between the stages: ZeRO-1 keeps full-size
   buckets, ZeRO-2 frees each once its shard is kept ([Note: lazy buckets]). At the end of
   backward the reduced shard gradients are the pieces' `.grad` ([Note: flat shard]); the
-  model's own `.grad` are None ([Note: consumed sums]): clear with `optimizer.zero_grad()`.
+  model's own `.grad` refuse every use ([Note: consumed sums], [Note: sharded gradients] in
+  parts/sharded_grads.py): clear with `optimizer.zero_grad()`.
 - `no_sync` accumulates full local gradients; synchronised backwards between steps add up, as
   in one process, until `optimizer.zero_grad()`. Each synchronised backward follows a forward.
 - Parameters no rank used are skipped by the step ([Note: skipped parameters]).
@@ -50,6 +51,7 @@ from .parts.opaque import opaque
 from .parts.owners import Owners, own_groups
 from .parts.precision import MixedPrecision, check_precision, install_casts, norm_params
 from .parts.reducer import GradientReducer
+from .parts.sharded_grads import ShardedGrads
 from .parts.tensor_parallel import to_local
 from .zero_keepers import FreeBuckets, KeepBuckets
 from .zero_step import BucketShard, ShardedStep, flatten_bucket
@@ -173,6 +175,8 @@ class ZeROStrategy(Strategy):
         self.buckets: list[BucketShard] = []
         self.round_done = False  # a synchronised backward ended, no forward since
         self._shard_parameters([list(self.trainable)], values={})
+        # In the round's order ([Note: bucket order]); [Note: sharded gradients]
+        self.sharded_grads = ShardedGrads(list(reversed(self.trainable)), self.name)
         self.buffers = list(model.buffers())
         self.casts = install_casts(model, self.precision, self.compute, self.model_dtype)
         self._pre_hook = model.register_forward_pre_hook(opaque(self._before_forward))
@@ -244,6 +248,7 @@ class ZeROStrategy(Strategy):
     # -- the training round ------------------------------------------------------------------
     def _before_forward(self, module, args):
         if torch.is_grad_enabled():
+            self.sharded_grads.drop()
             if self.round_done:
                 self.round_done = False
                 for bucket, grads in zip(self.buckets, self.reducer.buckets, strict=True):
@@ -261,6 +266,7 @@ class ZeROStrategy(Strategy):
             self.keeper.after_round(bucket.shard, grads)
         if self.owners is not None:
             self.owners.collect_grads({id(p) for p, u in zip(self.planned, used, strict=True) if u})
+        self.sharded_grads.attach(used)
         self.round_done = True
 
     def rebind(self, group) -> None:
@@ -355,6 +361,9 @@ class ZeROStrategy(Strategy):
         params = list(self.model.parameters())
         owned = self.owners.grads() if self.owners is not None else []
         return clip_shards_(shards, params, max_norm, norm_type, self.groups.shard, owned)
+
+    def shard_holders(self) -> list[BucketShard]:
+        return self.buckets
 
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """The buckets' shard pieces (masters in mixed precision), frozen parameters whole

@@ -10,8 +10,8 @@ from .parts.flat_shard import FlatShard
 
 class KeepBuckets:
     """ZeRO-1: full-size gradient buckets stay allocated; the reduced slice of each becomes the
-    shard's gradient in place (no copy) when the dtypes agree. The model's own `.grad` are None
-    after a synchronised round, as under ZeRO-2: [Note: consumed sums]."""
+    shard's gradient in place (no copy) when the dtypes agree. The model's own `.grad` are not
+    the buckets after a synchronised round, as under ZeRO-2: [Note: consumed sums]."""
 
     lazy = False
 
@@ -27,7 +27,9 @@ class KeepBuckets:
         measured the still-scaled local sums and multiplied each rank's shard by its own
         factor, 6e-2 off one process where torch's DDP is 2.8e-4 (tests/dist/test_amp.py).
         So they go: the reduced gradient is the optimizer's (its pieces' `.grad`), cleared by
-        `optimizer.zero_grad()`, and `dp.clip_grad_norm_` clips it."""
+        `optimizer.zero_grad()`, and `dp.clip_grad_norm_` clips it; the strategy then gives the
+        model's parameters placeholders that refuse every use ([Note: sharded gradients] in
+        parts/sharded_grads.py), so PyTorch's own clip says so instead of clipping nothing."""
         for param in bucket.params:
             param.grad = None
 

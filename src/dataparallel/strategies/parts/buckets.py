@@ -152,6 +152,7 @@ class Bucket:
         self.divisor = divisor
         self.shard = shard
         self.grad_views = all(p.dtype == spec.dtype for p in params)
+        self.end = spec.offsets[-1] + params[-1].numel() if params else 0  # padding from here
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         self.held: list[int] = [EMPTY] * len(params)  # per position: EMPTY, SCALED or RAW
@@ -164,8 +165,7 @@ class Bucket:
         """Create the flat buffer (padding zeroed) and the per-parameter views into it."""
         spec = self.spec
         self.buffer = torch.empty(spec.numel, dtype=spec.dtype, device=spec.device)
-        end = spec.offsets[-1] + self.params[-1].numel() if self.params else 0
-        self.buffer[end:].zero_()  # padding: never written by a gradient, always reduced
+        self.buffer[self.end :].zero_()  # padding: never written by a gradient, always reduced
         self.views = [
             self.buffer[off : off + p.numel()].view_as(p)
             for off, p in zip(spec.offsets, self.params, strict=True)
@@ -253,6 +253,8 @@ class Bucket:
         division by `divisor` for what holds a local sum."""
         if self.buffer is None:
             self.allocate()
+        elif self.end < self.spec.numel:  # [Note: finite padding] in flat_shard.py
+            self.buffer[self.end :].zero_()
         if self.divisor != 1 and all(h == RAW for h in self.held):
             self.buffer.div_(self.divisor)  # one pass (the padding is zero)
             self.held = [SCALED] * len(self.params)

@@ -177,6 +177,17 @@ class FlatShard:
     @torch.no_grad()
     def poison(self) -> None:
         """Make the shard's gradient non-finite: some shard found an inf or NaN, and all ranks
-        must skip the step together ([Note: found inf] in round.py)."""
-        if self.store is not None:
-            self.store.fill_(float("nan"))
+        must skip the step together ([Note: found inf] in round.py).
+
+        [Note: finite padding] Only the trainable pieces' parts are filled: the padding and
+        frozen parameters' parts stay zero. The store may be a bucket's memory (ZeRO-1 borrows
+        it) that the next backward reduces again, or be refilled piece by piece (accumulation);
+        a NaN left outside the pieces would make every later sum, and so every later step,
+        non-finite: the scaler would halve its scale forever and the model never train again
+        (tests/dist/test_amp_overflow.py). `Bucket.complete` zeroes a bucket's padding before
+        each reduction as well, whatever a hook may have left there."""
+        if self.store is None:
+            return
+        for piece, (start, stop) in zip(self.pieces, self.ranges, strict=True):
+            if piece is not None and piece.requires_grad:
+                self.store[start:stop].fill_(float("nan"))
