@@ -6,7 +6,7 @@ job, checkpoints and inference use the public API, never these names or `parts/`
 
 from .base import Strategy
 from .ddp import DDP
-from .fsdp import ZeRO3
+from .fsdp_policy import ZeRO3
 from .parts.geometry import SCALAR_STATE_KEYS, Geometry, elementwise
 from .parts.mesh import Groups, Mesh, as_layout, init_mesh
 from .parts.owners import ELEMENTWISE, whole_parameters

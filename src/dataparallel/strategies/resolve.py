@@ -16,7 +16,7 @@ from torch import nn
 
 from .base import Strategy
 from .ddp import DDP
-from .fsdp import ZeRO3
+from .fsdp_policy import ZeRO3
 from .parts.mesh import Groups, init_mesh
 from .zero import ZeRO1, ZeRO2, ZeROStrategy
 
