@@ -134,7 +134,7 @@ class Strategy:
 
     # -- the calls the public API forwards ---------------------------------------------------
     def build_optimizer(
-        self, optimizer_cls, params=None, *, whole: bool = False, **kwargs
+        self, optimizer_cls, params=None, *, whole: bool | list[bool] = False, **kwargs
     ) -> torch.optim.Optimizer:
         """The user's optimizer for this strategy; `whole`: its update is not elementwise, so
         it gets whole parameters ([Note: optimizer layout] in parts/owners.py)."""
@@ -194,7 +194,12 @@ class Strategy:
         holders = self.shard_holders()
         if holders is None:
             return [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
-        return held_runs(holders)
+        return held_runs(holders) + self.owned_runs()
+
+    def owned_runs(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(model parameter, its whole reduced gradient) for the parameters this rank owns
+        ([Note: optimizer layout] in parts/owners.py); none without whole-parameter groups."""
+        return []
 
     def clip_grad_value_(self, clip_value: float) -> None:
         clip_grad_value_([grad for _, grad in self.reduced_runs()], clip_value)

@@ -44,6 +44,7 @@ from .parts.footprint import Footprint, bucketed
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
 from .parts.opaque import opaque
+from .parts.owners import check_not_tensor_parallel
 from .parts.precision import MixedPrecision, check_precision, install_casts
 from .parts.reducer import GradientReducer
 
@@ -157,10 +158,15 @@ class DDPStrategy(Strategy):
         self.reducer.sync_enabled = enabled
 
     def build_optimizer(
-        self, optimizer_cls, params=None, *, whole: bool = False, **kwargs
+        self, optimizer_cls, params=None, *, whole: bool | list[bool] = False, **kwargs
     ) -> torch.optim.Optimizer:
-        # Every rank steps whole parameters: either layout is this one.
-        return optimizer_cls(normalize_param_groups(self.model, params), **kwargs)
+        # Every rank steps whole parameters: either layout is this one, except over a
+        # tensor-parallel parameter, whose local tensor is a slice ([Note: optimizer layout]).
+        groups = normalize_param_groups(self.model, params)
+        wholes = whole if isinstance(whole, list) else [whole] * len(groups)
+        picked = [g["params"] for g, w in zip(groups, wholes, strict=True) if w]
+        check_not_tensor_parallel(picked, optimizer_cls.__name__)
+        return optimizer_cls(groups, **kwargs)
 
     def rebind(self, group) -> None:
         """Every rank holds the whole model: only the group, and the mean's divisor, change. A

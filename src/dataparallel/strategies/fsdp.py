@@ -293,6 +293,9 @@ class ZeRO3Strategy(Strategy):
     def shard_holders(self) -> list[FlatUnit]:
         return self.units
 
+    def owned_runs(self) -> list:
+        return [run for owners in self.owners for run in owners.runs()]
+
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """Each unit's shard pieces, in the units' master dtype ([Note: geometry])."""
         dtypes = {id(p): u.dtype for u in self.units for p in u.params}

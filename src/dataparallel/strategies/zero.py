@@ -365,6 +365,9 @@ class ZeROStrategy(Strategy):
     def shard_holders(self) -> list[BucketShard]:
         return self.buckets
 
+    def owned_runs(self) -> list:
+        return self.owners.runs() if self.owners is not None else []
+
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """The buckets' shard pieces (masters in mixed precision), frozen parameters whole
         ([Note: geometry])."""

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ...comm import Comm
-from .tensor_parallel import to_local, to_whole
+from .tensor_parallel import spread_of, to_local, to_whole
 
 # State keys that torch optimizers keep as one number per parameter, not one per element.
 SCALAR_STATE_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
@@ -156,7 +156,12 @@ def build_geometry(
         if id(p) not in covered:
             key = p if id(p) in optimized else None
             value = p.detach().view(-1)
-            pieces.append(HeldPiece(names[id(p)], p, p.shape, 0, value, key, replicated=shared))
+            # A whole parameter (not a tensor-parallel slice) keeps any optimizer state whole,
+            # Adafactor's factors too, as an owner's master does ([Note: optimizer layout]).
+            whole = not spread_of(p)
+            pieces.append(
+                HeldPiece(names[id(p)], p, p.shape, 0, value, key, replicated=shared, whole=whole)
+            )
     plain = {id(p): (dtypes or {}).get(id(p), p.dtype) for p in model.parameters()}
     return Geometry(names, tuple(pieces), group if shared else None, plain)
 

@@ -167,8 +167,15 @@ class Owners:
 
     def grads(self) -> list[torch.Tensor]:
         """The gradients of the masters this rank owns (for the global-norm clip)."""
+        return [grad for _, grad in self.runs()]
+
+    def runs(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(model parameter, its whole reduced gradient) for the masters this rank owns: the
+        runs of [Note: sharded gradients] for owned parameters (no other rank holds a piece)."""
         return [
-            o.master.grad for o in self.owned if o.master is not None and o.master.grad is not None
+            (o.param, o.master.grad)
+            for o in self.owned
+            if o.master is not None and o.master.grad is not None
         ]
 
     # -- the messages -----------------------------------------------------------------------
@@ -265,15 +272,10 @@ class Owners:
         return incoming
 
 
-def own_groups(
-    groups: list[list[nn.Parameter]], shards: list[tuple[FlatShard, list]], comm: Comm, who: str
-) -> tuple[Owners, list[list[nn.Parameter]]]:
-    """Ownership of the trainable parameters of `groups` (per param group, in the user's
-    order), laid out by `shards` ((FlatShard, its parameters) pairs), over the shard group
-    `comm`; returns the `Owners` and, per group, the masters this rank owns (what the user's
-    optimizer is built on)."""
-    where = {id(p): (shard, i) for shard, params in shards for i, p in enumerate(params)}
-    entries = []
+def check_not_tensor_parallel(groups: list[list[nn.Parameter]], who: str) -> None:
+    """Whole parameters are whole tensors: a tensor-parallel parameter's local tensor is a
+    slice of one, so an optimizer that reads a parameter's shape or norm would step the slice
+    as if it were the tensor. Refused in one line (DDP and ZeRO alike)."""
     for group in groups:
         for p in group:
             if spread_of(p):
@@ -282,7 +284,18 @@ def own_groups(
                     f"shape {list(p.shape)} is tensor-parallel (its whole tensor spans the tp "
                     "ranks); use an elementwise optimizer or tensor parallelism without it"
                 )
-            entries.append((p, *where[id(p)]))
+
+
+def own_groups(
+    groups: list[list[nn.Parameter]], shards: list[tuple[FlatShard, list]], comm: Comm, who: str
+) -> tuple[Owners, list[list[nn.Parameter]]]:
+    """Ownership of the trainable parameters of `groups` (per param group, in the user's
+    order), laid out by `shards` ((FlatShard, its parameters) pairs), over the shard group
+    `comm`; returns the `Owners` and, per group, the masters this rank owns (what the user's
+    optimizer is built on)."""
+    where = {id(p): (shard, i) for shard, params in shards for i, p in enumerate(params)}
+    check_not_tensor_parallel(groups, who)
+    entries = [(p, *where[id(p)]) for group in groups for p in group]
     owners = Owners(entries, comm)
     masters = owners.masters()
     chosen = [[masters[id(p)] for p in g if masters[id(p)] is not None] for g in groups]
