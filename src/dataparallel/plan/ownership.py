@@ -27,9 +27,9 @@ DDP (B: the global batch's tokens per optimizer step).
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
+from ..strategies import assign_owners as owners_of
 from .errors import PlanError
 from .model import ModelShape
 
@@ -64,16 +64,17 @@ class Ownership:
         return sum(1 for load in self.loads if load == 0)
 
 
-def assign_owners(sizes: list[float] | tuple[float, ...], ranks: int) -> Ownership:
-    """Each size to the least loaded of `ranks` owners, largest first (ties: lowest rank)."""
+def assign_owners(
+    numels: list[int] | tuple[int, ...], ranks: int, weights: list[float] | None = None
+) -> Ownership:
+    """The owners the strategies choose (`strategies.assign_owners`, by elements: the same
+    rule, not a copy of it), and each rank's load of `weights` (default: the elements)."""
     if ranks < 1:
         raise PlanError("ranks", f"{ranks} owners", "give a shard group of at least one rank")
-    heap = [(0.0, rank) for rank in range(ranks)]
     loads = [0.0] * ranks
-    for size in sorted(sizes, reverse=True):
-        load, rank = heapq.heappop(heap)
-        loads[rank] = load + size
-        heapq.heappush(heap, (loads[rank], rank))
+    chosen = owners_of(list(numels), ranks)
+    for owner, weight in zip(chosen, numels if weights is None else weights, strict=True):
+        loads[owner] += weight
     return Ownership(tuple(loads))
 
 
@@ -184,5 +185,5 @@ def muon_compute(
     chosen = muon_matrices(shape) if matrices is None else matrices
     flops = [newton_schulz_flops(rows, cols) for rows, cols in chosen]
     per_rank = shape.flops_per_token * tokens_per_step / ranks
-    busiest = assign_owners(flops, ranks).busiest
+    busiest = assign_owners([rows * cols for rows, cols in chosen], ranks, flops).busiest
     return MuonCompute(ranks, sum(flops), per_rank, busiest)

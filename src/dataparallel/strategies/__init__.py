@@ -9,7 +9,7 @@ from .ddp import DDP
 from .fsdp_policy import ZeRO3
 from .parts.geometry import SCALAR_STATE_KEYS, Geometry, elementwise
 from .parts.mesh import Groups, Mesh, as_layout, init_mesh
-from .parts.owners import ELEMENTWISE, whole_parameters
+from .parts.owners import ELEMENTWISE, assign_owners, whole_parameters
 from .parts.precision import MixedPrecision
 from .parts.tensor_parallel import (
     bind_dtensor_views,
@@ -35,6 +35,7 @@ __all__ = [
     "ZeRO2",
     "ZeRO3",
     "apply_policy",
+    "assign_owners",
     "bind_dtensor_views",
     "check_apart",
     "as_layout",
