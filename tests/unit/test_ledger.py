@@ -43,7 +43,7 @@ def test_the_state_dict_round_trips_through_json():
     assert ledger.evals == [EvalRecord(step=2, val_loss=3.0, tokens=80, eval_time_s=0.1)]
     assert 40.0 <= ledger.elapsed() < 50.0  # the clock goes on from the saved elapsed time
     assert sorted(saved) == [
-        "consecutive_skips", "elapsed_s", "evals", "rng", "samples", "skipped_steps", "step",
+        "consecutive_skips", "cuda_rng", "elapsed_s", "evals", "rng", "samples", "skipped_steps", "step",
     ]  # fmt: skip
 
 

@@ -121,13 +121,15 @@ class Ledger:
 
     def state_dict(self) -> dict:
         """The ledger as plain values (JSON), copied: nothing in it changes with the ledger.
-        The random state is torch's CPU generator's, as hex."""
+        The random state is torch's CPU generator's, and the current CUDA device's when CUDA
+        is in use (dropout on a GPU draws from it), as hex."""
         return {
             "step": self.step,
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
             "samples": dict(self.samples.state_dict()),
-            "rng": torch.random.get_rng_state().numpy().tobytes().hex(),
+            "rng": _hex(torch.random.get_rng_state()),
+            "cuda_rng": _hex(torch.cuda.get_rng_state()) if torch.cuda.is_initialized() else None,
             "evals": [dataclasses.asdict(record) for record in self.evals[-1:]],
             "elapsed_s": self.elapsed(),
         }
@@ -145,9 +147,9 @@ class Ledger:
         self.step = int(saved["step"])
         self.skipped_steps = int(saved["skipped_steps"])
         self.consecutive_skips = int(saved["consecutive_skips"])
-        torch.random.set_rng_state(
-            torch.frombuffer(bytearray.fromhex(saved["rng"]), dtype=torch.uint8)
-        )
+        torch.random.set_rng_state(_bytes(saved["rng"]))
+        if saved.get("cuda_rng") and torch.cuda.is_initialized():  # absent before it was kept
+            torch.cuda.set_rng_state(_bytes(saved["cuda_rng"]))
         self.evals = self.evals or [EvalRecord(**record) for record in saved["evals"]]
         self.forget_after(self.step)
 
@@ -155,3 +157,11 @@ class Ledger:
         """Drop the session's records after `step` (steps a rewind undid: they are redone)."""
         self.history = [r for r in self.history if r.step <= step]
         self.evals = [r for r in self.evals if r.step <= step]
+
+
+def _hex(state: torch.Tensor) -> str:
+    return state.numpy().tobytes().hex()
+
+
+def _bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray.fromhex(text), dtype=torch.uint8)
