@@ -87,3 +87,67 @@ def test_every_strategy_through_dcp_to_torch_save_loads_strictly_and_equals_full
     print(results)
     assert len(results) == len(CASES) == 8
     assert results == {case: (0, 0.0, 0.0, 0) for case in CASES}, results
+
+
+def _write_flat_format(model, optimizer, folder: str) -> None:
+    """A checkpoint as the flat format wrote it (before true shapes; built by hand here, by
+    one process): each tensor 1-D under "model/<param>", "buffer/<name>",
+    "optim/<param>/<key>" (scalars 0-d), no nesting."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    weights = dp.full_state_dict(model)
+    state = dp.optimizer_state_dict(model, optimizer)["state"]
+    if torch.distributed.get_rank() != 0:
+        return
+    params = dict(model.named_parameters())
+    flat = {}
+    for name, tensor in weights.items():
+        flat[f"{'model' if name in params else 'buffer'}/{name}"] = tensor.reshape(-1).clone()
+    names = list(params)
+    for index, entry in state.items():
+        for key, value in entry.items():
+            value = value.reshape(()) if value.dim() == 0 else value.reshape(-1)
+            flat[f"optim/{names[index]}/{key}"] = value.clone()
+    dcp.save(
+        flat,
+        storage_writer=dcp.FileSystemWriter(folder),
+        planner=DefaultSavePlanner(flatten_state_dict=False),
+        no_dist=True,
+    )
+
+
+def flat_format(world, root: str) -> dict:
+    """A flat-format checkpoint of ZeRO-1 on 4 ranks, loaded under each strategy: the largest
+    difference from what was written, over the weights and the optimizer state."""
+    from dataparallel.checkpoint import load_state
+
+    from .test_resharding import build, parallelize
+    from .test_resharding import plain as plain_state
+
+    model = build(0)
+    optimizer = parallelize(model, "zero1")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(world.rank))
+    model(x).square().mean().backward()
+    optimizer.step()
+    folder = f"{root}/flat"
+    _write_flat_format(model, optimizer, folder)
+    torch.distributed.barrier()
+    weights, state = plain_state(model, optimizer)
+    out = {}
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        target = build(1)
+        target_optimizer = parallelize(target, name)
+        load_state(folder, target, target_optimizer, rank=world.rank, group=world.group)
+        got, got_state = plain_state(target, target_optimizer)
+        diff = max((got[k] - weights[k]).abs().max().item() for k in weights)
+        for index, entry in state.items():
+            for key, value in entry.items():
+                diff = max(diff, (got_state[index][key] - value).abs().max().item())
+        out[name] = diff
+    return out
+
+
+def test_a_checkpoint_of_the_flat_format_resumes_under_every_strategy(tmp_path):
+    results = run_world(4, flat_format, str(tmp_path), timeout=300)[0]
+    assert results == {"ddp": 0.0, "zero1": 0.0, "zero2": 0.0, "zero3": 0.0}, results
