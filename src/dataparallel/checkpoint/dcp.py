@@ -1,21 +1,33 @@
 """Chunks in, chunks out: `torch.distributed.checkpoint` (DCP) saving and loading what each rank
 holds, whatever the strategy and world size that wrote it.
 
-[Note: chunks] Every checkpointed tensor is stored as one flat 1-D tensor (its elements in
-row-major order), and each rank contributes a `Chunk`: its contiguous run of those elements
-and where the run starts. That is exactly what every strategy holds: DDP the whole tensor
+[Note: chunks] Every checkpointed tensor is stored in its true global shape, and each rank
+contributes a `Chunk`: its contiguous run of the tensor's flattened (row-major) elements and
+where the run starts. That is exactly what every strategy holds: DDP the whole tensor
 (offset 0), ZeRO-1/2/3 the part of each parameter inside its flat shard ([Note: shard
-layout] in strategies/parts/layout.py), which need not follow any even split. DTensor's
-placements cannot express such runs (their chunks follow `torch.chunk`), so the two planners
-below describe chunks to DCP directly: DCP's global plan then removes duplicates (the same
-chunk saved by every replica of a 2-D mesh, or by every DDP rank, is written once) and
-checks that the chunks tile each tensor, and on load it reads, for any other set of chunks,
-the overlapping parts of the stored ones. A 0-d tensor (Adam's `step`) is a chunk of itself.
-A run of a tensor-parallel parameter's local tensor ([Note: tensor-parallel parameters] in
+layout] in strategies/parts/layout.py), which need not follow any even split. A run is written
+as the boxes of the tensor it covers (`rectangles`: a partial row, whole rows, a partial row,
+the partial ones split likewise one dimension down; at most 2(N-1)+1 for N dimensions), each a
+view of the run, each its own DCP chunk with N-d offsets and sizes. DTensor's placements cannot
+express such runs (their chunks follow `torch.chunk`), so the two planners below describe the
+boxes to DCP directly: DCP's global plan then removes duplicates (the same box saved by every
+replica of a 2-D mesh, or by every DDP rank, is written once) and checks that the boxes tile
+each tensor, and on load it reads, for any other set of boxes, the overlapping parts of the
+stored ones. A 0-d tensor (Adam's `step`) is a chunk of itself. A run of a tensor-parallel
+parameter's local tensor ([Note: tensor-parallel parameters] in
 strategies/parts/tensor_parallel.py) is not one run of the whole tensor's elements but several
 (a local tensor of column blocks has one per row): its chunk lists them (`runs`), each written
-and read as a part of its own, so the stored tensor is the whole one, the same as a run
+and read as the boxes it covers, so the stored tensor is the whole one, the same as a run
 without tensor parallelism writes, and any tp size reads it back.
+
+Names are paths: "model/tok_emb.weight" is stored under DCP's key "model.tok_emb.weight" with
+the nesting ("model", "tok_emb.weight") in the metadata's `planner_data`, what DCP itself keeps
+for a nested state dict. So PyTorch's `dcp_to_torch_save` gives {"model": {"tok_emb.weight":
+tensor(256, 144), ...}, "optim": ...}, the model's own state dict under "model"; our readers
+translate the keys back (`stored_tensors` and the load planner speak names). A checkpoint
+written before true shapes (1-D tensors under the names themselves, no nesting) is still read:
+a load asks for the boxes of each tensor in the shape it is stored in, so a flat stored tensor
+is read as one run of the flattened elements.
 
 [Note: no unpickling] DCP stores tensors with `torch.save` and reads them back with
 `torch.load(weights_only=True)`, but its `.metadata` file is a pickle that
