@@ -13,7 +13,7 @@ Names (the plain model's names, so a checkpoint moves between strategies and wor
     rank<r>/outer/...          rank r's DiLoCo outer-gradient residual
 
 With an averager the replicas' parameters and inner optimizer states differ between
-synchronisations, so `model/`, `optim/` and `buffer/` carry a `replica<k>/` prefix. Rank-local
+synchronisations, so `model/` and `optim/` carry a `replica<k>/` prefix. Rank-local
 state (`rank<r>/`) only means something to the same rank in the same layout; a load into
 another layout leaves it out (`local=False`), and error feedback starts again from zero.
 
