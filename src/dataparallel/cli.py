@@ -8,6 +8,7 @@
     dataparallel join runs/live                        # one more replica for that run
     dataparallel leave runs/live --replica 1           # one fewer
     dataparallel sample runs/small --prompt "def "
+    dataparallel export runs/small/checkpoint/step-000200 --out weights/   # any checkpoint
     dataparallel launch --nproc 2 my_train.py --lr 1e-4    # your script, under our launcher
     dataparallel generate runs/small --prompts p.jsonl --out c.jsonl --nproc 2   # completions
     dataparallel eval runs/small --data valid/ --nproc 2   # the exact perplexity of a dataset
@@ -46,6 +47,7 @@ from .train.config import (
 )
 from .train.config_toml import load_toml, to_toml
 from .train.elastic import add_join_parser, add_leave_parser, cmd_join, cmd_leave
+from .train.export import add_export_parser, cmd_export
 
 TYPES = {"int": int, "float": float, "str": str}
 
@@ -148,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(commands)
     add_eval_parser(commands)
     add_sample_parser(commands)
+    add_export_parser(commands)
     add_plan_parser(commands)
     add_join_parser(commands)
     add_leave_parser(commands)
@@ -329,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": cmd_generate,
         "eval": cmd_eval,
         "sample": cmd_sample,
+        "export": cmd_export,
         "plan": cmd_plan,
         "join": cmd_join,
         "leave": cmd_leave,

@@ -29,11 +29,13 @@ class Placement:
     runs: for a tensor-parallel parameter, whose local tensor is not one run of the whole:
         (position in the run, offset in the whole, length) per part; None: one run at
         `offset`.
+    shape: the whole tensor's shape (`numel` elements).
     """
 
     offset: int
     numel: int
     runs: tuple[tuple[int, int, int], ...] | None = None
+    shape: torch.Size | None = None
 
 
 def placement(piece) -> Placement:
@@ -41,9 +43,9 @@ def placement(piece) -> Placement:
     tensor-parallel one's DTensor included ([Note: tensor-parallel parameters])."""
     spec = tensor_parallel_of(piece.param)
     if spec is None:
-        return Placement(piece.offset, piece.shape.numel())
+        return Placement(piece.offset, piece.shape.numel(), shape=piece.shape)
     runs = spec.runs(piece.offset, piece.offset + piece.value.numel())
-    return Placement(0, spec.shape.numel(), tuple(runs))
+    return Placement(0, spec.shape.numel(), tuple(runs), torch.Size(spec.shape))
 
 
 def state_kind(key: str, value, piece) -> str | None:

@@ -1,21 +1,33 @@
 """Chunks in, chunks out: `torch.distributed.checkpoint` (DCP) saving and loading what each rank
 holds, whatever the strategy and world size that wrote it.
 
-[Note: chunks] Every checkpointed tensor is stored as one flat 1-D tensor (its elements in
-row-major order), and each rank contributes a `Chunk`: its contiguous run of those elements
-and where the run starts. That is exactly what every strategy holds: DDP the whole tensor
+[Note: chunks] Every checkpointed tensor is stored in its true global shape, and each rank
+contributes a `Chunk`: its contiguous run of the tensor's flattened (row-major) elements and
+where the run starts. That is exactly what every strategy holds: DDP the whole tensor
 (offset 0), ZeRO-1/2/3 the part of each parameter inside its flat shard ([Note: shard
-layout] in strategies/parts/layout.py), which need not follow any even split. DTensor's
-placements cannot express such runs (their chunks follow `torch.chunk`), so the two planners
-below describe chunks to DCP directly: DCP's global plan then removes duplicates (the same
-chunk saved by every replica of a 2-D mesh, or by every DDP rank, is written once) and
-checks that the chunks tile each tensor, and on load it reads, for any other set of chunks,
-the overlapping parts of the stored ones. A 0-d tensor (Adam's `step`) is a chunk of itself.
-A run of a tensor-parallel parameter's local tensor ([Note: tensor-parallel parameters] in
+layout] in strategies/parts/layout.py), which need not follow any even split. A run is written
+as the boxes of the tensor it covers (`rectangles`: a partial row, whole rows, a partial row,
+the partial ones split likewise one dimension down; at most 2(N-1)+1 for N dimensions), each a
+view of the run, each its own DCP chunk with N-d offsets and sizes. DTensor's placements cannot
+express such runs (their chunks follow `torch.chunk`), so the two planners below describe the
+boxes to DCP directly: DCP's global plan then removes duplicates (the same box saved by every
+replica of a 2-D mesh, or by every DDP rank, is written once) and checks that the boxes tile
+each tensor, and on load it reads, for any other set of boxes, the overlapping parts of the
+stored ones. A 0-d tensor (Adam's `step`) is a chunk of itself. A run of a tensor-parallel
+parameter's local tensor ([Note: tensor-parallel parameters] in
 strategies/parts/tensor_parallel.py) is not one run of the whole tensor's elements but several
 (a local tensor of column blocks has one per row): its chunk lists them (`runs`), each written
-and read as a part of its own, so the stored tensor is the whole one, the same as a run
+and read as the boxes it covers, so the stored tensor is the whole one, the same as a run
 without tensor parallelism writes, and any tp size reads it back.
+
+Names are paths: "model/tok_emb.weight" is stored under DCP's key "model.tok_emb.weight" with
+the nesting ("model", "tok_emb.weight") in the metadata's `planner_data`, what DCP itself keeps
+for a nested state dict. So PyTorch's `dcp_to_torch_save` gives {"model": {"tok_emb.weight":
+tensor(256, 144), ...}, "optim": ...}, the model's own state dict under "model"; our readers
+translate the keys back (`stored_tensors` and the load planner speak names). A checkpoint
+written before true shapes (1-D tensors under the names themselves, no nesting) is still read:
+a load asks for the boxes of each tensor in the shape it is stored in, so a flat stored tensor
+is read as one run of the flattened elements.
 
 [Note: no unpickling] DCP stores tensors with `torch.save` and reads them back with
 `torch.load(weights_only=True)`, but its `.metadata` file is a pickle that
@@ -28,6 +40,7 @@ goes through DCP's pickled byte items: the trainer writes it as JSON.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import re
 import warnings
@@ -54,6 +67,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from .rectangles import rectangles
 from .store import CheckpointError
 
 # DCP warns on every call without a process group that it assumes one process: we mean it.
@@ -70,12 +84,15 @@ class Chunk:
     numel: elements in the flattened whole (default: `tensor`'s own, a whole tensor).
     runs: where a 1-D `tensor` lies in the flattened whole when that is not one run: (position
         in `tensor`, offset in the whole, length) per part; None: one run at `offset`.
+    shape: the whole tensor's true shape, what a save writes (default: `tensor`'s own shape
+        for a whole tensor, else 1-D of `numel`). A load reads in whatever shape is stored.
     """
 
     tensor: torch.Tensor
     offset: int = 0
     numel: int | None = None
     runs: tuple[tuple[int, int, int], ...] | None = None
+    shape: torch.Size | None = None
 
     def __post_init__(self):
         if self.numel is None:
@@ -84,34 +101,71 @@ class Chunk:
             raise ValueError(
                 f"Chunk: a part of a tensor must be 1-D, got shape {list(self.tensor.shape)}"
             )
+        if self.shape is None:
+            whole = self.tensor.dim() != 1 or self.numel == self.tensor.numel()
+            self.shape = self.tensor.shape if whole else torch.Size([self.numel])
+        self.shape = torch.Size(self.shape)
+        if self.shape.numel() != self.numel:
+            raise ValueError(
+                f"Chunk: shape {list(self.shape)} has {self.shape.numel()} elements, "
+                f"numel says {self.numel}"
+            )
 
-    def parts(self) -> list[tuple[torch.Tensor, ChunkStorageMetadata]]:
-        """(the elements, where they lie in the stored tensor) of each part of the chunk."""
-        if self.tensor.dim() != 1:
-            shape = self.tensor.shape
+    def parts(self, shape=None) -> list[tuple[torch.Tensor, ChunkStorageMetadata]]:
+        """(the elements, where they lie in the stored tensor) of each part of the chunk, for a
+        stored tensor of `shape` (default: the chunk's own): each run of the flattened whole
+        becomes the boxes it covers (`rectangles`), each box a view of the run."""
+        shape = torch.Size(self.shape if shape is None else shape)
+        if self.tensor.dim() != 1 and shape == self.tensor.shape:
             return [(self.tensor, ChunkStorageMetadata(torch.Size([0] * len(shape)), shape))]
-        runs = self.runs if self.runs is not None else ((0, self.offset, self.tensor.numel()),)
-        return [
-            (self.tensor[at : at + n], ChunkStorageMetadata(torch.Size([o]), torch.Size([n])))
-            for at, o, n in runs
-        ]
+        flat = self.tensor.view(-1)  # a whole tensor read in another shape: written in place
+        runs = self.runs if self.runs is not None else ((0, self.offset, flat.numel()),)
+        out = []
+        for at, start, n in runs:
+            for offsets, sizes in rectangles(shape, start, start + n):
+                box = flat[at : at + math.prod(sizes)].view(sizes)
+                out.append((box, ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))))
+                at += box.numel()
+        if not out and shape.numel() == 0:  # an empty tensor is still stored
+            out.append(
+                (flat[:0].view(shape), ChunkStorageMetadata(torch.Size([0] * len(shape)), shape))
+            )
+        return out
 
 
-def _whole_size(chunk: Chunk) -> torch.Size:
-    return chunk.tensor.shape if chunk.tensor.dim() != 1 else torch.Size([chunk.numel])
+def stored_name(name: str) -> str:
+    """The key DCP stores `name` under ([Note: chunks]): "model/tok_emb.weight" ->
+    "model.tok_emb.weight", what `flatten_state_dict` makes of {"model": {"tok_emb.weight"}}."""
+    return name.replace("/", ".")
+
+
+def _names(metadata: Metadata) -> dict[str, str]:
+    """name -> stored key of every tensor of a checkpoint: through the nesting DCP keeps in
+    `planner_data`, or the key itself (a checkpoint written before the nesting)."""
+    nesting = metadata.planner_data or {}
+    return {
+        "/".join(map(str, nesting[key])) if key in nesting else key: key
+        for key in metadata.state_dict_metadata
+    }
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
     """Writes each rank's chunks; duplicates across ranks are removed by DCP's global plan."""
 
     def __init__(self, chunks: dict[str, Chunk]):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        # flatten_state_dict: DCP keeps the plans' `planner_data`, the nesting, in the metadata.
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
         self.chunks = chunks
 
     def create_local_plan(self) -> SavePlan:
         items = []
         self.parts = {}
-        for key, chunk in self.chunks.items():
+        nesting = {}
+        for name, chunk in self.chunks.items():
+            key = stored_name(name)
+            if key in nesting:
+                raise ValueError(f"checkpoint: {name!r} and {'/'.join(nesting[key])!r} collide")
+            nesting[key] = tuple(name.split("/"))
             for tensor, storage in chunk.parts():
                 self.parts[key, storage.offsets] = tensor
                 items.append(
@@ -121,11 +175,11 @@ class ChunkSavePlanner(DefaultSavePlanner):
                         tensor_data=TensorWriteData(
                             chunk=storage,
                             properties=TensorProperties.create_from_tensor(tensor),
-                            size=_whole_size(chunk),
+                            size=chunk.shape,
                         ),
                     )
                 )
-        self.plan = SavePlan(items)
+        self.plan = SavePlan(items, planner_data=nesting)
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
@@ -137,7 +191,8 @@ class ChunkSavePlanner(DefaultSavePlanner):
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):
-    """Reads, for each of this rank's chunks, the overlapping parts of the stored chunks."""
+    """Reads, for each of this rank's chunks, the overlapping parts of the stored chunks, in
+    the shape they were stored in (a flat one of a checkpoint written before shapes too)."""
 
     def __init__(self, chunks: dict[str, Chunk]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -146,9 +201,16 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         items = []
         self.parts = {}
-        for key, chunk in self.chunks.items():
+        keys = _names(self.metadata)
+        for name, chunk in self.chunks.items():
+            key = keys[name]
             stored = self.metadata.state_dict_metadata[key]
-            parts = chunk.parts()
+            if stored.size.numel() != chunk.numel:
+                raise ValueError(
+                    f"{name!r} has {stored.size.numel()} elements in the checkpoint, "
+                    f"{chunk.numel} here"
+                )
+            parts = chunk.parts(stored.size)
             self.parts.update({(key, storage.offsets): tensor for tensor, storage in parts})
             items += create_read_items_for_chunk_list(key, stored, [s for _, s in parts])
         return LoadPlan(items)
@@ -210,7 +272,7 @@ class SafeReader(dcp.FileSystemReader):
 def save_chunks(chunks: dict[str, Chunk], folder, group: dist.ProcessGroup | None) -> None:
     """Write every rank's `chunks` into `folder` (collective over `group`; None: one process)."""
     writer = dcp.FileSystemWriter(str(folder), overwrite=True)
-    state = {key: chunk.tensor for key, chunk in chunks.items()}
+    state = {stored_name(name): chunk.tensor for name, chunk in chunks.items()}
     dcp.save(
         state,
         storage_writer=writer,
@@ -249,7 +311,8 @@ def stored_tensors(folder) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Every tensor in the checkpoint `folder`: its whole size and dtype."""
     metadata = read_metadata(folder)
     out = {}
-    for key, entry in metadata.state_dict_metadata.items():
+    for name, key in _names(metadata).items():
+        entry = metadata.state_dict_metadata[key]
         if hasattr(entry, "size"):
-            out[key] = (entry.size, entry.properties.dtype)
+            out[name] = (entry.size, entry.properties.dtype)
     return out

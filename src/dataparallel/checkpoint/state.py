@@ -3,19 +3,25 @@ load writes, whatever strategy and world size wrote the checkpoint ([Note: chunk
 
 Names (the plain model's names, so a checkpoint moves between strategies and world sizes):
 
-    model/<param>              the parameter, flattened; each rank its held run
+    model/<name>               a parameter in its true shape, each rank the boxes of its held
+                               run; a tied one under each of its names; a buffer, whole
     optim/<param>/<key>        the optimizer's elementwise state (Adam's moments) likewise;
                                per-parameter scalars (Adam's `step`) whole
-    buffer/<name>              a buffer, whole (every rank holds it)
     outer/<param>/<key>        an averager's per-parameter state (DiLoCo's anchor, momentum)
     outer/steps                the averager's step count
     rank<r>/hook/...           rank r's compression state (residuals, PowerSGD's factors)
     rank<r>/outer/...          rank r's DiLoCo outer-gradient residual
 
 With an averager the replicas' parameters and inner optimizer states differ between
-synchronisations, so `model/`, `optim/` and `buffer/` carry a `replica<k>/` prefix. Rank-local
+synchronisations, so `model/` and `optim/` carry a `replica<k>/` prefix. Rank-local
 state (`rank<r>/`) only means something to the same rank in the same layout; a load into
 another layout leaves it out (`local=False`), and error feedback starts again from zero.
+
+Stored, each "/" becomes a level of DCP's nesting ([Note: chunks] in dcp.py), so that
+`dcp_to_torch_save(step-N, file)` gives {"model": <the model's state_dict>, "optim": {<param>:
+{<key>: tensor}}, ...} (under "replica<k>" with replicas) and `model.load_state_dict(
+torch.load(file)["model"])` takes it strictly. Checkpoints written before (flat tensors,
+buffers under `buffer/<name>`) are still read: a load reads each tensor in the shape stored.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ def _piece_chunk(flat: torch.Tensor, piece) -> Chunk:
     """The chunk of a run `flat` held for `piece`: at its offset in the parameter, or, for a
     tensor-parallel parameter, in parts of the whole tensor ([Note: chunks] in dcp.py)."""
     where = placement(piece)
-    return Chunk(flat, where.offset, where.numel, where.runs)
+    return Chunk(flat, where.offset, where.numel, where.runs, where.shape)
 
 
 def _held(model, optimizer, prefix: str) -> tuple[dict[str, Chunk], dict[int, object]]:
@@ -52,13 +58,28 @@ def _held(model, optimizer, prefix: str) -> tuple[dict[str, Chunk], dict[int, ob
         if piece.key is not None:
             optimized[id(piece.key)] = piece
     for name, buffer in _buffers(model):
-        chunks[f"{prefix}buffer/{name}"] = Chunk(buffer.detach())
+        chunks[f"{prefix}model/{name}"] = Chunk(buffer.detach())
     return chunks, optimized
+
+
+def _tied(model: nn.Module, chunks: dict[str, Chunk], prefix: str) -> dict[str, Chunk]:
+    """A tied parameter's chunk under each of its other names too (the same values), so that
+    the stored `model` is the model's whole state_dict."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, nn.Parameter):
+            continue
+        head = first.setdefault(id(tensor), name)
+        if head != name and f"{prefix}model/{head}" in chunks:
+            tied[f"{prefix}model/{name}"] = chunks[f"{prefix}model/{head}"]
+    return tied
 
 
 def state_chunks(model, optimizer, averager=None, *, rank: int, prefix: str = "") -> dict:
     """This rank's chunks of the whole training state (see the module docstring)."""
     chunks, optimized = _held(model, optimizer, prefix)
+    chunks.update(_tied(model, chunks, prefix))
     for piece in optimized.values():
         for key, value in optimizer.state.get(piece.key, {}).items():
             name = f"{prefix}optim/{piece.name}/{key}"
@@ -158,6 +179,9 @@ def load_state(
             hook_tensors[key] = torch.zeros(size, dtype=dtype)
             chunks[f"rank{rank}/hook/{key}"] = Chunk(hook_tensors[key])
     outer = _averager_targets(averager, optimized, stored, rank, local, chunks)
+    for name, _ in _buffers(model):  # a checkpoint written before kept them apart
+        if f"{prefix}model/{name}" not in stored and f"{prefix}buffer/{name}" in stored:
+            chunks[f"{prefix}buffer/{name}"] = chunks.pop(f"{prefix}model/{name}")
     missing = sorted(k for k in chunks if k not in stored)
     if missing:
         raise ValueError(f"the checkpoint has no {missing[0]!r}; it was written by another setup")

@@ -109,7 +109,7 @@ def run_state(state: TrainState) -> dict:
     weights = []
     for name, tensor in state.model.state_dict(keep_vars=True).items():
         first = names.get(id(tensor))
-        key = f"model/{first}" if first is not None else f"buffer/{name}"
+        key = f"model/{first}" if first is not None else f"model/{name}"
         weights.append([name, prefix + key])
     return {
         "step": state.step,  # also in the ledger: what `latest_checkpoint` and tools read
@@ -186,7 +186,7 @@ class Checkpointer:
             self._write(chunks, state.step, plain)
         else:
             staged = {
-                k: Chunk(self._stage(k, c.tensor), c.offset, c.numel, c.runs)  # runs: --tp
+                k: dataclasses.replace(c, tensor=self._stage(k, c.tensor))
                 for k, c in chunks.items()
             }
             self.pending = self.executor.submit(self._write, staged, state.step, plain)
