@@ -78,10 +78,10 @@ class Recipe:
     local_sgd: average the replicas' parameters every H optimizer steps (0: off).
     diloco: DiLoCo every H optimizer steps (0: off), with an outer Nesterov SGD of
         `outer_lr` and `outer_momentum` (0: plain SGD), streamed as the recipe says unless
-        the fields below are given ([Note: the DiLoCo recipe] in streaming.py).
+        the fields below are given ([Note: the DiLoCo recipe] in averaging/streaming.py).
     outer_compress: DiLoCo's outer gradients on the wire: "recipe" (the recipe's: "int4"),
         "" or "fp32", "bf16", "int8", "fp8" or "int4".
-    fragments, overlap, mix: Streaming DiLoCo ([Note: streaming DiLoCo] in diloco.py): F
+    fragments, overlap, mix: Streaming DiLoCo ([Note: streaming DiLoCo] in averaging/diloco.py): F
         fragments synchronised in turn, each outer all-reduce applied `overlap` inner steps
         later, the fragment then mixed as mix x local + (1 - mix) x the outer result;
         fragments and overlap RECIPE (-1): the recipe's for H.

@@ -252,7 +252,7 @@ def test_joins_and_leaves_are_asked_and_answered_through_the_store():
     assert member.released() and not Quorum(store, slot=2).released()
 
 
-def test_a_member_let_leave_reports_leave_and_ends_once_the_others_went_on():
+def test_a_released_member_reports_leave_and_ends_once_the_others_went_on():
     from dataparallel.train.live.recovery import LiveRecovery, Phase, Released
 
     store = dist.HashStore()

@@ -32,7 +32,7 @@ optimizer's state and a reduction in flight's result, "pending"; sharded as the 
 are), "local" (this rank's own state by name: DiLoCo's outer residuals) and, under DiLoCo,
 "schedule" (the step each fragment was last synchronised at, and the last reduction's). A
 checkpoint stores its steps, tensors and local (checkpoint/state.py); a live replica's rewind
-keeps a copy of all of it (train/rewind.py's WindowMark); a heal sends `shared()`, the same
+keeps a copy of all of it (train/live/rewind.py's WindowMark); a heal sends `shared()`, the same
 less "local" (each replica's own error), which the healed replica `adopt`s: its held tensors
 then start from the anchors.
 """

@@ -110,7 +110,7 @@ def _state_chunk(name: str, key: str, value, piece) -> Chunk:
 
 
 def _averager_chunks(averager, by_key: dict, rank: int) -> dict[str, Chunk]:
-    state = averager.state_dict()  # [Note: averager state] in averaging.py
+    state = averager.state_dict()  # [Note: averager state] in averaging/local_sgd.py
     chunks = {"outer/steps": Chunk(torch.tensor(state["steps"]))}
     for held, entries in zip(averager.tensors, state["tensors"], strict=True):
         piece = by_key[id(held)]

@@ -46,7 +46,7 @@ class PlanInputs:
     diloco_steps: H, inner steps between DiLoCo's outer all-reduces (of each fragment).
     fragments: F, the parts of the model synchronised in turn, each every H steps; RECIPE
         (-1): what `dataparallel train --diloco H` picks ([Note: the DiLoCo recipe] in
-        streaming.py: 4 where that divides H); 1: the paper's DiLoCo.
+        averaging/streaming.py: 4 where that divides H); 1: the paper's DiLoCo.
     overlap: tau, inner steps each fragment's outer all-reduce runs behind; RECIPE: the
         recipe's (1 where the fragments leave room); 0: none.
     outer_compress: outer gradients on the wire, as `dataparallel train --outer-compress`

@@ -161,7 +161,7 @@ class Checkpointer:
 
     def _follow(self, state: TrainState) -> None:
         """The first save, or a live run regrouped since the last one ([Note: live recovery] in
-        recovery.py): a save in flight then is dropped (its folder stays .tmp, the previous
+        live/recovery.py): a save in flight then is dropped (its folder stays .tmp, the previous
         checkpoint the latest) and the checkpoint group is made (again) in the new world."""
         try:
             self.wait()

@@ -2,16 +2,16 @@
 and the records it keeps of each optimizer step (StepRecord) and validation pass (EvalRecord).
 
     saved = state.ledger.state_dict()       # plain values (JSON): step, skips, data position...
-    state.ledger.load_state_dict(saved)     # a resume (checkpointing.py), a heal (rewind.py)
-    state.ledger.rewind(saved)              # a failed step or window goes back (rewind.py)
+    state.ledger.load_state_dict(saved)     # a resume (checkpointing.py), a heal (live/rewind.py)
+    state.ledger.rewind(saved)              # a failed step or window goes back (live/rewind.py)
 
 [Note: the ledger] Everything a step or an evaluation moves on, and nothing that is built once:
 the step, the skipped steps, the non-finite steps in a row, the data position, torch's random
 state (dropout draws the same numbers when a step is redone or a run resumed), the last
 evaluation (a member healed at step 0 skips the first one) and the time the run has trained.
 A checkpoint stores its state dict under "ledger" (checkpointing.py reads the older layout
-too), a rewind's mark keeps one (rewind.py's Mark and WindowMark), a heal sends one
-(rewind.py's `snapshot`). A rewind goes back in steps, not in time: it keeps the clock; a resume
+too), a rewind's mark keeps one (live/rewind.py's Mark and WindowMark), a heal sends one
+(live/rewind.py's `snapshot`). A rewind goes back in steps, not in time: it keeps the clock; a resume
 and a heal take the writer's, so that the run's elapsed_s goes on.
 """
 

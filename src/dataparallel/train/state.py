@@ -47,7 +47,7 @@ class TrainState:
     data), and its ledger, how far it has got ([Note: the ledger] in ledger.py).
 
     The built part changes only when a live run regroups (`world`, `data`: [Note: live
-    recovery] in recovery.py); the ledger changes with every step.
+    recovery] in live/recovery.py); the ledger changes with every step.
     """
 
     config: RunConfig

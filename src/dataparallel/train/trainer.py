@@ -159,7 +159,7 @@ def train_step(state: TrainState, before_update: Callable[[], None] | None = Non
 
     before_update: called before the update; raises to abandon the step (live recovery of HSDP
         replicas: unless every rank of the replica got through the step's collectives,
-        [Note: HSDP replicas] in replica.py).
+        [Note: HSDP replicas] in live/replica.py).
 
     [Note: uneven batches] A global batch that accum x world size does not divide is shared as
     evenly as it goes: rank r takes its share of the step's samples (SampleStream.take_share:

@@ -26,7 +26,7 @@ on (F - 1) / F of the model); under overlap, its last tau steps before the bound
 A replica healed at a boundary (new, or behind: its synchronisation failed where the source's
 had completed) takes the source's parameters, inner optimizer state and ledger, and the averager's
 shared state (`shared()`: anchors, outer optimizer, schedule; [Note: averager state] in
-averaging.py), then starts from the
+averaging/local_sgd.py), then starts from the
 anchors (DiLoCo: the source's own progress since is not its to keep; its own outer residuals are
 kept, a new replica's are zero). A copy costs one model, its optimizer state and the anchors in
 memory per replica, taken every boundary.
