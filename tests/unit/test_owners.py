@@ -75,3 +75,23 @@ def test_a_tensor_parallel_shard_is_refused_whole_parameters_in_one_line():
     setattr(p, tensor_parallel._ATTR, ShardedOverTp())
     with pytest.raises(ValueError, match=r"Muon needs whole parameters.*\[4, 8\] is tensor-par"):
         own_groups([[p]], [], comm=None, who="Muon")
+
+
+def test_a_grouped_optimizer_refuses_what_no_inner_optimizer_would_step():
+    """Keyword arguments for a class no group uses, and a group added after the build, would
+    reach no inner optimizer: each is refused in one line, not dropped."""
+    from dataparallel.strategies.parts.grouped import Grouped, GroupedOptimizer
+
+    a, b = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match="reach none"):
+        Grouped([torch.optim.Adam, torch.optim.AdamW], torch.optim.SGD)(
+            [{"params": [a]}, {"params": [b]}], lr=0.1
+        )
+    built = GroupedOptimizer(
+        [{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.01}],
+        [torch.optim.SGD, torch.optim.AdamW],
+        {},
+    )
+    assert [g["lr"] for g in built.param_groups] == [0.1, 0.01]
+    with pytest.raises(ValueError, match="no inner optimizer"):
+        built.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})

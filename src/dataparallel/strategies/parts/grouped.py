@@ -48,6 +48,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
             self.members.append(positions)
         super().__init__(self._shared_groups(), {})
         self._link()
+        self._built = True
 
     def _shared_groups(self) -> list[dict]:
         """The inner optimizers' own group dicts, in the user's order."""
@@ -60,6 +61,14 @@ class GroupedOptimizer(torch.optim.Optimizer):
     def _link(self) -> None:
         self.param_groups = self._shared_groups()
         self.state = States([inner.state for inner in self.inner])
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):  # no inner optimizer would step a later group
+            raise ValueError(
+                "GroupedOptimizer.add_param_group: a group added after build_optimizer would "
+                "be stepped by no inner optimizer; pass every group to dp.build_optimizer"
+            )
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -141,4 +150,10 @@ class Grouped:
         self.__name__ = "+".join(dict.fromkeys(c.__name__ for c in classes))
 
     def __call__(self, groups: list[dict], **kwargs) -> GroupedOptimizer:
+        if kwargs and self.main not in self.classes:  # they would go to no optimizer
+            raise ValueError(
+                f"build_optimizer: every param group names its own optimizer, so the call's "
+                f"{self.main.__name__} and its keyword arguments ({', '.join(sorted(kwargs))}) "
+                "reach none; put them in the groups, or leave one group to the call's class"
+            )
         return GroupedOptimizer(groups, self.classes, {self.main: kwargs})
