@@ -182,10 +182,10 @@ def cluster_topology(args: argparse.Namespace) -> Topology | None:
 
 def default_out(config: RunConfig) -> str:
     """runs/<date>-<time>-<model>, with a suffix if that exists already."""
-    from .train.model_source import ModelSource
+    from .train.model_source import RunModel
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path("runs") / f"{stamp}-{ModelSource(config.model).short_name}"
+    base = Path("runs") / f"{stamp}-{RunModel(config.model).short_name}"
     candidate, n = base, 1
     while candidate.exists():
         n += 1

@@ -20,7 +20,7 @@ from ..data.loading import check_sources, reads_bytes
 from ..data.tokens import TOKEN_DTYPES
 from ..launch.config import at_least, check_launch
 from .config import ConfigError, RunConfig, field_label
-from .model_source import ModelSource, check_model
+from .model_source import RunModel, check_model
 from .run_dir import CHECKPOINTS
 from .sync import averaging, check_run_recipe
 from .tensor_parallel import check_tp
@@ -126,7 +126,7 @@ def _check_sizes(config: RunConfig) -> None:
         )
 
 
-def check_values(config: RunConfig, source: ModelSource | None = None) -> None:
+def check_values(config: RunConfig, source: RunModel | None = None) -> None:
     """Check every value on its own and against the others (no I/O but an hf:DIR's config and
     tokenizer); `source`: the run's model, resolved once (default: resolved here)."""
     _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(dp.STRATEGIES))
@@ -199,7 +199,7 @@ def check_values(config: RunConfig, source: ModelSource | None = None) -> None:
         fix = "use zero1, zero2 or zero3" if ddp_alone else "use a divisor"
         raise ConfigError(field_label("launch", "shard_group"), why, f"{fix}, or 0 for none")
     check_tp(config)
-    source = source or ModelSource(config.model)
+    source = source or RunModel(config.model)
     check_run_recipe(config, check_model(config, source))  # reads an hf:DIR's config, tokenizer
 
 
@@ -221,13 +221,13 @@ def _check_trace(config: RunConfig) -> None:
         )
 
 
-def check_data(config: RunConfig, source: ModelSource | None = None) -> None:
+def check_data(config: RunConfig, source: RunModel | None = None) -> None:
     """The data exists and is readable, its formats open and every record not yet cached has
     its fields, token files hold only ids of the run's tokenizer (data/loading.py
     check_sources), and text read as bytes gives every rank at least one window (other data is
     counted once tokenized, by the loader)."""
     label = field_label("data", "paths")
-    tokenizer = (source or ModelSource(config.model)).tokenizer()
+    tokenizer = (source or RunModel(config.model)).tokenizer()
     try:
         files = check_sources(
             list(config.data.paths), tokenizer, token_dtype=config.data.token_dtype
@@ -323,7 +323,7 @@ def keep_global_batch(base: RunConfig, config: RunConfig, flags: dict) -> RunCon
     return resolve_batch(config.replace(train={"accum": accum, "global_batch": target}))
 
 
-def check_checkpoint(config: RunConfig, name: str = "", source: ModelSource | None = None) -> None:
+def check_checkpoint(config: RunConfig, name: str = "", source: RunModel | None = None) -> None:
     """The checkpoint a --resume continues from: intact, readable without running code, and of
     this model (one line naming the file, or the first differing parameter)."""
     from ..checkpoint import CheckpointError, check_same_model, read_metadata, verify
@@ -342,14 +342,14 @@ def check_checkpoint(config: RunConfig, name: str = "", source: ModelSource | No
             "resume from a checkpoint that dataparallel wrote",
         ) from None
     try:
-        check_same_model((source or ModelSource(config.model)).meta_model(), plain["shapes"])
+        check_same_model((source or RunModel(config.model)).meta_model(), plain["shapes"])
     except ValueError as error:
         raise ConfigError(field_label("model", "name"), str(error), "keep the model") from None
 
 
 def preflight(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None:
     """Every check, cheapest first, on the run's model resolved once ([Note: a run's model])."""
-    source = ModelSource(config.model)
+    source = RunModel(config.model)
     check_values(config, source)
     if config.launch.node_rank == 0:  # only node 0 writes the run directory
         check_run_dir(Path(config.launch.out), resume=resume)

@@ -71,9 +71,9 @@ def _hf_source(run: Path | None):
     if run is None:
         return None
     from .config_toml import load_toml
-    from .model_source import ModelSource
+    from .model_source import RunModel
 
-    source = ModelSource(load_toml(run / CONFIG_FILE).model)
+    source = RunModel(load_toml(run / CONFIG_FILE).model)
     return source if source.path is not None else None
 
 

@@ -1,6 +1,6 @@
 """The model a run trains: a built-in one by name, or a Hugging Face directory (`hf:DIR`).
 
-    source = ModelSource(config.model)            # once per process: the name read, DIR opened
+    source = RunModel(config.model)            # once per process: the name read, DIR opened
     check_model(config, source)                   # before launch: ConfigError naming the field
     built = build_for_run(config, world, source)  # on every rank: model, strategy, tokenizer
 
@@ -46,7 +46,7 @@ class BuiltModel:
     source: HFSource | None = None
 
 
-class ModelSource:
+class RunModel:
     """The run's model as [model] names it, resolved once per process and passed down: the
     name read once (`hf_path`), an hf:DIR opened and checked once, its tokenizer loaded once.
 
@@ -117,7 +117,7 @@ class ModelSource:
             raise ConfigError(field_label("model", "lora"), str(error), "fix --lora") from None
 
 
-def check_model(config: RunConfig, source: ModelSource) -> nn.Module:
+def check_model(config: RunConfig, source: RunModel) -> nn.Module:
     """Check the model fields against each other and the data; return the model built on the
     meta device (no memory), which the recipe's checks need (`dp.check_recipe`)."""
     model = config.model
@@ -148,7 +148,7 @@ def check_model(config: RunConfig, source: ModelSource) -> nn.Module:
     return meta
 
 
-def check_tokenizer(source: ModelSource) -> None:
+def check_tokenizer(source: RunModel) -> None:
     """DIR holds a tokenizer whose ids all fit the model's vocabulary."""
     label = field_label("model", "name")
     try:
@@ -169,7 +169,7 @@ def check_tokenizer(source: ModelSource) -> None:
         )
 
 
-def build_for_run(config: RunConfig, world: dp.World, source: ModelSource) -> BuiltModel:
+def build_for_run(config: RunConfig, world: dp.World, source: RunModel) -> BuiltModel:
     """The run's model, the strategy that fills and shards it, and its tokenizer ([Note: a
     run's model]); every rank builds the same (the same seed)."""
     torch.manual_seed(config.train.seed)  # the same initial weights on every rank and run

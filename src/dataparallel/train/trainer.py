@@ -39,7 +39,7 @@ from .config import RunConfig
 from .gradient_watch import GradientWatch
 from .ledger import EvalRecord, Ledger, StepRecord
 from .loss import all_reduce_sum, token_loss_sum
-from .model_source import BuiltModel, ModelSource, build_for_run
+from .model_source import BuiltModel, RunModel, build_for_run
 from .schedule import WarmupCosine, scaled_lr
 from .state import TrainState
 from .step import Vote, forward_backward, own_verdict, set_lr, take_batch, update
@@ -72,7 +72,7 @@ def setup(
         Build yours after `torch.manual_seed(config.train.seed)` for reproducible runs.
     """
     launch, data, block = config.launch, config.data, config.data.block_size
-    source = ModelSource(config.model)  # resolved once: the name, DIR, its tokenizer
+    source = RunModel(config.model)  # resolved once: the name, DIR, its tokenizer
     if corpus is None:  # data/loading.py: every format, tokenized once and cached
         train_windows, val_windows, corpus = load_datasets(
             list(data.paths),
