@@ -23,6 +23,7 @@ import dataparallel as dp
 from ..checkpoint import CheckpointError, latest_checkpoint
 from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
+from ..launch.preemption import PREEMPTED, WorkerSignals
 from ..launch.workers import ENV_LAUNCHER
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
 from .config import RunConfig, field_label
@@ -30,6 +31,7 @@ from .config_toml import apply_mapping, to_toml
 from .live.recovery import Dropped, LiveRecovery, Released
 from .live.replica import ReplicaLost
 from .loop import Callback, fit
+from .preemption import Preempted, Preemption, preempted_message
 from .report import RUN_INFO, make_report
 from .tensor_parallel import parameter_count
 from .tracing import TraceWriter, parse_steps
@@ -191,10 +193,13 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
     Exits (SystemExit) with 130 on Ctrl-C and 1 when the loss diverges or the ranks call
     different collectives (--check-collectives), with one short note from rank 0 instead of a
     traceback from every rank. A collective that waits longer than --collective-timeout ends
-    the process from the watchdog's thread (docs/watchdog.md).
+    the process from the watchdog's thread (docs/watchdog.md). Exits PREEMPTED (75) after a
+    SIGTERM or SIGUSR1, with the step every rank stopped at saved ([Note: preemption] in
+    launch/preemption.py; a live run takes no part).
     """
     launch = config.launch
     live = LiveRecovery.from_environment(launch)  # [Note: live recovery] in live/recovery.py
+    signals = WorkerSignals().install() if live is None else None
     world = dp.init(
         threads=launch.threads or None,
         collective_timeout=0 if live else launch.collective_timeout,
@@ -212,6 +217,9 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
             live.join(state)
         else:
             state, callbacks = prepare(config, world, resume=resume, checkpoint=checkpoint)
+        if signals is not None:
+            saver = next(c for c in callbacks if isinstance(c, CheckpointSaver))
+            callbacks.append(Preemption(signals, saver))
         fit(state, callbacks, live)
         world = state.world  # a live run's replacement ends in the run's world, not its own
         if world.is_main:
@@ -226,6 +234,10 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
             if latest:
                 print(f"continue with: dataparallel train --resume {config.launch.out}", flush=True)
         raise SystemExit(130) from None
+    except Preempted as error:  # every rank saved the same step
+        if _is_main(state, world):
+            print(preempted_message(error, config.launch.out), flush=True)
+        raise SystemExit(PREEMPTED) from None
     except (Dropped, ReplicaLost) as error:  # the others go on without this replica
         print(f"dataparallel train: live: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
