@@ -63,7 +63,9 @@ def add_train_parser(commands) -> None:
         "--resume",
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its latest checkpoint (or give "
-        "RUN_DIR/checkpoint/step-N for that one); --nproc and --strategy may change",
+        "RUN_DIR/checkpoint/step-N for that one); --nproc and --strategy may change. "
+        "auto: the same command started again (after a preemption) continues its --out from "
+        "the latest complete checkpoint there, or starts the run when there is none",
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config as TOML and exit"
@@ -235,19 +237,42 @@ def split_resume(path: str) -> tuple[Path, str]:
     return given, ""
 
 
+def resume_auto(args: argparse.Namespace, torchrun: dict | None) -> tuple[RunConfig, bool]:
+    """`--resume auto`: (this command's config, whether its --out has a checkpoint to resume).
+
+    The command is resolved as a new run; its run directory then decides. A mismatch with the
+    run found there (another model, another global batch) is refused in one line.
+    """
+    from .train.checks import check_same_command
+
+    args.resume = None
+    out = _flags(args).get("launch", {}).get("out")
+    if not out and not (args.config and load_toml(args.config).launch.out):
+        raise ConfigError(
+            "--resume auto", "needs the run directory", "give --out RUN_DIR (the same each time)"
+        )
+    config = resolve_config(args, torchrun)
+    resume = check_same_command(config)
+    return config, resume
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from .train.checks import check_values, preflight
 
     torchrun = _torchrun_world()
+    auto = args.resume == "auto"
     resume = bool(args.resume)
-    checkpoint = split_resume(args.resume)[1] if resume else ""
+    checkpoint = split_resume(args.resume)[1] if resume and not auto else ""
     try:
-        config = resolve_config(args, torchrun)
+        if auto:
+            config, resume = resume_auto(args, torchrun)
+        else:
+            config = resolve_config(args, torchrun)
         if args.print_config:
             check_values(config)
             print(to_toml(config), end="")
             return 0
-        preflight(config, resume=resume, checkpoint=checkpoint)
+        preflight(config, resume=resume, checkpoint=checkpoint, again=auto)
     except ConfigError as error:
         print(f"dataparallel train: error: {error}", file=sys.stderr)
         return 2
