@@ -290,9 +290,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         run_worker(config, resume=resume, checkpoint=checkpoint)
         return 0
+    from .launch.preemption import PREEMPTED, exit_now
     from .train.launch import launch
 
-    return launch(config, resume=resume, checkpoint=checkpoint)
+    code = launch(config, resume=resume, checkpoint=checkpoint)
+    if code == PREEMPTED:  # the scheduler's grace runs: no interpreter finalization
+        exit_now(code)  # ([Note: preemption] in launch/preemption.py)
+    return code
 
 
 def cmd_sample(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ import dataparallel as dp
 from ..checkpoint import CheckpointError, latest_checkpoint
 from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
-from ..launch.preemption import PREEMPTED, WorkerSignals
+from ..launch.preemption import PREEMPTED, WorkerSignals, exit_now
 from ..launch.workers import ENV_LAUNCHER
 from .checkpointing import CHECKPOINTS, CheckpointSaver, restore
 from .config import RunConfig, field_label
@@ -200,6 +200,7 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
     launch = config.launch
     live = LiveRecovery.from_environment(launch)  # [Note: live recovery] in live/recovery.py
     signals = WorkerSignals().install() if live is None else None
+    preempted = False
     world = dp.init(
         threads=launch.threads or None,
         collective_timeout=0 if live else launch.collective_timeout,
@@ -235,8 +236,11 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
                 print(f"continue with: dataparallel train --resume {config.launch.out}", flush=True)
         raise SystemExit(130) from None
     except Preempted as error:  # every rank saved the same step
+        for callback in callbacks or []:
+            callback.on_leave(state)  # the writer closes its files
         if _is_main(state, world):
             print(preempted_message(error, config.launch.out), flush=True)
+        preempted = True
         raise SystemExit(PREEMPTED) from None
     except (Dropped, ReplicaLost) as error:  # the others go on without this replica
         print(f"dataparallel train: live: {error}", file=sys.stderr, flush=True)
@@ -269,6 +273,8 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
         state = callbacks = live = None  # live: its abandoned groups ([Note: abandoned groups])
         gc.collect()
         dp.destroy()
+        if preempted:  # the budget runs: no interpreter finalization ([Note: preemption])
+            exit_now(PREEMPTED)
 
 
 def _is_main(state, world: dp.World) -> bool:
