@@ -266,6 +266,8 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
             print(f"dataparallel train: error: {label}: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:
+        if signals is not None and signals.received is not None and not preempted:
+            _end_as_told(signals.received.name)  # os._exit: no destructor runs, no teardown
         # [Note: teardown] Drop the model, optimizer and strategies (which hold the process group)
         # *before* destroying the group. Left to the interpreter's exit, the group's C++ object was
         # destroyed during finalisation and aborted about one rank exit in 25 ("terminate called
@@ -275,6 +277,19 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
         dp.destroy()
         if preempted:  # the budget runs: no interpreter finalization ([Note: preemption])
             exit_now(PREEMPTED)
+
+
+def _end_as_told(signal_name: str) -> None:
+    """A worker told to end (SIGTERM, SIGUSR1) that fails before it could save (the agent stops
+    the workers after another one died; a peer is gone): end now, as the signal's default action
+    did before preemption was handled, with one line instead of a traceback from every rank."""
+    error = sys.exc_info()[1]
+    if isinstance(error, SystemExit):
+        exit_now(error.code if isinstance(error.code, int) else 1)
+    if error is None:  # the run ended before the flag was read (in its final save)
+        exit_now(0)
+    print(f"dataparallel train: {signal_name}, then: {error!r}"[:300], file=sys.stderr)
+    exit_now(1)
 
 
 def _is_main(state, world: dp.World) -> bool:
