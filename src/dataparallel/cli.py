@@ -70,7 +70,9 @@ def add_train_parser(commands) -> None:
         "--resume",
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its latest checkpoint (or give "
-        "RUN_DIR/checkpoint/step-N for that one); --nproc and --strategy may change",
+        "RUN_DIR/checkpoint/step-N for that one); --nproc and --strategy may change. "
+        "auto: the same command started again (after a preemption) continues its --out from "
+        "the latest complete checkpoint there, or starts the run when there is none",
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config as TOML and exit"
@@ -193,8 +195,8 @@ def default_out(config: RunConfig) -> str:
     return str(candidate)
 
 
-def resolve_config(args: argparse.Namespace, torchrun: dict | None) -> RunConfig:
-    """Defaults < the TOML file (or the resumed run's config.toml) < flags < `torchrun`: the
+def resolve_config(args: argparse.Namespace, decided: dict | None) -> RunConfig:
+    """Defaults < the TOML file (or the resumed run's config.toml) < flags < `decided`: the
     [launch] fields that the scheduler or launcher that started this process decides
     (`Topology.launch_fields`)."""
     from .train.checks import keep_global_batch, resolve_batch
@@ -227,8 +229,8 @@ def resolve_config(args: argparse.Namespace, torchrun: dict | None) -> RunConfig
     else:
         base = load_toml(args.config) if args.config else RunConfig()
     config = base.replace(**given)
-    if torchrun:
-        config = config.replace(launch=torchrun)
+    if decided:
+        config = config.replace(launch=decided)
     if not config.launch.out:
         config = config.replace(launch={"out": default_out(config)})
     config = resolve_batch(config)
@@ -245,19 +247,43 @@ def split_resume(path: str) -> tuple[Path, str]:
     return given, ""
 
 
+def resume_auto(args: argparse.Namespace, decided: dict | None) -> tuple[RunConfig, bool]:
+    """`--resume auto`: (this command's config, whether its --out has a checkpoint to resume).
+
+    The command is resolved as a new run; its run directory then decides. A mismatch with the
+    run found there (another model, another global batch) is refused in one line.
+    """
+    from .train.checks import check_same_command
+
+    args.resume = None
+    out = _flags(args).get("launch", {}).get("out")
+    if not out and not (args.config and load_toml(args.config).launch.out):
+        raise ConfigError(
+            "--resume auto", "needs the run directory", "give --out RUN_DIR (the same each time)"
+        )
+    config = resolve_config(args, decided)
+    resume = check_same_command(config)
+    return config, resume
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from .train.checks import check_values, preflight
 
+    auto = args.resume == "auto"
     resume = bool(args.resume)
-    checkpoint = split_resume(args.resume)[1] if resume else ""
+    checkpoint = split_resume(args.resume)[1] if resume and not auto else ""
     try:
         topology = cluster_topology(args)
-        config = resolve_config(args, topology.launch_fields() if topology else None)
+        fields = topology.launch_fields() if topology else None
+        if auto:
+            config, resume = resume_auto(args, fields)
+        else:
+            config = resolve_config(args, fields)
         if args.print_config:
             check_values(config)
             print(to_toml(config), end="")
             return 0
-        preflight(config, resume=resume, checkpoint=checkpoint)
+        preflight(config, resume=resume, checkpoint=checkpoint, again=auto)
     except ConfigError as error:
         print(f"dataparallel train: error: {error}", file=sys.stderr)
         return 2
@@ -282,9 +308,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             config = config.replace(launch={"threads": fair_threads(topology.nproc)})
         run_worker(config, resume=resume, checkpoint=checkpoint)
         return 0
+    from .launch.preemption import PREEMPTED, exit_now
     from .train.launch import launch
 
-    return launch(config, resume=resume, checkpoint=checkpoint)
+    code = launch(config, resume=resume, checkpoint=checkpoint)
+    if code == PREEMPTED:  # the scheduler's grace runs: no interpreter finalization
+        exit_now(code)  # ([Note: preemption] in launch/preemption.py)
+    return code
 
 
 def cmd_sample(args: argparse.Namespace) -> int:

@@ -83,7 +83,8 @@ def test_one_torchrun_argv_for_every_command():
     argv = torchrun_argv(launch, ["script.py", "--lr", "1"], port=1234)
     assert argv == [
         "--nnodes=1", "--node-rank=0", "--nproc-per-node=3", "--master-addr=127.0.0.1",
-        "--master-port=1234", "--max-restarts=1", "script.py", "--lr", "1",
+        "--master-port=1234", "--max-restarts=1", "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",
+        "--shutdown-timeout=25", "script.py", "--lr", "1",
     ]  # fmt: skip
     nodes = LaunchConfig(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500")
     assert torchrun_argv(nodes, ["--module", "m"])[3:5] == [

@@ -60,6 +60,11 @@ class LaunchConfig:
     store_host: live recovery: the address of this machine at which `dataparallel join` from
         another machine reaches the launcher's store (it is written to RUN_DIR/live.json; the
         store listens on every interface). Empty: 127.0.0.1, joiners on this machine only.
+    preempt_budget: seconds the workers have, from a SIGTERM or SIGUSR1 to the launcher, to
+        finish their step and write a checkpoint before they are killed (the previous
+        checkpoint then stays the latest); also the agent's grace on Ctrl-C and failures. Keep
+        it under the scheduler's grace (30 s on Slurm and Kubernetes; [Note: preemption] in
+        launch/preemption.py).
     """
 
     nproc: int = 2
@@ -78,6 +83,7 @@ class LaunchConfig:
     min_replicas: int = 1
     max_replicas: int = 0
     store_host: str = ""
+    preempt_budget: float = 25.0
 
 
 # Flags whose name is not the field's name with dashes.
@@ -124,7 +130,7 @@ def at_least(section: str, name: str, value: float, minimum: float) -> None:
 
 def check_launch(launch: LaunchConfig) -> None:
     """Check the launcher's fields (the [launch] section that `dataparallel launch` shares)."""
-    for name, minimum in [("nproc", 1), ("nnodes", 1)] + [
+    for name, minimum in [("nproc", 1), ("nnodes", 1), ("preempt_budget", 1)] + [
         (n, 0) for n in ("max_restarts", "threads", "node_rank", "collective_timeout")
     ]:
         at_least("launch", name, getattr(launch, name), minimum)

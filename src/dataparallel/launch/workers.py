@@ -15,10 +15,12 @@ busy). torchrun's own default is 1 thread, which wastes cores when workers are f
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 from ..runtime import ENV_CHECK_COLLECTIVES, ENV_COLLECTIVE_TIMEOUT, free_port
 from .config import LaunchConfig
+from .preemption import AGENT_SIGNALS, PREEMPT_SIGNALS, PREEMPTED, LauncherSignals
 from .stopped_workers import StoppedWorkers
 
 ENV_LAUNCHER = "DATAPARALLEL_LAUNCHER_PID"  # the launcher's pid, the workers' parent
@@ -52,6 +54,8 @@ def torchrun_argv(launch: LaunchConfig, entry: list[str], port: int | None = Non
         f"--master-addr={host}",
         f"--master-port={port}",
         f"--max-restarts={launch.max_restarts}",  # [Note: restarts] in train/worker.py
+        f"--signals-to-handle={AGENT_SIGNALS}",  # SIGTERM, SIGUSR1: [Note: preemption]
+        f"--shutdown-timeout={math.ceil(launch.preempt_budget)}",
         *entry,
     ]
 
@@ -69,7 +73,8 @@ def worker_environment(launch: LaunchConfig) -> dict[str, str]:
 
 def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | None = None) -> int:
     """Run this machine's workers of `entry` under torch.distributed.run until they end; return
-    the exit status (0, 1 when a worker failed for good, 130 on Ctrl-C).
+    the exit status (0, 1 when a worker failed for good, 130 on Ctrl-C, PREEMPTED (75) after a
+    SIGTERM or SIGUSR1: [Note: preemption] in preemption.py).
 
     `env` is added to the workers' environment (with `worker_environment`); the workers of
     `dataparallel train` get their resolved config there, so they need no shared file system.
@@ -87,19 +92,25 @@ def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | 
     # A stopped worker told to end is continued, so it ends now, not after the agent's 30 s
     # grace ([Note: stopped workers] in stopped_workers.py).
     stopped = StoppedWorkers().start()
+    signals = LauncherSignals(launch.preempt_budget).install()
     try:
         run(parse_args(torchrun_argv(launch, entry)))
     except ChildFailedError as failed:
         # torch.distributed.run has printed which rank failed and its traceback. Workers that
         # all exited 2 found bad input together (data read by the workers, a checkpoint that
         # does not fit): rank 0 has said which on one line, and the command exits 2 as well.
+        # Workers that all exited PREEMPTED were signalled themselves and saved.
         codes = {failure.exitcode for failure in failed.failures.values()}
-        return 2 if codes == {2} else 1
-    except (KeyboardInterrupt, SignalException):
-        # Ctrl-C: torch.distributed.run passed the signal on to the workers (rank 0 of
-        # `dataparallel train` has said where the run stopped and how to resume it).
+        return {frozenset({2}): 2, frozenset({PREEMPTED}): PREEMPTED}.get(frozenset(codes), 1)
+    except (KeyboardInterrupt, SignalException) as error:
+        # The agent passed the signal on to the workers and waited for them. SIGTERM, SIGUSR1:
+        # preempted ([Note: preemption]). Ctrl-C: rank 0 of `dataparallel train` has said
+        # where the run stopped and how to resume it.
+        if getattr(error, "sigval", None) in PREEMPT_SIGNALS:
+            return PREEMPTED
         return 130
     finally:
+        signals.restore()
         stopped.stop()
     return 0
 

@@ -258,8 +258,10 @@ def check_data(config: RunConfig, source: RunModel | None = None) -> None:
         )
 
 
-def check_run_dir(path: Path, *, resume: bool) -> None:
-    """A new run needs an empty or missing directory; --resume needs a run with a checkpoint."""
+def check_run_dir(path: Path, *, resume: bool, again: bool = False) -> None:
+    """A new run needs an empty or missing directory; --resume needs a run with a checkpoint.
+    again (`--resume auto` with no checkpoint found): the directory may hold an earlier start
+    of the same command that saved none; it is started over."""
     label = field_label("launch", "out")
     if path.exists() and not path.is_dir():
         raise ConfigError(label, f"{path} is a file", "choose a directory")
@@ -276,6 +278,8 @@ def check_run_dir(path: Path, *, resume: bool) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(label, f"cannot write in {existing}", "choose a writable directory")
     markers = [m for m in RUN_MARKERS if m in entries]
+    if again and "config.toml" in markers and "model.safetensors" not in markers:
+        return
     if markers:
         raise ConfigError(
             label,
@@ -347,12 +351,35 @@ def check_checkpoint(config: RunConfig, name: str = "", source: RunModel | None 
         raise ConfigError(field_label("model", "name"), str(error), "keep the model") from None
 
 
-def preflight(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None:
-    """Every check, cheapest first, on the run's model resolved once ([Note: a run's model])."""
+def check_same_command(config: RunConfig) -> bool:
+    """`--resume auto`: whether the run directory holds a checkpoint to resume from; the run
+    there must have the global batch of this command (the model is checked with the
+    checkpoint, `check_checkpoint`)."""
+    run_dir = Path(config.launch.out)
+    if latest_checkpoint(run_dir / CHECKPOINTS) is None or not (run_dir / "config.toml").is_file():
+        return False
+    from .config_toml import load_toml
+
+    theirs = resolve_batch(load_toml(run_dir / "config.toml")).global_batch
+    if theirs != config.global_batch:
+        raise ConfigError(
+            "--resume auto",
+            f"the run in {run_dir} has a global batch of {theirs} windows, this command "
+            f"{config.global_batch}",
+            "give the command that started it, or another --out",
+        )
+    return True
+
+
+def preflight(
+    config: RunConfig, *, resume: bool, checkpoint: str = "", again: bool = False
+) -> None:
+    """Every check, cheapest first, on the run's model resolved once ([Note: a run's model]).
+    again: `--resume auto` ([Note: preemption] in launch/preemption.py)."""
     source = RunModel(config.model)
     check_values(config, source)
     if config.launch.node_rank == 0:  # only node 0 writes the run directory
-        check_run_dir(Path(config.launch.out), resume=resume)
+        check_run_dir(Path(config.launch.out), resume=resume, again=again)
         if resume:
             check_checkpoint(config, checkpoint, source)
     check_data(config, source)

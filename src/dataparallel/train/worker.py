@@ -23,6 +23,7 @@ import dataparallel as dp
 from ..checkpoint import CheckpointError, latest_checkpoint
 from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
+from ..launch.preemption import PREEMPTED, WorkerSignals, exit_now
 from ..launch.workers import ENV_LAUNCHER
 from .callbacks import Callback
 from .checkpointing import CheckpointSaver, restore
@@ -32,6 +33,7 @@ from .handoff import ENV_RUN, decode_run
 from .live.recovery import Dropped, LiveRecovery, Released
 from .live.replica import ReplicaLost
 from .loop import fit
+from .preemption import Preempted, Preemption, preempted_message
 from .report import make_report
 from .run_dir import CHECKPOINTS, RUN_INFO
 from .state import TrainState
@@ -184,10 +186,14 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
     Exits (SystemExit) with 130 on Ctrl-C and 1 when the loss diverges or the ranks call
     different collectives (--check-collectives), with one short note from rank 0 instead of a
     traceback from every rank. A collective that waits longer than --collective-timeout ends
-    the process from the watchdog's thread (docs/watchdog.md).
+    the process from the watchdog's thread (docs/watchdog.md). Exits PREEMPTED (75) after a
+    SIGTERM or SIGUSR1, with the step every rank stopped at saved ([Note: preemption] in
+    launch/preemption.py; a live run takes no part).
     """
     launch = config.launch
     live = LiveRecovery.from_environment(launch)  # [Note: live recovery] in live/recovery.py
+    signals = WorkerSignals().install() if live is None else None
+    preempted = False
     world = dp.init(
         threads=launch.threads or None,
         collective_timeout=0 if live else launch.collective_timeout,
@@ -205,6 +211,9 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
             live.join(state)
         else:
             state, callbacks = prepare(config, world, resume=resume, checkpoint=checkpoint)
+        if signals is not None:
+            saver = next(c for c in callbacks if isinstance(c, CheckpointSaver))
+            callbacks.append(Preemption(signals, saver))
         fit(state, callbacks, live)
         world = state.world  # a live run's replacement ends in the run's world, not its own
         if world.is_main:
@@ -219,6 +228,13 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
             if latest:
                 print(f"continue with: dataparallel train --resume {config.launch.out}", flush=True)
         raise SystemExit(130) from None
+    except Preempted as error:  # every rank saved the same step
+        for callback in callbacks or []:
+            callback.on_leave(state)  # the writer closes its files
+        if _is_main(state, world):
+            print(preempted_message(error, config.launch.out), flush=True)
+        preempted = True
+        raise SystemExit(PREEMPTED) from None
     except (Dropped, ReplicaLost) as error:  # the others go on without this replica
         print(f"dataparallel train: live: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
@@ -243,6 +259,8 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
             print(f"dataparallel train: error: {label}: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:
+        if signals is not None and signals.received is not None and not preempted:
+            _end_as_told(signals.received.name)  # os._exit: no destructor runs, no teardown
         # [Note: teardown] Drop the model, optimizer and strategies (which hold the process group)
         # *before* destroying the group. Left to the interpreter's exit, the group's C++ object was
         # destroyed during finalisation and aborted about one rank exit in 25 ("terminate called
@@ -250,6 +268,21 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
         state = callbacks = live = None  # live: its abandoned groups ([Note: abandoned groups])
         gc.collect()
         dp.destroy()
+        if preempted:  # the budget runs: no interpreter finalization ([Note: preemption])
+            exit_now(PREEMPTED)
+
+
+def _end_as_told(signal_name: str) -> None:
+    """A worker told to end (SIGTERM, SIGUSR1) that fails before it could save (the agent stops
+    the workers after another one died; a peer is gone): end now, as the signal's default action
+    did before preemption was handled, with one line instead of a traceback from every rank."""
+    error = sys.exc_info()[1]
+    if isinstance(error, SystemExit):
+        exit_now(error.code if isinstance(error.code, int) else 1)
+    if error is None:  # the run ended before the flag was read (in its final save)
+        exit_now(0)
+    print(f"dataparallel train: {signal_name}, then: {error!r}"[:300], file=sys.stderr)
+    exit_now(1)
 
 
 def _is_main(state, world: dp.World) -> bool:

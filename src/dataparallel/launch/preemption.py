@@ -1,0 +1,119 @@
+"""Preemption: SIGTERM or SIGUSR1 asks a run to save and stop, and the job to be started again.
+
+[Note: preemption] A scheduler that takes the machines back signals the job first: Slurm sends
+SIGTERM at `scancel` and preemption (and the signal of `--signal=USR1@T` T seconds before the
+time limit), to the batch script or to every task; Kubernetes sends SIGTERM at eviction. Then
+it waits its grace (Slurm's KillWait, Kubernetes' terminationGracePeriodSeconds: 30 s by
+default) and sends SIGKILL. So:
+
+- The launcher takes SIGTERM and SIGUSR1 (`LauncherSignals`): the first one raises torch's
+  SignalException in the elastic agent, which stops for good (no restart) and passes the same
+  signal on to the workers; it waits for them `preempt_budget` seconds (the agent's shutdown
+  timeout, 25 s by default: 5 s inside the schedulers' 30) and then SIGKILLs the ones left. A
+  second signal is noted on one line and changes nothing: the save goes on within the same
+  budget. The launcher then exits with PREEMPTED.
+- A worker takes them too (`WorkerSignals`; Slurm signals every task, and a worker may be the
+  task): the handler only raises a flag. At the next step boundary the ranks agree on the flag
+  (train/preemption.py: one 1-element all-reduce per step), so every rank stops after the same
+  step; a worker under our launcher tells it (the same signal), they write one synchronous
+  checkpoint of that step (or keep the one of that step already written) and exit with
+  PREEMPTED. A later signal changes nothing.
+- Once the checkpoint is committed (and a worker's process group destroyed), the worker and
+  the launcher end with `exit_now`: the interpreter's own finalization (torch's modules and
+  native destructors, no Python frame left) took 6-7 s more per process on this loaded
+  machine, a quarter of the budget, and a launcher SIGKILLed by the scheduler meanwhile would
+  end with 137 instead of PREEMPTED.
+- When the save does not fit the budget, the SIGKILL stops it mid-write: the folder being
+  written stays `step-N.tmp` and the previous checkpoint stays the latest and whole ([Note:
+  atomic checkpoints] in checkpoint/store.py). The run loses the steps since that one.
+- The job files requeue on PREEMPTED, and the same command with `--resume auto` continues from
+  the latest complete checkpoint (docs/train.md; docs/faults.md, "Preemption").
+
+A live run (`--recovery live`) has its own launcher and takes no part: SIGTERM ends it as
+before, and it resumes from its last periodic checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry"
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+DEFAULT_BUDGET_S = 25.0
+# The signals torch's agent keeps handling itself (Ctrl-C and the like: status 130).
+AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+
+
+class LauncherSignals:
+    """The launcher's handlers of SIGTERM and SIGUSR1 while the agent runs ([Note: preemption]).
+
+    The first signal raises torch's SignalException (the agent then stops the workers with it);
+    later ones print one line and return. `received` is the first signal, or None.
+    """
+
+    def __init__(self, budget_s: float):
+        self.budget_s = budget_s
+        self.received: signal.Signals | None = None
+        self.repeated = False  # said once: the workers pass the signal on too
+        self._previous: dict = {}
+
+    def install(self) -> LauncherSignals:
+        for sig in PREEMPT_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        sig = signal.Signals(signum)
+        if self.received is not None:
+            if self.repeated:
+                return
+            self.repeated = True
+            print(
+                f"dataparallel: {sig.name} again: the checkpoint is being written; the workers "
+                f"stop within {self.budget_s:g} s of the first signal",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        self.received = sig
+        print(
+            f"dataparallel: {sig.name}: preempted; the workers finish their step and save a "
+            f"checkpoint (at most {self.budget_s:g} s), then the launcher exits {PREEMPTED}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SignalException(f"got {sig.name}", sigval=sig)
+
+
+class WorkerSignals:
+    """A worker's handlers of SIGTERM and SIGUSR1: they raise a flag, read at the next step
+    boundary ([Note: preemption]). `received` is the first signal, or None."""
+
+    def __init__(self):
+        self.received: signal.Signals | None = None
+
+    def install(self) -> WorkerSignals:
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+
+def exit_now(code: int = PREEMPTED) -> None:
+    """End this process with `code` at once (output flushed, no interpreter finalization): a
+    preempted process whose checkpoint is committed ([Note: preemption])."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

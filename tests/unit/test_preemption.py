@@ -1,0 +1,58 @@
+"""The signal handlers of preemption, without a run ([Note: preemption] in launch/preemption.py):
+the launcher raises torch's SignalException once and says a repeat once; a worker's flag keeps
+the first signal; the agent is told to leave SIGTERM and SIGUSR1 to us and to wait the budget."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from dataparallel.launch.config import ConfigError, LaunchConfig, check_launch
+from dataparallel.launch.preemption import LauncherSignals, WorkerSignals
+from dataparallel.launch.workers import torchrun_argv
+
+
+@pytest.fixture
+def kept_handlers():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_the_launcher_raises_once_and_says_a_repeat_once(kept_handlers, capsys):
+    signals = LauncherSignals(budget_s=25).install()
+    with pytest.raises(SignalException) as raised:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert raised.value.sigval == signal.SIGUSR1 and signals.received == signal.SIGUSR1
+    for _ in range(3):  # later signals: no exception, one line in all
+        os.kill(os.getpid(), signal.SIGTERM)
+    signals.restore()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "exits 75" in lines[0]
+    assert lines[1].startswith("dataparallel: SIGTERM again") and "within 25 s" in lines[1]
+    assert signal.getsignal(signal.SIGTERM) is not signals._handle
+
+
+def test_a_worker_keeps_the_first_signal(kept_handlers):
+    signals = WorkerSignals().install()
+    assert signals.received is None
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert signals.received == signal.SIGUSR1
+
+
+def test_the_agent_leaves_the_preemption_signals_to_us_and_waits_the_budget():
+    argv = torchrun_argv(LaunchConfig(nproc=2, preempt_budget=7.5), ["script.py"], port=1234)
+    assert "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT" in argv
+    assert "--shutdown-timeout=8" in argv  # whole seconds, rounded up
+    default = torchrun_argv(LaunchConfig(), ["script.py"], port=1234)
+    assert "--shutdown-timeout=25" in default
+
+
+def test_a_budget_under_a_second_is_refused():
+    with pytest.raises(ConfigError, match=r"--preempt-budget \(launch.preempt_budget\): 0.5"):
+        check_launch(LaunchConfig(preempt_budget=0.5))
