@@ -12,6 +12,7 @@
     hostlist.py        Slurm's host lists and tasks per node, expanded in pure Python
     jobfiles.py        the sbatch script and the Kubeflow TrainJob that run `dataparallel train`
     cluster_command.py `dataparallel cluster slurm|k8s ARGS...`, which prints them
+    preemption.py      SIGTERM/SIGUSR1 to the launcher: PREEMPTED (75), the budget ([Note: preemption])
 
 It imports neither train/ nor infer/: a caller hands it what to run (a module or a script, and
 the job in the workers' environment), so training and inference start workers the same way.

@@ -17,6 +17,7 @@ By floor (each module imports only those on lower lines; `live/` is a wing of it
     tensor_parallel.py  the job's dp x tp mesh (--tp)
     trainer.py       setup(), train_step(), evaluate()
     metrics.py, progress.py, blame.py, tracing.py, checkpointing.py   the callbacks
+    preemption.py    the ranks agree on a signal, save the step and stop (exit 75)
     loop.py          fit(), extended through Steps
     checks.py        validation of a config before anything starts
     writer.py        who writes the records: rank 0 of the current world (live runs move it)
