@@ -161,10 +161,9 @@ def tokenize_units(files, tokenizer, world, token_dtype: str):
     except (OSError, ValueError) as failure:
         error = (str(failure), "check the file")
     if ranks > 1:
-        import torch.distributed as dist
+        from ..comm.plain import all_gather_plain
 
-        everyone: list = [None] * ranks
-        dist.all_gather_object(everyone, (found, error), group=world.group)
+        everyone = all_gather_plain((found, error), group=world.group)  # never a pickle
     else:
         everyone = [(found, error)]
     for theirs, failure in everyone:

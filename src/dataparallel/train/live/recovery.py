@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 import dataparallel as dp
 
+from ...comm.plain import broadcast_plain
 from ..config import LaunchConfig
 from ..loop import Rewound, Steps
 from ..records import EvalRecord, StepRecord
@@ -65,7 +66,7 @@ from .groups import Abandoned, move_to_world
 from .membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
 from .quorum import Quorum
 from .replica import ReplicaVote, Seat, SiblingFailed
-from .rewind import Marks, load_snapshot, snapshot
+from .rewind import Marks, healed_record, load_snapshot, snapshot
 from .store import ENV_LIVE, client_store, group_prefix, run_store
 
 # The launcher decides; if it dies, its workers die with it (worker.die_with_launcher).
@@ -366,11 +367,12 @@ class LiveRecovery(Steps):
         self.healed_record = None
         if not membership.healed:
             return
-        payload = [snapshot(state) if self.slot == membership.source else None]
+        mine = snapshot(state) if self.slot == membership.source else None
         # By index: rank i of the source to rank i of the healed ([Note: HSDP replicas]).
         group = state.world.group if self.seat.shard == 1 else self.seat.heal_group(state)
         src = self.seat.heal_source(membership)
-        dist.broadcast_object_list(payload, src=src, group=group)
+        # Tensors and JSON, never a pickle ([Note: nothing unpickled] in comm/plain.py).
+        payload = broadcast_plain(mine, src=src, group=group)
         if self.slot in membership.healed:
-            load_snapshot(state, payload[0])
-            self.healed_record = payload[0]["last_record"]
+            load_snapshot(state, payload)
+            self.healed_record = healed_record(payload)
