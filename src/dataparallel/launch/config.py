@@ -59,7 +59,7 @@ class LaunchConfig:
         the run counts fewer (at least nproc). 0: nproc, the run does not grow.
     store_host: live recovery: the address of this machine at which `dataparallel join` from
         another machine reaches the launcher's store (it is written to RUN_DIR/live.json; the
-        store listens on every interface). Empty: 127.0.0.1, joiners on this machine only.
+        store listens on this address only). Empty: 127.0.0.1, joiners on this machine only.
     """
 
     nproc: int = 2
