@@ -90,3 +90,24 @@ def test_a_crafted_pickle_is_never_unpickled(tmp_path):
     results = run_world(3, send_crafted, str(target))
     assert [len(r) for r in results] == [0, 2, 2]
     assert not target.exists()
+
+
+def plan_with_crafted(world, path: str) -> str:
+    """DCP's planning exchanges pickles (torch's `*_object` collectives): rank 0 sends a crafted
+    one while a save or a load plans (`_plans_unpickled_safely`)."""
+    from dataparallel.checkpoint.dcp import _plans_unpickled_safely
+
+    out: list = [None] * world.world_size
+    with _plans_unpickled_safely():
+        try:
+            dist.all_gather_object(out, WritesFile(path) if world.rank == 0 else world.rank)
+        except pickle.UnpicklingError as error:
+            return str(error)
+    return "unpickled"
+
+
+def test_dcp_planning_never_runs_a_crafted_pickle(tmp_path):
+    target = tmp_path / "ran"
+    results = run_world(2, plan_with_crafted, str(target))
+    assert results == ["refusing to load builtins.exec"] * 2
+    assert not target.exists()

@@ -210,6 +210,8 @@ class Comm:
         return sum(self.wire_sent.values())
 
     def all_gather_object(self, obj) -> list:
+        """Every rank's `obj`, in rank order: plain values and tensors only, sent as JSON and
+        raw bytes, never pickled ([Note: nothing unpickled] in plain.py)."""
         out: list = [None] * self.world_size
         progress = self.progress
         collective = progress.launch(self.group_name, "all_gather_object", self.tracer.label)
