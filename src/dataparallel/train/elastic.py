@@ -35,7 +35,7 @@ from .config import ConfigError
 from .live.membership import JOIN, LEAVE
 from .live.remote import Heartbeat
 from .live.requests import Answer, Request, ask
-from .live.secret import ENV_SECRET_FILE, SECRET_FILE, RunKey, find_secret
+from .live.secret import ENV_SECRET_FILE, SECRET_FILE, Refused, RunKey, find_secret
 from .live.store import ENV_LIVE, RUN_FILE, RUN_KEY, client_store, read_run_file, run_store
 
 CONNECT_TIMEOUT_S = 10.0
@@ -117,6 +117,12 @@ def use_secret(run_dir: Path, given: str | None) -> RunKey:
     return key
 
 
+def read_run(store) -> str:
+    """The run a joiner trains, as the launcher sealed it (Refused if anyone else wrote it)."""
+    key = RunKey.read(Path(os.environ[ENV_SECRET_FILE]))  # set by use_secret
+    return key.verify(store.get(RUN_KEY), purpose=RUN_KEY)["body"]
+
+
 def _answer(command: str, store, request: Request) -> Answer | None:
     """The launcher's answer, or None when it gave none (said on one line)."""
     try:
@@ -161,7 +167,11 @@ def join(run_dir: Path) -> int:
     print(f"dataparallel join: {answer.message}", file=sys.stderr, flush=True)
     from .worker import decode_run
 
-    shard = max(decode_run(store.get(RUN_KEY))[0].launch.shard_group, 1)
+    try:
+        shard = max(decode_run(read_run(store))[0].launch.shard_group, 1)
+    except Refused as refused:  # someone but the launcher wrote the run: train nothing of it
+        print(f"dataparallel join: error: the run in the store: {refused}", file=sys.stderr)
+        return 1
     if shard == 1:
         return train_joined(run_dir, address, store, answer.replica)
     return train_replica(run_dir, address, answer.replica, shard)
@@ -274,7 +284,7 @@ def train_joined(
     from ..launch.workers import fair_threads, worker_environment
     from .worker import ENV_LAUNCHER, decode_run, run_worker
 
-    config, _, _ = decode_run(store.get(RUN_KEY))
+    config, _, _ = decode_run(read_run(store))
     # The run directory as this process reaches it (the launcher's may be relative to its own
     # working directory, or a mount on another machine).
     config = config.replace(launch={"out": str(run_dir)})

@@ -90,7 +90,7 @@ class LiveLauncher:
         self.store = self.hosted.store
         given = os.environ.get(ENV_SECRET_FILE)  # a Kubernetes Secret, mounted as a file
         self.secret_file = Path(given) if given else make_secret(Path(config.launch.out))
-        key = RunKey.read(self.secret_file)
+        self.key = key = RunKey.read(self.secret_file)
         self.host = QuorumHost(run_store(self.store), self.slots, key, self._say)
         self.desk = Desk(self.host.store, Gate(key), self._say)  # joins and leaves from outside
         self.current: Membership = first_membership(self.slots)
@@ -103,7 +103,8 @@ class LiveLauncher:
     def run(self) -> int:
         """Start the workers and watch them; the exit status (0, 1, 2, or 130 on Ctrl-C)."""
         run_dir = Path(self.config.launch.out)
-        self.host.store.set(RUN_KEY, self.run_text)  # what a joiner trains
+        # What a joiner trains, sealed: a config written by another could make it run anything.
+        self.host.store.set(RUN_KEY, self.key.seal(self.run_text, purpose=RUN_KEY))
         write_run_file(run_dir, self.hosted.address)
         for slot in range(self.slots):
             self._start(slot, joining=False)

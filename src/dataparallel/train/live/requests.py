@@ -21,7 +21,8 @@ command prints. Under the store's prefix (the keys are named in store.py):
     beat/<slot>         a joiner's heartbeat, a counter it adds to every HEARTBEAT_S (remote.py);
     signal/<slot>       a signal number the launcher asks a joiner to raise in itself;
     bye/<slot>          a joiner's exit status, written as it ends;
-    run                 the resolved run (the workers' DATAPARALLEL_RUN), which a joiner trains.
+    run                 the resolved run (the workers' DATAPARALLEL_RUN), which a joiner trains,
+                        sealed by the launcher (a joiner refuses one that does not verify).
 A joiner is not the launcher's child: the launcher cannot wait for it or signal it, and its pid
 may be on another machine. Its heartbeat tells the launcher that it lives, `signal/<slot>`
 carries the launcher's SIGTERM or SIGKILL to it, and `bye/<slot>` its exit status back
