@@ -36,12 +36,22 @@ def exchange(world) -> dict:
     healed = broadcast_plain(snapshot if rank == 1 else None, src=1)
     configs = all_gather_plain({"rank": rank, "launch": {"out": "r" * (rank + 1)}})
     signatures = Comm().all_gather_object([("parameter:w", (2, 3), "torch.float32")])
+    failures = []  # a value one rank cannot send fails every rank, at once
+    for call in (
+        lambda: broadcast_plain(object() if rank == 2 else None, src=2),
+        lambda: all_gather_plain(object() if rank == 0 else rank),
+    ):
+        try:
+            call()
+        except PlainError as error:
+            failures.append(str(error).split(":")[0])
     return {
         "w": healed["model"]["w"].tolist(),
         "step": healed["optimizer"]["state"][0]["step"].item(),
         "betas": healed["optimizer"]["param_groups"][0]["betas"],
         "configs": configs,
         "signatures": signatures,
+        "failures": failures,
     }
 
 
@@ -53,6 +63,11 @@ def test_values_travel_between_ranks():
         assert got["betas"] == (0.9, 0.99)
         assert got["configs"] == [{"rank": r, "launch": {"out": "r" * (r + 1)}} for r in range(3)]
         assert got["signatures"] == [[("parameter:w", (2, 3), "torch.float32")]] * 3
+    assert [r["failures"] for r in results] == [
+        ["rank 2 could not send its value (it says why)", "value"],
+        ["rank 2 could not send its value (it says why)", "rank 0 of the group could not send its value (it says why)"],
+        ["value", "rank 0 of the group could not send its value (it says why)"],
+    ]
 
 
 def send_crafted(world, path: str) -> list[str]:

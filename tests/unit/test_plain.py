@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,7 @@ def test_values_come_back_equal_with_their_types():
         "dtype": torch.float16,
         "nan": float("nan"),
         (1, "a"): [1, 2],
+        "numpy": np.random.RandomState(3).get_state(),  # PowerSGD's generator
     }
     back = from_bytes(to_bytes(value))
     assert torch.equal(back["model"]["w"], value["model"]["w"])
@@ -43,6 +45,10 @@ def test_values_come_back_equal_with_their_types():
     assert back["groups"] == value["groups"] and isinstance(back["groups"][0]["betas"], tuple)
     assert back["dtype"] is torch.float16 and back["nan"] != back["nan"]
     assert back[(1, "a")] == [1, 2]
+    restored = np.random.RandomState()
+    restored.set_state(back["numpy"])
+    assert restored.rand() == np.random.RandomState(3).rand()
+    assert back["numpy"][1].dtype == np.uint32 and back["numpy"][1].shape == (624,)
 
 
 def test_an_object_that_is_not_plain_is_refused_with_its_path():

@@ -8,7 +8,7 @@
 unpickle it on the others, and unpickling runs whatever the bytes say: a peer that is not
 ours (or a member of a live run that was let in by mistake) could run code in every process
 it sends to. What ranks exchange here is a value tree of plain leaves (None, bool, int,
-float, str, torch.dtype) and tensors, in containers (dict, list, tuple), encoded as one uint8
+float, str, torch.dtype) and tensors (numpy arrays too: a numpy generator's state), in containers (dict, list, tuple), encoded as one uint8
 tensor: an 8-byte length, a JSON header that describes the tree (tensors by index, with their
 dtype, shape and device kind), then each tensor's raw bytes. Decoding only parses JSON and
 copies bytes into tensors of the dtypes named in DTYPES: there is nothing in it to run.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -36,6 +37,8 @@ DTYPES = {
         torch.complex64, torch.complex128,
     )
 }  # fmt: skip
+NUMPY_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64",
+                "uint32", "uint16", "uint8", "bool"}  # fmt: skip
 LENGTH_BYTES = 8  # the header's length, little-endian, before the header
 
 
@@ -56,6 +59,11 @@ def encode(value: Any) -> tuple[Any, list[torch.Tensor]]:
         if torch.is_tensor(node):
             tensors.append(node)
             return {"tensor": len(tensors) - 1}
+        if isinstance(node, np.ndarray) and node.dtype.name in NUMPY_DTYPES:  # a numpy RNG's
+            tensors.append(torch.from_numpy(np.ascontiguousarray(node).reshape(-1).view(np.uint8)))
+            return {"ndarray": [len(tensors) - 1, node.dtype.name, list(node.shape)]}
+        if isinstance(node, np.generic):
+            return walk(node.item(), path)
         if isinstance(node, (list, tuple)):
             items = [walk(item, f"{path}[{i}]") for i, item in enumerate(node)]
             return items if isinstance(node, list) else {"tuple": items}
@@ -92,6 +100,11 @@ def decode(header: Any, tensors: list[torch.Tensor]) -> Any:
             return tensors[body]
         if tag == "dtype" and body in DTYPES:
             return DTYPES[body]
+        if tag == "ndarray" and isinstance(body, list) and len(body) == 3:
+            index, dtype, shape = body
+            if isinstance(index, int) and 0 <= index < len(tensors) and dtype in NUMPY_DTYPES:
+                raw = tensors[index].cpu().numpy().tobytes()
+                return np.frombuffer(raw, dtype=dtype).reshape([int(n) for n in shape]).copy()
         raise PlainError(f"not a plain value's header: {str(node)[:80]}")
 
     return walk(header)
@@ -161,12 +174,22 @@ def wire_device(group: dist.ProcessGroup | None) -> torch.device:
 
 def broadcast_plain(value: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:
     """Rank `src`'s `value` (global rank, as dist.broadcast takes it) on every rank of `group`;
-    two broadcasts (the length, then the bytes). The other ranks' `value` is ignored."""
+    two broadcasts (the length, then the bytes). The other ranks' `value` is ignored. A value
+    `src` cannot encode raises PlainError on every rank (a length of -1), not a hang."""
     device = wire_device(group)
-    mine = to_bytes(value, device) if dist.get_rank() == src else None
-    size = torch.tensor([mine.numel() if mine is not None else 0], dtype=torch.int64)
+    mine, failure = None, None
+    if dist.get_rank() == src:
+        try:
+            mine = to_bytes(value, device)
+        except PlainError as error:
+            failure = error
+    size = torch.tensor([mine.numel() if mine is not None else -1], dtype=torch.int64)
     size = size.to(device)
     dist.broadcast(size, src=src, group=group)
+    if failure is not None:
+        raise failure
+    if int(size.item()) < 0:
+        raise PlainError(f"rank {src} could not send its value (it says why)")
     if mine is None:
         mine = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(mine, src=src, group=group)
@@ -178,9 +201,18 @@ def all_gather_plain(value: Any, group: dist.ProcessGroup | None = None) -> list
     all-gathers: the lengths, then the bytes padded to the longest)."""
     device = wire_device(group)
     size = dist.get_world_size(group)
-    mine = to_bytes(value, device)
+    try:
+        mine, failure = to_bytes(value, device), None
+    except PlainError as error:  # said on every rank, not a hang: a length of -1
+        mine, failure = torch.zeros(0, dtype=torch.uint8, device=device), error
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-    dist.all_gather(lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group)
+    length = torch.tensor([mine.numel() if failure is None else -1], dtype=torch.int64)
+    dist.all_gather(lengths, length.to(device), group)
+    if failure is not None:
+        raise failure
+    failed = [r for r, n in enumerate(lengths) if int(n.item()) < 0]
+    if failed:
+        raise PlainError(f"rank {failed[0]} of the group could not send its value (it says why)")
     longest = max(int(n.item()) for n in lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine
