@@ -64,7 +64,7 @@ def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
     args = build_parser().parse_args(
         ["train", "--config", str(path), "--steps", "9", "--out", "x", "--data", "a", "b"]
     )
-    config = resolve_config(args, torchrun=None)
+    config = resolve_config(args, decided=None)
     assert (config.train.steps, config.train.batch, config.model.name) == (9, 3, "gpt-small")
     assert config.data.paths == ("a", "b")
     assert config.train.accum == RunConfig().train.accum
@@ -84,15 +84,15 @@ def test_a_batch_flag_replaces_a_global_batch_from_the_file(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[train]\nglobal_batch = 64\n")
     args = build_parser().parse_args(["train", "--config", str(path), "--batch", "5", "--out", "x"])
-    assert resolve_config(args, torchrun=None).train.batch == 5
+    assert resolve_config(args, decided=None).train.batch == 5
     args = build_parser().parse_args(["train", "--batch", "5", "--global-batch", "8", "--out", "x"])
     with pytest.raises(ConfigError, match="both given"):
-        resolve_config(args, torchrun=None)
+        resolve_config(args, decided=None)
 
 
 def test_torchrun_decides_the_world():
     args = build_parser().parse_args(["train", "--out", "x"])
-    config = resolve_config(args, torchrun={"nproc": 3, "nnodes": 2, "node_rank": 1})
+    config = resolve_config(args, decided={"nproc": 3, "nnodes": 2, "node_rank": 1})
     assert config.world_size == 6 and config.launch.node_rank == 1
 
 
@@ -136,16 +136,16 @@ def test_the_watchdog_flags_read_from_the_command_line_and_toml(tmp_path):
         False,
     )
     args = ["train", "--collective-timeout", "5", "--check-collectives", "--out", "x"]
-    config = resolve_config(build_parser().parse_args(args), torchrun=None)
+    config = resolve_config(build_parser().parse_args(args), decided=None)
     assert (config.launch.collective_timeout, config.launch.check_collectives) == (5.0, True)
     path = tmp_path / "c.toml"
     path.write_text("[launch]\ncollective_timeout = 0\ncheck_collectives = true\n")
     args = ["train", "--config", str(path), "--out", "x"]
-    config = resolve_config(build_parser().parse_args(args), torchrun=None)
+    config = resolve_config(build_parser().parse_args(args), decided=None)
     assert (config.launch.collective_timeout, config.launch.check_collectives) == (0.0, True)
     args += ["--no-check-collectives"]  # a flag turns the file's true off again
     assert not resolve_config(
-        build_parser().parse_args(args), torchrun=None
+        build_parser().parse_args(args), decided=None
     ).launch.check_collectives
     assert "check_collectives = true\n" in to_toml(config)
     with pytest.raises(ConfigError, match=r"launch.check_collectives: 'yes' in f is not a bool"):

@@ -43,7 +43,9 @@ import io
 import math
 import pickle
 import re
+import threading
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -243,13 +245,55 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Builds DCP metadata and nothing else ([Note: no unpickling])."""
 
     def find_class(self, module: str, name: str):
-        if module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED:
+        if "." in name:  # protocol 4 resolves a dotted name through the module: os.system
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+        if (module, name) in _ALLOWED:
             return super().find_class(module, name)
+        if module.startswith(_ALLOWED_MODULE_PREFIXES):
+            found = super().find_class(module, name)  # DCP's own classes, not what it imports
+            if isinstance(found, type) and found.__module__.startswith(_ALLOWED_MODULE_PREFIXES):
+                return found
         if module == "torch" and isinstance(
             getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format
         ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+class _PeerUnpickler(_MetadataUnpickler):
+    """What DCP's ranks send each other while they plan: its plans and metadata, and a rank's
+    failure (an exception class and its traceback's summary), nothing else."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in (("traceback", "StackSummary"), ("traceback", "FrameSummary")):
+            return super(_MetadataUnpickler, self).find_class(module, name)
+        if "." not in name and module.split(".")[0] in ("builtins", "torch", "dataparallel"):
+            found = super(_MetadataUnpickler, self).find_class(module, name)
+            if isinstance(found, type) and issubclass(found, BaseException):
+                return found
+        return super().find_class(module, name)
+
+
+@contextmanager
+def _plans_unpickled_safely():
+    """DCP plans a save or a load through torch's `*_object` collectives, which unpickle what
+    the other ranks send; while it runs, they unpickle with `_PeerUnpickler` ([Note: nothing
+    unpickled] in comm/plain.py). Counted, as an async save plans in a thread of its own."""
+    c10d = dist.distributed_c10d
+    with _PLANNING["lock"]:
+        if _PLANNING["depth"] == 0:
+            _PLANNING["saved"], c10d._unpickler = c10d._unpickler, _PeerUnpickler
+        _PLANNING["depth"] += 1
+    try:
+        yield
+    finally:
+        with _PLANNING["lock"]:
+            _PLANNING["depth"] -= 1
+            if _PLANNING["depth"] == 0:
+                c10d._unpickler = _PLANNING["saved"]
+
+
+_PLANNING = {"lock": threading.Lock(), "depth": 0, "saved": None}
 
 
 def read_metadata(path) -> Metadata:
@@ -273,13 +317,14 @@ def save_chunks(chunks: dict[str, Chunk], folder, group: dist.ProcessGroup | Non
     """Write every rank's `chunks` into `folder` (collective over `group`; None: one process)."""
     writer = dcp.FileSystemWriter(str(folder), overwrite=True)
     state = {stored_name(name): chunk.tensor for name, chunk in chunks.items()}
-    dcp.save(
-        state,
-        storage_writer=writer,
-        planner=ChunkSavePlanner(chunks),
-        process_group=group,
-        no_dist=group is None,
-    )
+    with _plans_unpickled_safely():
+        dcp.save(
+            state,
+            storage_writer=writer,
+            planner=ChunkSavePlanner(chunks),
+            process_group=group,
+            no_dist=group is None,
+        )
 
 
 def load_chunks(chunks: dict[str, Chunk], folder, group: dist.ProcessGroup | None) -> None:
@@ -287,13 +332,14 @@ def load_chunks(chunks: dict[str, Chunk], folder, group: dist.ProcessGroup | Non
     Every key must be in the checkpoint (see `stored_tensors`)."""
     state = {key: chunk.tensor for key, chunk in chunks.items()}
     try:
-        dcp.load(
-            state,
-            storage_reader=SafeReader(str(folder)),
-            planner=ChunkLoadPlanner(chunks),
-            process_group=group,
-            no_dist=group is None,
-        )
+        with _plans_unpickled_safely():
+            dcp.load(
+                state,
+                storage_reader=SafeReader(str(folder)),
+                planner=ChunkLoadPlanner(chunks),
+                process_group=group,
+                no_dist=group is None,
+            )
     except CheckpointException as error:  # one line: the first rank's root cause
         raise CheckpointError(f"{folder} cannot be loaded: {root_cause(error)}") from None
 

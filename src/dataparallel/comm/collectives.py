@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import pairwise
+from .plain import all_gather_plain
 from .progress import PROGRESS, Progress, check_collective
 from .trace import Span, TracedWork, TraceEvent, Tracer
 from .wire import wire_bytes
@@ -231,6 +232,8 @@ class Comm:
         return sum(self.wire_sent.values())
 
     def all_gather_object(self, obj) -> list:
+        """Every rank's `obj`, in rank order: plain values and tensors only, sent as JSON and
+        raw bytes, never pickled ([Note: nothing unpickled] in plain.py)."""
         out: list = [None] * self.world_size
         progress = self.progress
         collective = progress.launch(self.group_name, "all_gather_object", self.tracer.label)
@@ -238,7 +241,7 @@ class Comm:
             check_collective(self.group, collective, None, progress=progress)
         token = progress.begin_wait(collective)
         try:
-            dist.all_gather_object(out, obj, group=self.group)
+            out = all_gather_plain(obj, group=self.group)  # [Note: nothing unpickled]
         finally:
             progress.end_wait(token)
         self.calls["all_gather_object"] += 1

@@ -10,9 +10,9 @@ cache.py), packed ([Note: packing] in packing.py) and cut into windows.
 [Note: parallel tokenization] The files, and the chunks of large text/JSONL files ([Note:
 chunks] in units.py), are shared among the ranks, largest first, each to the rank with the
 least bytes so far; rank r hashes its pieces, tokenizes those with no cache entry and writes
-the entries. The ranks then meet in one all_gather_object that carries each piece's hash and
-any error, so that a bad file stops every rank together with the same one-line message
-(DataError) instead of leaving the others waiting. Then every rank memory-maps every entry; a
+the entries. The ranks then meet in one all-gather (of plain values, comm/plain.py) that
+carries each piece's hash and any error, so that a bad file stops every rank together with the
+same one-line message (DataError) instead of leaving the others waiting. Then every rank memory-maps every entry; a
 rank that cannot find one (nodes with no shared file system) tokenizes that piece itself, and
 rank 0 removes the entries of older versions of the files. Without a process group (world None
 or of size 1) the one process does it all. The meeting is an ordinary collective, under the
@@ -161,10 +161,9 @@ def tokenize_units(files, tokenizer, world, token_dtype: str):
     except (OSError, ValueError) as failure:
         error = (str(failure), "check the file")
     if ranks > 1:
-        import torch.distributed as dist
+        from ..comm.plain import all_gather_plain
 
-        everyone: list = [None] * ranks
-        dist.all_gather_object(everyone, (found, error), group=world.group)
+        everyone = all_gather_plain((found, error), group=world.group)  # never a pickle
     else:
         everyone = [(found, error)]
     for theirs, failure in everyone:

@@ -59,7 +59,7 @@ class LaunchConfig:
         the run counts fewer (at least nproc). 0: nproc, the run does not grow.
     store_host: live recovery: the address of this machine at which `dataparallel join` from
         another machine reaches the launcher's store (it is written to RUN_DIR/live.json; the
-        store listens on every interface). Empty: 127.0.0.1, joiners on this machine only.
+        store listens on this address only). Empty: 127.0.0.1, joiners on this machine only.
     preempt_budget: seconds the workers have, from a SIGTERM or SIGUSR1 to the launcher, to
         finish their step and write a checkpoint before they are killed (the previous
         checkpoint then stays the latest); also the agent's grace on Ctrl-C and failures. Keep

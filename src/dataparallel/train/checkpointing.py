@@ -49,6 +49,7 @@ from ..checkpoint import (
     verify,
     write_safetensors,
 )
+from ..comm.plain import broadcast_plain
 from .callbacks import Callback
 from .export_hf import HF_EXPORT, export_hf
 from .ledger import StepRecord
@@ -266,7 +267,7 @@ def restore(state: TrainState, run_dir: Path, name: str = "") -> None:
         except CheckpointError as error:
             found = [(None, None, str(error))]
     if state.world.world_size > 1:
-        dist.broadcast_object_list(found, src=0, group=state.world.group)
+        found = [broadcast_plain(found[0], src=0, group=state.world.group)]  # never a pickle
     path, plain, error = found[0]
     if error:
         raise CheckpointError(error)

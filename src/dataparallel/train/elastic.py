@@ -11,6 +11,8 @@ let in takes the next unused slot, trains the run's own config (read from the st
 its state alone and is healed from a member at their next step boundary, as a replacement is
 ([Note: live recovery] in live/recovery.py); it then trains in this process until the run ends, or
 until it is asked to leave. Exit status: 0 done (or left), 1 refused or failed, 2 bad input.
+Each request is sealed with the run's secret (RUN_DIR/live.secret, or --secret-file, or the
+file named by DATAPARALLEL_SECRET_FILE: [Note: signed requests] in live/secret.py).
 `--restarts K` keeps a replica on this machine: a lost one joins again ([Note: the machine's
 keeper] in `keep`).
 """
@@ -33,6 +35,7 @@ from .config import ConfigError
 from .live.membership import JOIN, LEAVE
 from .live.remote import Heartbeat
 from .live.requests import Answer, Request, ask
+from .live.secret import ENV_SECRET_FILE, SECRET_FILE, Refused, RunKey, find_secret
 from .live.store import ENV_LIVE, RUN_FILE, RUN_KEY, client_store, read_run_file, run_store
 
 CONNECT_TIMEOUT_S = 10.0
@@ -59,6 +62,12 @@ def add_join_parser(commands) -> None:
         "as stalled), join again from here, up to this many times (0: never) ([Note: the "
         "machine's keeper])",
     )
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        help=f"the file that holds the run's secret (default: ${ENV_SECRET_FILE}, else "
+        f"RUN_DIR/{SECRET_FILE}, which the launcher writes readable by its user only)",
+    )
 
 
 def add_leave_parser(commands) -> None:
@@ -76,6 +85,12 @@ def add_leave_parser(commands) -> None:
         required=True,
         help="the slot of the replica that leaves (the launcher's lines name them: workers [...])",
     )
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        help=f"the file that holds the run's secret (default: ${ENV_SECRET_FILE}, else "
+        f"RUN_DIR/{SECRET_FILE}, which the launcher writes readable by its user only)",
+    )
 
 
 def connect(run_dir: Path):
@@ -92,10 +107,27 @@ def connect(run_dir: Path):
     return address, run_store(store)
 
 
+def use_secret(run_dir: Path, given: str | None) -> RunKey:
+    """The run's key, from --secret-file, $DATAPARALLEL_SECRET_FILE or RUN_DIR/live.secret
+    (ConfigError naming the file); the file is kept in the environment, where this process's
+    replica (and a keeper's later ones) find it."""
+    path = find_secret(run_dir, given).resolve()
+    key = RunKey.read(path)
+    os.environ[ENV_SECRET_FILE] = str(path)
+    return key
+
+
+def read_run(store) -> str:
+    """The run a joiner trains, as the launcher sealed it (Refused if anyone else wrote it)."""
+    key = RunKey.read(Path(os.environ[ENV_SECRET_FILE]))  # set by use_secret
+    return key.verify(store.get(RUN_KEY), purpose=RUN_KEY)["body"]
+
+
 def _answer(command: str, store, request: Request) -> Answer | None:
     """The launcher's answer, or None when it gave none (said on one line)."""
     try:
-        return ask(store, request)
+        key = RunKey.read(Path(os.environ[ENV_SECRET_FILE]))  # set by use_secret
+        return ask(store, request, key)
     except TimeoutError as error:
         print(f"dataparallel {command}: error: {error}", file=sys.stderr)
     except RuntimeError:  # the store closed: the launcher has ended
@@ -107,6 +139,11 @@ def cmd_join(args: argparse.Namespace) -> int:
     if args.restarts < 0:
         print(f"dataparallel join: error: --restarts: {args.restarts} is negative; give 0 or "
               "more", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        use_secret(Path(args.run), args.secret_file)
+    except ConfigError as error:
+        print(f"dataparallel join: error: {error}", file=sys.stderr)
         return 2
     if args.restarts:
         return keep(Path(args.run), args.restarts)
@@ -130,7 +167,11 @@ def join(run_dir: Path) -> int:
     print(f"dataparallel join: {answer.message}", file=sys.stderr, flush=True)
     from .handoff import decode_run
 
-    shard = max(decode_run(store.get(RUN_KEY))[0].launch.shard_group, 1)
+    try:
+        shard = max(decode_run(read_run(store))[0].launch.shard_group, 1)
+    except Refused as refused:  # someone but the launcher wrote the run: train nothing of it
+        print(f"dataparallel join: error: the run in the store: {refused}", file=sys.stderr)
+        return 1
     if shard == 1:
         return train_joined(run_dir, address, store, answer.replica)
     return train_replica(run_dir, address, answer.replica, shard)
@@ -244,7 +285,7 @@ def train_joined(
     from .handoff import decode_run
     from .worker import ENV_LAUNCHER, run_worker
 
-    config, _, _ = decode_run(store.get(RUN_KEY))
+    config, _, _ = decode_run(read_run(store))
     # The run directory as this process reaches it (the launcher's may be relative to its own
     # working directory, or a mount on another machine).
     config = config.replace(launch={"out": str(run_dir)})
@@ -252,7 +293,8 @@ def train_joined(
     environment = worker_environment(launch)
     environment.pop(ENV_LAUNCHER)  # not the launcher's child: its heartbeat ties it to the run
     os.environ.update(environment)
-    live = {"store": address, "replica": slot, "joining": True}
+    secret = os.environ[ENV_SECRET_FILE]  # set by use_secret
+    live = {"store": address, "replica": slot, "joining": True, "secret": secret}
     if shard > 1:  # [Note: HSDP replicas]: its first group is its own, named by its slot
         live.update(index=index, shard=shard, start=f"join-{slot}", owner=owner)
     os.environ[ENV_LIVE] = json.dumps(live)
@@ -275,6 +317,7 @@ def cmd_leave(args: argparse.Namespace) -> int:
     try:
         if args.replica < 0:
             raise ConfigError("--replica", f"{args.replica} is negative", "give a replica's slot")
+        use_secret(Path(args.run), args.secret_file)
         _, store = connect(Path(args.run))
     except ConfigError as error:
         print(f"dataparallel leave: error: {error}", file=sys.stderr)

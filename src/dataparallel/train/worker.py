@@ -21,6 +21,7 @@ import torch
 import dataparallel as dp
 
 from ..checkpoint import CheckpointError, latest_checkpoint
+from ..comm.plain import all_gather_plain
 from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
 from ..launch.preemption import PREEMPTED, WorkerSignals, exit_now
@@ -59,9 +60,8 @@ def agree_on_config(config: RunConfig, world: dp.World) -> RunConfig:
     """
     if world.world_size == 1:
         return config
-    everyone = [None] * world.world_size
-    with watched(world.group, "all_gather_object", what="config"):
-        torch.distributed.all_gather_object(everyone, config.to_dict(), group=world.group)
+    with watched(world.group, "all_gather_object", what="config"):  # JSON, never a pickle
+        everyone = all_gather_plain(config.to_dict(), group=world.group)
 
     def comparable(d: dict) -> dict:
         return {**d, "launch": {**d["launch"], "out": "", "node_rank": 0}}

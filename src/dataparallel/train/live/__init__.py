@@ -4,6 +4,7 @@ the files listed before it:
 
     shared         membership.py  who trains in the next generation: the quorum's rule, pure
                    store.py       the launcher's store: where it is, how to reach it, every key
+                   secret.py      the run's secret; requests and reports sealed and checked
                    quorum.py      reports in, one decision out, through the store
                    requests.py    joins and leaves asked from outside the launcher
                    remote.py      a joiner's heartbeat, and the launcher's handle on it
@@ -37,7 +38,7 @@ One word per concept:
 The commands `dataparallel join` and `leave` (train/elastic.py) stand above the worker they run.
 The notes: [Note: live recovery] in recovery.py (start there), [Note: membership] in
 membership.py, [Note: quorum keys] in quorum.py, [Note: membership requests] in requests.py,
-[Note: HSDP replicas] in replica.py, [Note: abandoned groups] in groups.py, [Note: live
-averaging] in rewind.py; [Note: the machine's keeper] in train/elastic.py. docs/faults.md
-describes what a run does.
+[Note: signed requests] in secret.py, [Note: HSDP replicas] in replica.py, [Note: abandoned
+groups] in groups.py, [Note: live averaging] in rewind.py; [Note: the machine's keeper] in
+train/elastic.py. docs/faults.md describes what a run does, docs/security.md what it lets in.
 """

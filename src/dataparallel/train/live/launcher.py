@@ -35,8 +35,6 @@ import sys
 import time
 from pathlib import Path
 
-import dataparallel as dp
-
 from ..config import RunConfig
 from .membership import (
     JOIN,
@@ -53,8 +51,9 @@ from .membership import (
 from .quorum import QuorumHost
 from .remote import RemoteProcess
 from .requests import Answer, Desk, Request
+from .secret import ENV_SECRET_FILE, Gate, RunKey, make_secret
 from .slots import Life, Replica, Worker
-from .store import ENV_LIVE, RUN_FILE, RUN_KEY, host_store, run_store, write_run_file
+from .store import ENV_LIVE, RUN_FILE, RUN_KEY, HostedStore, run_store, write_run_file
 
 WORKER_MODULE = "dataparallel.train.worker"
 STOP_GRACE_S = 30.0  # what a worker told to stop has to finish (a checkpoint write)
@@ -66,7 +65,8 @@ class LiveLauncher:
 
     config: the validated run; launch.nproc workers, launch.max_restarts replacements in all,
         launch.collective_timeout the time a member has to report, launch.min_replicas and
-        launch.max_replicas the sizes, launch.store_host where joiners reach the store.
+        launch.max_replicas the sizes, launch.store_host the address the store listens on
+        (127.0.0.1 when not given), where joiners reach it.
     env: added to every worker's environment (the resolved config, the thread count...).
     run: the encoded run the workers train (in `env` too), which a joiner reads from the store.
     poll_s: how often the workers and the store are looked at.
@@ -84,10 +84,15 @@ class LiveLauncher:
             min_replicas=config.launch.min_replicas,
             max_replicas=config.launch.max_replicas or self.slots,
         )
-        self.port = dp.free_port()
-        self.store = host_store(self.port)
-        self.host = QuorumHost(run_store(self.store), self.slots)
-        self.desk = Desk(self.host.store)  # joins and leaves asked from outside
+        # Bound to the run's address only; every request and report sealed with the run's
+        # secret ([Note: signed requests] in secret.py; docs/security.md).
+        self.hosted = HostedStore(config.launch.store_host or "127.0.0.1")
+        self.store = self.hosted.store
+        given = os.environ.get(ENV_SECRET_FILE)  # a Kubernetes Secret, mounted as a file
+        self.secret_file = Path(given) if given else make_secret(Path(config.launch.out))
+        self.key = key = RunKey.read(self.secret_file)
+        self.host = QuorumHost(run_store(self.store), self.slots, key, self._say)
+        self.desk = Desk(self.host.store, Gate(key), self._say)  # joins and leaves from outside
         self.current: Membership = first_membership(self.slots)
         self.workers: dict[int, Worker] = {}
         self.first_report_at: float | None = None
@@ -98,8 +103,9 @@ class LiveLauncher:
     def run(self) -> int:
         """Start the workers and watch them; the exit status (0, 1, 2, or 130 on Ctrl-C)."""
         run_dir = Path(self.config.launch.out)
-        self.host.store.set(RUN_KEY, self.run_text)  # what a joiner trains
-        write_run_file(run_dir, f"{self.config.launch.store_host or '127.0.0.1'}:{self.port}")
+        # What a joiner trains, sealed: a config written by another could make it run anything.
+        self.host.store.set(RUN_KEY, self.key.seal(self.run_text, purpose=RUN_KEY))
+        write_run_file(run_dir, self.hosted.address)
         for slot in range(self.slots):
             self._start(slot, joining=False)
         try:
@@ -129,8 +135,9 @@ class LiveLauncher:
         self.starts += 1
         processes = []
         for index in range(self.shard):
-            live = {"store": f"127.0.0.1:{self.port}", "replica": slot, "joining": joining,
-                    "index": index, "shard": self.shard, "start": self.starts}  # fmt: skip
+            live = {"store": self.hosted.address, "replica": slot, "joining": joining,
+                    "index": index, "shard": self.shard, "start": self.starts,
+                    "secret": str(self.secret_file.resolve())}  # fmt: skip
             env = {**os.environ, **self.env, ENV_LIVE: json.dumps(live)}
             processes.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE], env=env))
         process = processes[0] if self.shard == 1 else Replica(processes)

@@ -9,7 +9,10 @@
     host.publish(membership)
 
 [Note: quorum keys] Under the store's prefix (the keys are named in store.py), generation g has
-    gen/g/report/<slot>   a Report (JSON), written by the replica that asks to be in g;
+    gen/g/report/<slot>   a Report (JSON), written by the replica that asks to be in g (or to
+                          be healed: JOIN), sealed with the run's key for this key only
+                          ([Note: signed requests] in secret.py): one that does not verify
+                          is left out, and said once in the launcher's log;
     gen/g/decision        the Membership (JSON), written once, by the launcher;
     gen/g/regroup         set by the launcher when a replacement waits: the members of g
                           regroup at their next step boundary to let it in;
@@ -29,10 +32,12 @@ The rule that turns reports into a decision is pure ([Note: membership] in membe
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 from .membership import Membership, Report
+from .secret import Refused, RunKey
 from .store import LATEST, arrived_key, decision_key, leave_key, regroup_key, report_key
 
 
@@ -42,10 +47,13 @@ class Quorum:
     store: the launcher's store (under the run's prefix).
     slot: the slot of this worker's replica.
     poll_s: how often a wait looks at the store.
+    key: the run's key, which seals its reports (None: unsealed, the quorum's unit tests).
     """
 
-    def __init__(self, store: dist.Store, slot: int, poll_s: float = 0.01):
-        self.store, self.slot, self.poll_s = store, slot, poll_s
+    def __init__(
+        self, store: dist.Store, slot: int, poll_s: float = 0.01, key: RunKey | None = None
+    ):
+        self.store, self.slot, self.poll_s, self.key = store, slot, poll_s, key
 
     def latest(self) -> int:
         """The last decided generation (-1 before the first)."""
@@ -54,7 +62,8 @@ class Quorum:
         return int(self.store.get(LATEST))
 
     def report(self, generation: int, report: Report) -> None:
-        self.store.set(report_key(generation, self.slot), report.to_json())
+        key, text = report_key(generation, self.slot), report.to_json()
+        self.store.set(key, self.key.seal(text, purpose=key) if self.key is not None else text)
 
     def wait(self, generation: int, timeout_s: float) -> Membership:
         """The decision for `generation`, once published (TimeoutError after `timeout_s`)."""
@@ -97,19 +106,39 @@ class QuorumHost:
     store: the store the launcher hosts (under the run's prefix).
     slots: how many replica slots the run has: the workers started together, and the joiners
         given the next slots (the launcher counts them up).
+    key: the run's key, which a report must verify with (None: any is read, the quorum's unit
+        tests only: a launcher always has one).
+    say: called with one line for each report refused, once per report (the launcher's log).
     """
 
-    def __init__(self, store: dist.Store, slots: int):
-        self.store, self.slots = store, slots
+    def __init__(
+        self,
+        store: dist.Store,
+        slots: int,
+        key: RunKey | None = None,
+        say: Callable[[str], None] = print,
+    ):
+        self.store, self.slots, self.key, self.say = store, slots, key, say
+        self.refused: set[tuple[str, bytes]] = set()  # said already
 
     def reports(self, generation: int) -> dict[int, Report]:
-        """The reports written so far for `generation`, by slot."""
-        keys = [report_key(generation, r) for r in range(self.slots)]
-        return {
-            r: Report.from_json(self.store.get(key))
-            for r, key in enumerate(keys)
-            if self.store.check([key])
-        }
+        """The authentic reports written so far for `generation`, by slot."""
+        found = {}
+        for slot in range(self.slots):
+            key = report_key(generation, slot)
+            if not self.store.check([key]):
+                continue
+            text = self.store.get(key)
+            if self.key is None:
+                found[slot] = Report.from_json(text)
+                continue
+            try:
+                found[slot] = Report.from_json(self.key.verify(text, purpose=key)["body"])
+            except Refused as refused:
+                if (key, text) not in self.refused:
+                    self.refused.add((key, text))
+                    self.say(f"the report in {key} refused: {refused}; the run goes on")
+        return found
 
     def publish(self, membership: Membership) -> None:
         self.store.set(decision_key(membership.generation), membership.to_json())

@@ -50,12 +50,14 @@ import json
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import dataparallel as dp
 
+from ...comm.plain import broadcast_plain
 from ..config import LaunchConfig
 from ..ledger import EvalRecord, StepRecord
 from ..loop import Rewound, Steps
@@ -65,7 +67,8 @@ from .groups import Abandoned, move_to_world
 from .membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
 from .quorum import Quorum
 from .replica import ReplicaVote, Seat, SiblingFailed
-from .rewind import Marks, load_snapshot, snapshot
+from .rewind import Marks, healed_record, load_snapshot, snapshot
+from .secret import RunKey
 from .store import ENV_LIVE, client_store, group_prefix, run_store
 
 # The launcher decides; if it dies, its workers die with it (worker.die_with_launcher).
@@ -125,6 +128,8 @@ class LiveRecovery(Steps):
     ranks: its index among the --shard-group processes of its replica ([Note: HSDP replicas]).
     owner: the pid the launcher knows the replica by, when not this process's (a replica
         joined with `dataparallel join` under --shard-group: the process that asked).
+    key: the run's key, which seals its reports ([Note: signed requests] in secret.py); None
+        only in the quorum's unit tests (the launcher refuses unsealed reports).
     """
 
     def __init__(
@@ -136,6 +141,7 @@ class LiveRecovery(Steps):
         timeout_s: float,
         seat: Seat | None = None,
         owner: int | None = None,
+        key: RunKey | None = None,
     ):
         self.store, self.slot, self.joining = store, slot, joining
         # This process's place in its replica, whose ranks agree on each attempt's outcome
@@ -144,7 +150,7 @@ class LiveRecovery(Steps):
         shard = self.seat.shard > 1
         self.vote = ReplicaVote(store, slot, self.seat, timeout_s) if shard else None
         self.pid = owner or os.getpid()  # the pid the launcher knows this replica by
-        self.quorum = Quorum(store, slot)
+        self.quorum = Quorum(store, slot, key=key)  # its reports sealed with the run's key
         self.timeout = timedelta(seconds=timeout_s)
         self.membership: Membership | None = None
         self.phase = Phase.STARTING
@@ -161,9 +167,10 @@ class LiveRecovery(Steps):
         given = json.loads(text)
         store = run_store(client_store(given["store"]))
         seat = Seat(int(given.get("index", 0)), int(given.get("shard", 1)), given.get("start", 0))
+        key = RunKey.read(Path(given["secret"]))  # [Note: signed requests] in secret.py
         return cls(
             store, int(given["replica"]), joining=bool(given["joining"]),
-            timeout_s=launch.collective_timeout, seat=seat, owner=given.get("owner"),
+            timeout_s=launch.collective_timeout, seat=seat, owner=given.get("owner"), key=key,
         )  # fmt: skip
 
     # -- entering the run -----------------------------------------------------------------
@@ -366,11 +373,12 @@ class LiveRecovery(Steps):
         self.healed_record = None
         if not membership.healed:
             return
-        payload = [snapshot(state) if self.slot == membership.source else None]
+        mine = snapshot(state) if self.slot == membership.source else None
         # By index: rank i of the source to rank i of the healed ([Note: HSDP replicas]).
         group = state.world.group if self.seat.shard == 1 else self.seat.heal_group(state)
         src = self.seat.heal_source(membership)
-        dist.broadcast_object_list(payload, src=src, group=group)
+        # Tensors and JSON, never a pickle ([Note: nothing unpickled] in comm/plain.py).
+        payload = broadcast_plain(mine, src=src, group=group)
         if self.slot in membership.healed:
-            load_snapshot(state, payload[0])
-            self.healed_record = payload[0]["last_record"]
+            load_snapshot(state, payload)
+            self.healed_record = healed_record(payload)

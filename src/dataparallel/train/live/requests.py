@@ -1,9 +1,9 @@
 """Asking a live run's launcher, from outside it, to let a replica join or to let one leave.
 
-    answer = ask(store, Request(kind=JOIN, pid=os.getpid(), host="node7"))   # dataparallel join
-    answer = ask(store, Request(kind=LEAVE, replica=2))                      # dataparallel leave
+    answer = ask(store, Request(kind=JOIN, pid=os.getpid(), host="node7"), key)  # dataparallel join
+    answer = ask(store, Request(kind=LEAVE, replica=2), key)                     # dataparallel leave
 
-    desk = Desk(store)                                  # the launcher, every poll
+    desk = Desk(store, Gate(key), say)                  # the launcher, every poll
     for number, request in desk.pending():
         desk.answer(number, Answer(ok=True, replica=3, message="..."))
 
@@ -12,14 +12,17 @@ in membership.py), so a change of size that starts outside it is a request it an
 joiner gets a fresh slot; a leaver's slot is marked) or no, with the reason, which the asking
 command prints. Under the store's prefix (the keys are named in store.py):
     requests            a counter: a client takes the next number with add(1)...
-    request/<n>         ...then writes its Request (JSON) there;
+    request/<n>         ...then writes its Request (JSON) there, sealed with the run's key
+                        ([Note: signed requests] in secret.py): one that is not authentic
+                        or fresh is answered no and said on one line in the launcher's log;
     answer/<n>          the launcher's Answer (JSON), written once;
     leave/<slot>        set by the launcher when it releases `slot`: the member reports LEAVE
                         at its next regroup, which the launcher asks of its generation;
     beat/<slot>         a joiner's heartbeat, a counter it adds to every HEARTBEAT_S (remote.py);
     signal/<slot>       a signal number the launcher asks a joiner to raise in itself;
     bye/<slot>          a joiner's exit status, written as it ends;
-    run                 the resolved run (the workers' DATAPARALLEL_RUN), which a joiner trains.
+    run                 the resolved run (the workers' DATAPARALLEL_RUN), which a joiner trains,
+                        sealed by the launcher (a joiner refuses one that does not verify).
 A joiner is not the launcher's child: the launcher cannot wait for it or signal it, and its pid
 may be on another machine. Its heartbeat tells the launcher that it lives, `signal/<slot>`
 carries the launcher's SIGTERM or SIGKILL to it, and `bye/<slot>` its exit status back
@@ -31,11 +34,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
 from .membership import JOIN, LEAVE
+from .secret import Gate, Refused, RunKey
 from .store import COUNTER, answer_key, request_key
 
 
@@ -88,11 +93,17 @@ class Answer:
 
 
 def ask(
-    store: dist.Store, request: Request, timeout_s: float = 60.0, poll_s: float = 0.05
+    store: dist.Store,
+    request: Request,
+    key: RunKey | None = None,
+    timeout_s: float = 60.0,
+    poll_s: float = 0.05,
 ) -> Answer:
-    """Send `request` to the launcher and wait for its answer (TimeoutError after `timeout_s`)."""
+    """Send `request`, sealed with the run's `key` (None: unsealed, which a launcher refuses),
+    to the launcher and wait for its answer (TimeoutError after `timeout_s`)."""
     number = store.add(COUNTER, 1)
-    store.set(request_key(number), request.to_json())
+    text = request.to_json()
+    store.set(request_key(number), key.seal(text) if key is not None else text)
     key, deadline = answer_key(number), time.monotonic() + timeout_s
     while not store.check([key]):
         if time.monotonic() > deadline:
@@ -105,10 +116,18 @@ class Desk:
     """The launcher's side: the requests not answered yet, in the order they were numbered.
 
     store: the store the launcher hosts (under the run's prefix).
+    gate: what lets a request in ([Note: signed requests] in secret.py); None lets in any (the
+        quorum's unit tests only: a launcher always has one).
+    say: called with one line for each request refused (the launcher's log).
     """
 
-    def __init__(self, store: dist.Store):
-        self.store = store
+    def __init__(
+        self,
+        store: dist.Store,
+        gate: Gate | None = None,
+        say: Callable[[str], None] = print,
+    ):
+        self.store, self.gate, self.say = store, gate, say
         self.counted = 0  # numbers taken so far
         self.unread: list[int] = []  # taken, but no request written yet
 
@@ -121,8 +140,15 @@ class Desk:
         self.unread = [n for n in self.unread if n not in found]
         requests = []
         for n in found:  # anything that can reach the store can write here: never trust it
+            text = self.store.get(request_key(n))
             try:
-                requests.append((n, Request.from_json(self.store.get(request_key(n)))))
+                body = self.gate.open(text) if self.gate is not None else text
+            except Refused as refused:
+                self.say(f"request {n} refused: {refused}; the run goes on")
+                self.answer(n, Answer(ok=False, message=f"not authenticated ({refused.reason})"))
+                continue
+            try:
+                requests.append((n, Request.from_json(body)))
             except (ValueError, TypeError, KeyError) as error:
                 self.answer(n, Answer(ok=False, message=f"malformed request: {error}"))
         return requests

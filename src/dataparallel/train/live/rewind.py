@@ -35,12 +35,14 @@ memory per replica, taken every boundary.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import dataparallel as dp
 
 from ...compression import CompressedHook
 from ...compression.live import StepCopy, load_shared_state, shared_state
+from ..ledger import StepRecord
 from ..state import TrainState
 
 
@@ -164,11 +166,17 @@ def snapshot(state: TrainState) -> dict:
         # so that a replacement's elapsed_s goes on from it (it may write the records: [Note:
         # the writer role] in writer.py).
         "ledger": ledger.state_dict(),
-        "last_record": last,
+        "last_record": dataclasses.asdict(last) if last is not None else None,
         # What every rank's compressor holds equal, not this rank's own residuals ([Note:
         # compression across replicas] in compression/live.py).
         "compression": shared_state(hook) if hook is not None else None,
     }
+
+
+def healed_record(payload: dict) -> StepRecord | None:
+    """The source's record of the step it had finished, if it had (a heal mid-step)."""
+    last = payload["last_record"]
+    return StepRecord(**last) if last is not None else None
 
 
 def load_snapshot(state: TrainState, payload: dict) -> None:

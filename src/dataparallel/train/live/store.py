@@ -5,7 +5,7 @@
     store = run_store(client_store(address))            # any process: the run's keys
     store.set(report_key(generation, slot), ...)
 
-The launcher hosts the store (`host_store`); the workers it starts find it in ENV_LIVE, a process
+The launcher hosts the store (`HostedStore`, bound to the run's address only); the workers it starts find it in ENV_LIVE, a process
 started outside it (`dataparallel join`, `leave`) in RUN_DIR/live.json. Every key of a run
 stands under STORE_PREFIX, and is named here, by the note that says who writes and reads it:
     [Note: quorum keys] in quorum.py            latest, gen/<g>/report|decision|regroup|arrived|pg
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,7 +26,8 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 
-ENV_LIVE = "DATAPARALLEL_LIVE"  # {"store": "host:port", "replica": slot, "joining": bool}
+# {"store": "host:port", "replica": slot, "joining": bool, "secret": the secret's file}
+ENV_LIVE = "DATAPARALLEL_LIVE"
 RUN_FILE = "live.json"  # in the run directory while its live launcher runs
 STORE_PREFIX = "dataparallel/live"  # a live run's keys, under its launcher's store
 
@@ -64,18 +66,46 @@ def run_store(store: dist.Store) -> dist.PrefixStore:
     return dist.PrefixStore(STORE_PREFIX, store)
 
 
-def host_store(port: int, timeout_s: float = 60.0) -> dist.TCPStore:
-    """The store a live run's launcher hosts on `port` (it listens on every interface; the
-    launcher's own connection goes through 127.0.0.1)."""
-    return dist.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-    )  # fmt: skip
+class HostedStore:
+    """The store a live run's launcher hosts, listening on the run's address only.
+
+    host: the address the run names (--store-host; 127.0.0.1 when the run is on one machine).
+    port: the port (0: a free one, chosen by the system).
+    timeout_s: how long a call on the store waits.
+
+    TCPStore takes no address to bind to and listens on every interface; a socket bound here
+    to `host`, already listening, is handed to it as `master_listen_fd` (docs/security.md).
+    `address` is "host:port", where the workers and `dataparallel join` reach it.
+    """
+
+    def __init__(self, host: str, port: int = 0, timeout_s: float = 60.0):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.listener = socket.socket(family, socket.SOCK_STREAM)  # kept open while it serves
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.listener.bind((host, port))
+        except OSError as error:
+            self.listener.close()
+            raise ConfigError(
+                "--store-host",
+                f"cannot listen on {host}:{port} ({error.strerror})",
+                "give an address of this machine (or leave it out for 127.0.0.1)",
+            ) from None
+        self.listener.listen(512)
+        self.port = self.listener.getsockname()[1]
+        self.address = (
+            f"[{host}]:{self.port}" if family == socket.AF_INET6 else f"{host}:{self.port}"
+        )
+        self.store = dist.TCPStore(
+            host, self.port, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s), master_listen_fd=self.listener.fileno(),
+        )  # fmt: skip
 
 
 def client_store(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
     """A worker's connection to the launcher's store at "host:port"."""
     host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # an IPv6 address
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
