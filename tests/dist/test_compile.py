@@ -109,6 +109,7 @@ MIXED = [(s, "after", "bf16", None) for s in ("ddp", "zero1", "zero2", "zero3")]
 
 def test_compile_every_strategy_matches_one_process():
     results = run_world(2, _grid, FP32, timeout=600)[0]
+    assert len(results) == 4 * 3, results  # 4 strategies x 3 placements of compile
     for case, (diff, breaks, graphs) in zip(FP32, results, strict=True):
         assert diff < 1e-4, (case, diff)
         assert graphs >= 1, (case, graphs)  # it did compile
@@ -119,11 +120,13 @@ def test_compile_every_strategy_matches_one_process():
 
 def test_compile_under_mixed_precision_and_a_mesh():
     results = run_world(2, _grid, MIXED, timeout=600)[0]
+    assert len(results) == 4, results
     for case, (diff, _, graphs) in zip(MIXED, results, strict=True):
         assert diff < BF16_BOUND, (case, diff)
         assert graphs >= 1
     mesh = [("zero3", "after", "fp32", 2), ("zero2", "block", "fp32", 2)]
     results = run_world(4, _grid, mesh, timeout=600)[0]
+    assert len(results) == 2, results
     for case, (diff, _, _) in zip(mesh, results, strict=True):
         assert diff < 1e-4, (case, diff)
 

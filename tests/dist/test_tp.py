@@ -197,6 +197,8 @@ def test_every_strategy_over_tensor_parallel_matches_one_process_and_fsdp2():
     for key, value in results[0].items():
         print(key, f"{value:.2e}")
     for rank_results in results:
+        # per model: the reference's movement, FSDP2's diff, then 6 numbers per strategy
+        assert len(rank_results) == 2 * (2 + 4 * 6), list(rank_results)
         for (name, strategy, against), value in rank_results.items():
             if against == "moved":
                 assert value > 1e-3, name  # the steps moved the parameters
@@ -256,6 +258,7 @@ def test_mesh_takes_a_device_mesh_and_init_mesh_alike():
         error = rank_results.pop("error")
         assert "pass its data-parallel part" in error and "('dp', 'tp')" in error
         assert "shares ranks" in rank_results.pop("overlap")
+        assert len(rank_results) == 2 * (3 + 2), list(rank_results)  # 2 strategies x 5 forms
         for key, value in rank_results.items():
             assert value == 0.0, key  # the same groups: bit for bit
 
@@ -282,6 +285,7 @@ def test_replicate_shard_and_tensor_parallel_on_eight_ranks():
     results = run_world(8, three_dimensions, timeout=300)
     print(results[0])
     for rank_results in results:
+        assert list(rank_results) == ["zero2", "zero3"], rank_results
         for strategy, value in rank_results.items():
             assert value <= 2e-5, (strategy, value)
 
@@ -382,6 +386,7 @@ def test_blocks_compiled_over_tensor_parallel():
     results = run_world(4, compiled_blocks, timeout=400)
     print(results[0])
     for rank_results in results:
+        assert list(rank_results) == ["zero3"], rank_results
         for strategy, value in rank_results.items():
             assert value <= 1e-4, (strategy, value)
 
@@ -417,6 +422,7 @@ def test_bf16_parameters_over_tensor_parallel_match_fsdp2():
     results = run_world(4, low_precision, timeout=300)
     print(results[0])
     for rank_results in results:
+        assert list(rank_results) == ["zero2", "zero3"], rank_results
         for strategy, value in rank_results.items():
             assert value <= 0.02, (strategy, value)  # 2% of the movement, as docs/core.md
 
