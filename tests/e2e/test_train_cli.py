@@ -34,7 +34,7 @@ from dataparallel.data.corpus import TokenWindows, evenly_spaced, load_corpus
 from dataparallel.models import build_model
 from dataparallel.strategies import POLICIES
 
-from .make_reference_curve import CORPUS, REFERENCE, REFERENCE_ARGS, curve, train
+from .helpers import CORPUS, REFERENCE, REFERENCE_ARGS, curve, train
 
 
 def _override(args: list[str], **changes: str) -> list[str]:
