@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -20,24 +19,23 @@ from safetensors.torch import load_file
 from dataparallel.cli import main
 from dataparallel.train.metrics import read_metrics
 
-from .helpers import CORPUS, GENERATION, LIVE_ARGS, LIVE_STEPS, numbers, ok, train_steps
+from .helpers import (
+    CORPUS,
+    GENERATION,
+    LIVE_ARGS,
+    LIVE_STEPS,
+    numbers,
+    ok,
+    ranks_per_step,
+    train_steps,
+    wait_for,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from workers import live_ranks  # noqa: E402
 
 HSDP = ["--nproc", "4", "--shard-group", "2", "--strategy", "zero2", "--batch", "3"]
-
-
-def _ranks_per_step(run: Path) -> list[int]:
-    return [len(r["rank_step_s"]) for r in read_metrics(run) if r["kind"] == "train"]
-
-
-def _wait(condition, launcher: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + 180
-    while not condition():
-        assert launcher.poll() is None, f"the run ended before {what}"
-        assert time.monotonic() < deadline, f"no {what} within 180 s"
-        time.sleep(0.02)
+WAIT_S = 180  # for each stage of the run
 
 
 def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path, live_reference):
@@ -49,7 +47,7 @@ def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path
         [*live, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        _wait(lambda: any(s >= 3 for s in train_steps(out)), launcher, "step 3")
+        wait_for(lambda: any(s >= 3 for s in train_steps(out)), launcher, "step 3", WAIT_S)
         before = live_ranks(launcher.pid)
         os.kill(before[1, 1], signal.SIGKILL)  # one rank of replica 1
 
@@ -57,12 +55,14 @@ def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path
             now = live_ranks(launcher.pid)
             return all(now.get((1, i), before[1, i]) != before[1, i] for i in (0, 1))
 
-        _wait(replaced, launcher, "replica 1's replacement")  # its sibling killed with it
+        # its sibling killed with it
+        wait_for(replaced, launcher, "replica 1's replacement", WAIT_S)
         started = train_steps(out)[-1]
-        _wait(
-            lambda: train_steps(out)[-1] > started + 2 and _ranks_per_step(out)[-1] == 4,
+        wait_for(
+            lambda: train_steps(out)[-1] > started + 2 and ranks_per_step(out)[-1] == 4,
             launcher,
             "steps with the new replica",
+            WAIT_S,
         )
         after = live_ranks(launcher.pid)
         assert main(["leave", str(out), "--replica", "0"]) == 0  # the writer's replica leaves
@@ -82,7 +82,7 @@ def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path
     assert numbers(members) == [0, 1] and numbers(healed) == [1], stderr
     assert numbers(generations[-1][1]) == [1], stderr  # replica 0 left: the new one goes on
     assert "worker 0 left with status 0; not replaced" in stderr
-    sizes = _ranks_per_step(out)  # 4 ranks (maybe replica 0's 2), 4 again, replica 1's 2
+    sizes = ranks_per_step(out)  # 4 ranks (maybe replica 0's 2), 4 again, replica 1's 2
     assert sizes[0] == 4 and 4 in sizes[1:] and sizes[-1] == 2 and set(sizes) <= {2, 4}, sizes
     assert train_steps(out) == list(range(1, LIVE_STEPS + 1))  # every step once
     vals = [r["step"] for r in read_metrics(out) if r["kind"] == "val"]
