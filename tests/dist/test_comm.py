@@ -92,6 +92,7 @@ def test_pairwise_collectives_equal_gloo_s(worlds, world_size):
     per_rank = [[case["largest_term"] for case in out["diffs"]] for out in worlds[world_size]]
     largest = [max(terms) for terms in zip(*per_rank, strict=True)]
     for out in worlds[world_size]:
+        assert len(out["diffs"]) == 3 * len(SIZES), out["diffs"]  # 3 dtypes x the sizes
         for case, term in zip(out["diffs"], largest, strict=True):
             # Sums of two are exact. Three terms may round differently in another order: two
             # roundings, each at most half a unit in the last place of a partial sum.

@@ -99,6 +99,7 @@ def _grid(world, strategies, mesh_shard):
 def test_compressors_on_replicated_and_sharded_gradients():
     results = run_world(2, _grid, ["ddp", "zero2", "zero3"], 0, timeout=300)
     grid = results[0]
+    assert len(grid) == 3 * (2 + 5), list(grid)  # 3 strategies x (exact, topk1, 5 hooks)
     for strategy in ["ddp", "zero2", "zero3"]:
         exact_loss, exact_bytes, _, _ = grid[(strategy, "exact")]
         assert grid[(strategy, "topk1")][2] < 1e-6, strategy  # ratio 1 == uncompressed

@@ -78,6 +78,7 @@ def parity_grid(world):
 def test_ddp_equals_single_process_on_global_batch(world_size):
     results = run_world(world_size, parity_grid)
     for rank_result in results:
+        assert len(rank_result) == 5 * 2 + 3, rank_result  # 5 models x 2 optimizers, 3 more
         for case, diff in rank_result.items():
             assert diff < TOL, f"{case}: max |ddp - reference| = {diff:.3g}"
 
@@ -105,6 +106,7 @@ def against_torch_ddp(world):
 
 def test_parity_with_torch_ddp():
     for rank_result in run_world(2, against_torch_ddp):
+        assert len(rank_result) == 3 * 2, rank_result  # 3 models x 2 optimizers
         for case, diff in rank_result.items():
             assert diff < TOL, f"{case}: max |ours - torch DDP| = {diff:.3g}"
 

@@ -127,6 +127,7 @@ def llama(tmp_path_factory):
 def test_a_llama_from_its_directory_matches_one_process_under_every_strategy(llama):
     results = run_world(2, _world, llama, None)
     for rank, out in enumerate(results):
+        assert list(out) == STRATEGIES, list(out)
         for strategy, r in out.items():
             assert r["names"] == [], (strategy, r["names"])
             assert r["diff"] < 2e-5, (rank, strategy, r["diff"])
@@ -146,6 +147,7 @@ def test_lora_trains_only_the_adapters_under_every_strategy(llama):
     results = run_world(2, _world, llama, LORA)
     base_names = sorted(load_file(llama / "model.safetensors"))
     for rank, out in enumerate(results):
+        assert list(out) == STRATEGIES, list(out)
         for strategy, r in out.items():
             assert r["names"] == [], (strategy, r["names"])
             assert r["diff"] < 2e-5, (rank, strategy, r["diff"])

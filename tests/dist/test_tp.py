@@ -9,6 +9,7 @@ tensor-parallel model.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -192,11 +193,13 @@ def grid(world) -> dict:
     return out
 
 
-def test_every_strategy_over_tensor_parallel_matches_one_process_and_fsdp2():
-    results = run_world(4, grid, timeout=300)
+def test_every_strategy_over_tensor_parallel_matches_one_process_and_fsdp2(four_ranks):
+    results = [r["grid"] for r in four_ranks]
     for key, value in results[0].items():
         print(key, f"{value:.2e}")
     for rank_results in results:
+        # per model: the reference's movement, FSDP2's diff, then 6 numbers per strategy
+        assert len(rank_results) == 2 * (2 + 4 * 6), list(rank_results)
         for (name, strategy, against), value in rank_results.items():
             if against == "moved":
                 assert value > 1e-3, name  # the steps moved the parameters
@@ -250,12 +253,13 @@ def mesh_forms(world) -> dict:
     return out
 
 
-def test_mesh_takes_a_device_mesh_and_init_mesh_alike():
-    results = run_world(4, mesh_forms, timeout=300)
+def test_mesh_takes_a_device_mesh_and_init_mesh_alike(four_ranks):
+    results = [dict(r["mesh forms"]) for r in four_ranks]
     for rank_results in results:
         error = rank_results.pop("error")
         assert "pass its data-parallel part" in error and "('dp', 'tp')" in error
         assert "shares ranks" in rank_results.pop("overlap")
+        assert len(rank_results) == 2 * (3 + 2), list(rank_results)  # 2 strategies x 5 forms
         for key, value in rank_results.items():
             assert value == 0.0, key  # the same groups: bit for bit
 
@@ -282,6 +286,7 @@ def test_replicate_shard_and_tensor_parallel_on_eight_ranks():
     results = run_world(8, three_dimensions, timeout=300)
     print(results[0])
     for rank_results in results:
+        assert list(rank_results) == ["zero2", "zero3"], rank_results
         for strategy, value in rank_results.items():
             assert value <= 2e-5, (strategy, value)
 
@@ -350,8 +355,8 @@ def resharded(world, root: str) -> dict:
     return out
 
 
-def test_checkpoints_move_across_dp_and_tp_sizes(tmp_path):
-    results = run_world(4, resharded, str(tmp_path), timeout=300)
+def test_checkpoints_move_across_dp_and_tp_sizes(four_ranks):
+    results = [r["resharded"] for r in four_ranks]
     print(results[0])
     for rank_results in results:
         assert len(rank_results) == 10
@@ -378,10 +383,11 @@ def compiled_blocks(world) -> dict:
     return out
 
 
-def test_blocks_compiled_over_tensor_parallel():
-    results = run_world(4, compiled_blocks, timeout=400)
+def test_blocks_compiled_over_tensor_parallel(four_ranks):
+    results = [r["compiled"] for r in four_ranks]
     print(results[0])
     for rank_results in results:
+        assert list(rank_results) == ["zero3"], rank_results
         for strategy, value in rank_results.items():
             assert value <= 1e-4, (strategy, value)
 
@@ -413,10 +419,11 @@ def low_precision(world) -> dict:
     return out
 
 
-def test_bf16_parameters_over_tensor_parallel_match_fsdp2():
-    results = run_world(4, low_precision, timeout=300)
+def test_bf16_parameters_over_tensor_parallel_match_fsdp2(four_ranks):
+    results = [r["low precision"] for r in four_ranks]
     print(results[0])
     for rank_results in results:
+        assert list(rank_results) == ["zero2", "zero3"], rank_results
         for strategy, value in rank_results.items():
             assert value <= 0.02, (strategy, value)  # 2% of the movement, as docs/core.md
 
@@ -465,14 +472,33 @@ def _hooks_and_averagers(world) -> dict:
     return out
 
 
-def test_compression_and_averagers_work_on_the_data_parallel_dimension():
+def test_compression_and_averagers_work_on_the_data_parallel_dimension(four_ranks):
     """int8 gradients over dp only (close to exact, fewer bytes on the wire); local SGD after
     every step with plain SGD inside equals DDP (the exactness anchor of averaging/local_sgd.py) over
     tensor parallelism; Streaming DiLoCo over it trains."""
-    for r in run_world(4, _hooks_and_averagers, timeout=300):
+    for r in [r["hooks"] for r in four_ranks]:
         assert r["int8 vs exact"] < 0.02, r
         # fewer bytes on the wire (2x here: on this tiny model int8's 1024-entry blocks are
         # mostly padding; tests/dist/test_wire.py measures the 4x of a larger one)
         assert 1.8 < r["int8 wire"] < 4.1, r
         assert r["local sgd vs ddp"] < 1e-6, r
         assert r["streaming moved"] > 1e-3, r
+
+
+def _four_ranks(world, root: str) -> dict:
+    """Every dp 2 x tp 2 case in one spawned world: one start-up instead of six (the compiled
+    blocks last: they raise dynamo's cache limit for the process)."""
+    return {
+        "grid": grid(world),
+        "mesh forms": mesh_forms(world),
+        "resharded": resharded(world, root),
+        "low precision": low_precision(world),
+        "hooks": _hooks_and_averagers(world),
+        "compiled": compiled_blocks(world),
+    }
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("tp_checkpoints")
+    return run_world(4, _four_ranks, str(root), timeout=900)

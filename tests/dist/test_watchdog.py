@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -125,3 +126,24 @@ def test_a_late_rank_is_named_while_it_is_still_late():
     # at the timeout, 1.0 s, + up to one 0.1 s tick (+ slack for a loaded machine)
     assert 1.0 <= rank0["fired_after"] <= 1.4, line
     assert rank0["waited"] >= 2.5  # and the collective then completed: nothing was killed
+
+
+def test_init_checks_the_timeout_and_still_sets_the_threads():
+    import dataparallel as dp
+
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(ValueError, match=r"collective_timeout=-1 must be >= 0 \(0: off\)"):
+            dp.init(collective_timeout=-1)
+        world = dp.init(threads=2, collective_timeout=5, check_collectives=True)
+        assert torch.get_num_threads() == 2
+        assert world.world_size == 1  # alone: no watchdog to start, nothing to check against
+        from dataparallel import runtime
+        from dataparallel.comm.progress import PROGRESS
+
+        assert runtime._watchdog is None and PROGRESS.check
+        dp.destroy()
+        assert not PROGRESS.check and PROGRESS.launched == {}
+    finally:
+        torch.set_num_threads(before)
+        dp.destroy()

@@ -470,18 +470,22 @@ def worlds() -> dict[int, list[dict]]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_each_stage_equals_ddp_and_single_process(worlds, world_size):
     for rank_result in worlds[world_size]:
-        for case, diffs in rank_result["parity"].items():
-            if not isinstance(case, tuple):
-                continue  # not a parity case
+        cases = {k: v for k, v in rank_result["parity"].items() if isinstance(k, tuple)}
+        assert len(cases) == 4 * 2 + 1, list(cases)  # 4 models x 2 optimizers, the trainer's
+        checked = 0
+        for case, diffs in cases.items():
             if case[0] in ("tied", "odd") or len(case) == 3:
                 assert {"zero1-ov", "zero2-ov"} <= set(diffs), (case, list(diffs))
             zero = [k for k in ZERO if k in diffs]
+            checked += len(zero)
             for key in zero:
                 assert diffs[key]["reference"] < TOL, (case, key, diffs[key])
                 assert diffs[key]["ddp"] < TOL, (case, key, diffs[key])
                 assert diffs[key].get("norm", 0) < 1e-5, (case, key, diffs[key])
                 assert diffs[key].get("smallest_norm", 1) > 0.05, "clipping must bite"
             assert diffs["ddp"]["reference"] < TOL, (case, diffs["ddp"])
+        # ZeRO variants per model: transformer 2, tied 4, odd 6, branchy 4; the trainer's 6
+        assert checked == (2 + 4 + 6 + 4) * 2 + 6, checked
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -502,6 +506,7 @@ def test_adam_skips_a_parameter_no_rank_used_as_one_process_does(worlds, world_s
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_memory_is_within_5_percent_of_theory(worlds, world_size):
     for rank_result in worlds[world_size]:
+        assert len(rank_result["memory"]) == 5, list(rank_result["memory"])
         for key, case in rank_result["memory"].items():
             measured, theory = case["measured"], case["theory"]
             for part, expected in theory.items():
@@ -512,6 +517,7 @@ def test_memory_is_within_5_percent_of_theory(worlds, world_size):
 
 def test_checkpoints_move_between_strategies_and_world_sizes(worlds):
     for rank_result in worlds[2]:
+        assert len(rank_result["checkpoints"]) == 3, rank_result["checkpoints"]
         for case, diff in rank_result["checkpoints"].items():
             assert diff < TOL, (case, diff)
 
@@ -534,6 +540,7 @@ def test_mixed_precision_keeps_fp32_masters(worlds):
 
 def test_zero1_equals_torch_zero_redundancy_optimizer(worlds):
     for rank_result in worlds[2]:
+        assert len(rank_result["torch_zero"]) == 2 * 2, rank_result["torch_zero"]
         for case, diff in rank_result["torch_zero"].items():
             assert diff < TOL, (case, diff)
 

@@ -12,51 +12,15 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).parent
-CORPUS = HERE / "data" / "corpus"
-REFERENCE = HERE / "data" / "reference_curve.json"
-# Small enough to run in seconds on 2 cores, large enough to exercise accumulation, clipping,
-# warm-up, periodic validation over a set that does not divide by 2 (7 windows) and checkpoints.
-REFERENCE_ARGS = [
-    "--nproc", "2",
-    "--threads", "1",
-    "--model", "gpt-tiny",
-    "--block-size", "32",
-    "--batch", "4",
-    "--accum", "2",
-    "--steps", "12",
-    "--lr", "3e-3",
-    "--warmup-steps", "3",
-    "--val-fraction", "0.1",
-    "--eval-every", "6",
-    "--eval-windows", "7",
-    "--checkpoint-every", "6",
-    "--seed", "1",
-]  # fmt: skip
-
-
-def train(args: list[str], out: Path, *, data: Path = CORPUS) -> subprocess.CompletedProcess:
-    """Run `dataparallel train` in a subprocess (as a user would) and return the result."""
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(data)]
-    command += [*args, "--out", str(out)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
-
-
-def curve(run_dir: Path) -> dict:
-    """The train and validation losses of a run, by step."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    return {
-        "train_loss": {r["step"]: r["loss"] for r in records if r["kind"] == "train"},
-        "val_loss": {r["step"]: r["val_loss"] for r in records if r["kind"] == "val"},
-    }
+# Run as a script, its folder is on sys.path: the corpus, the arguments and the runner are the
+# tests' own (helpers.py).
+from helpers import REFERENCE, REFERENCE_ARGS, curve, train
 
 
 def main() -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -17,43 +16,27 @@ from safetensors.torch import load_file
 from dataparallel.cli import main
 from dataparallel.train.metrics import read_metrics
 
-from .make_reference_curve import CORPUS
-from .test_live_recovery import ARGS, GENERATION, STEPS, _numbers, _ok, _train_steps
+from .helpers import (
+    CORPUS,
+    GENERATION,
+    LIVE_ARGS,
+    LIVE_STEPS,
+    WARM_JOINER,
+    numbers,
+    ok,
+    ranks_per_step,
+    train_steps,
+    wait_for,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from workers import live_workers  # noqa: E402
-
-# A joiner with torch already imported that asks to join once `go` exists: the test decides
-# when it joins, not the time this machine takes to import torch.
-WARM_JOINER = """
-import pathlib, sys, time
-from dataparallel.cli import main
-from dataparallel.train.metrics import read_metrics
-go = pathlib.Path(sys.argv[1])
-while not go.exists():
-    time.sleep(0.01)
-sys.exit(main(["join", sys.argv[2]]))
-"""
-
-
-def _sizes(run: Path) -> list[int]:
-    """The number of ranks of every step in metrics.jsonl so far, in order (a line being
-    written is not read)."""
-    return [len(r["rank_step_s"]) for r in read_metrics(run) if r["kind"] == "train"]
-
-
-def _wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert process.poll() is None, f"the launcher ended (status {process.returncode}) {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(0.02)
 
 
 def test_a_replica_joins_and_another_leaves_while_the_run_goes_on(tmp_path, capsys, live_reference):
     reference = live_reference  # uninterrupted, one rank (conftest.py)
     out, go = tmp_path / "live", tmp_path / "go"
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *ARGS]
+    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *LIVE_ARGS]
     command += ["--nproc", "2", "--batch", "6", "--min-replicas", "2", "--max-replicas", "3"]
     command += ["--recovery", "live", "--collective-timeout", "10", "--out", str(out)]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -64,13 +47,15 @@ def test_a_replica_joins_and_another_leaves_while_the_run_goes_on(tmp_path, caps
         text=True,
     )
     try:
-        _wait_for(lambda: any(s >= 3 for s in _train_steps(out)), launcher, "step 3")
+        wait_for(lambda: any(s >= 3 for s in train_steps(out)), launcher, "step 3")
         first = live_workers(launcher.pid)
         go.touch()  # the third replica asks to join
-        _wait_for(lambda: 3 in _sizes(out), launcher, "step with 3 ranks")
+        wait_for(lambda: 3 in ranks_per_step(out), launcher, "step with 3 ranks")
         assert main(["join", str(out)]) == 1  # a fourth is refused: --max-replicas 3
         assert main(["leave", str(out), "--replica", "0"]) == 0  # the writer
-        _wait_for(lambda: _sizes(out)[-1] == 2, launcher, "step with 2 ranks after the leave")
+        wait_for(
+            lambda: ranks_per_step(out)[-1] == 2, launcher, "step with 2 ranks after the leave"
+        )
         assert main(["leave", str(out), "--replica", "2"]) == 1  # --min-replicas 2
         stdout, stderr = launcher.communicate(timeout=240)
         joined_out, joined_err = joiner.communicate(timeout=60)
@@ -78,7 +63,7 @@ def test_a_replica_joins_and_another_leaves_while_the_run_goes_on(tmp_path, caps
         for process in (launcher, joiner):
             if process.poll() is None:
                 process.kill()
-    _ok(subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr))
+    ok(subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr))
     assert joiner.returncode == 0, joined_err
     said = capsys.readouterr()
     assert (
@@ -93,16 +78,16 @@ def test_a_replica_joins_and_another_leaves_while_the_run_goes_on(tmp_path, caps
     assert "worker 0 left with status 0; not replaced" in stderr
     # The sizes 2 -> 3 -> 2, the same processes throughout: the two started, then the joiner.
     generations = [m.groups() for m in GENERATION.finditer(stderr)]
-    members = [_numbers(g[1]) for g in generations]
+    members = [numbers(g[1]) for g in generations]
     assert members == [[0, 1], [0, 1, 2], [1, 2]], stderr
-    pids = {s: p for g in generations for s, p in zip(_numbers(g[1]), _numbers(g[2]), strict=True)}
+    pids = {s: p for g in generations for s, p in zip(numbers(g[1]), numbers(g[2]), strict=True)}
     assert pids == {**first, 2: joiner.pid}
     joined_at, left_at = int(generations[1][3]), int(generations[2][3])
     assert generations[1][4] == "2" and generations[2][4] is None  # the joiner healed, nobody else
-    assert 3 <= joined_at < left_at < STEPS
-    sizes = _sizes(out)  # by step: 2 ranks, then 3 from the join, then 2 from the leave
-    assert sizes == [2] * joined_at + [3] * (left_at - joined_at) + [2] * (STEPS - left_at)
-    assert _train_steps(out) == list(range(1, STEPS + 1))  # every step once
+    assert 3 <= joined_at < left_at < LIVE_STEPS
+    sizes = ranks_per_step(out)  # by step: 2 ranks, then 3 from the join, then 2 from the leave
+    assert sizes == [2] * joined_at + [3] * (left_at - joined_at) + [2] * (LIVE_STEPS - left_at)
+    assert train_steps(out) == list(range(1, LIVE_STEPS + 1))  # every step once
     # The writer (slot 0) left: slot 1 took its role at the next record ([Note: the writer
     # role]): the evaluations are all there, and one report was printed, by slot 1.
     vals = [r["step"] for r in read_metrics(out) if r["kind"] == "val"]
@@ -117,7 +102,7 @@ def test_a_replica_joins_and_another_leaves_while_the_run_goes_on(tmp_path, caps
     # What a change costs the members: the time from the step before it to the step after it.
     records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
     ends = {r["step"]: r["elapsed_s"] for r in records if r["kind"] == "train"}
-    gaps = sorted(ends[s + 1] - ends[s] for s in range(1, STEPS))
+    gaps = sorted(ends[s + 1] - ends[s] for s in range(1, LIVE_STEPS))
     print(
         f"max |elastic - uninterrupted| = {difference:.2e}; joined at {joined_at} "
         f"({ends[joined_at + 1] - ends[joined_at]:.2f} s), left at {left_at} "

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from dataparallel.checkpoint import read_weights_metadata
 from dataparallel.cli import main
 
-from .make_reference_curve import train
+from .helpers import train
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # the tests never reach the network
 ARGS = [

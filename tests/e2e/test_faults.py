@@ -20,16 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .make_reference_curve import CORPUS, REFERENCE_ARGS, train
+from .helpers import CORPUS, REFERENCE_ARGS, ok, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import kill_trials  # noqa: E402
 
 ARGS = [a for a in REFERENCE_ARGS]  # 2 workers, gpt-tiny, 12 steps, a checkpoint every 6
-
-
-def _ok(result):
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 
 
 def _resume(run_dir: Path, *flags: str):
@@ -41,7 +37,7 @@ def _resume(run_dir: Path, *flags: str):
 def whole(tmp_path_factory) -> Path:
     """The uninterrupted run."""
     out = tmp_path_factory.mktemp("whole") / "run"
-    _ok(train(ARGS, out))
+    ok(train(ARGS, out))
     return out
 
 
@@ -49,7 +45,7 @@ def whole(tmp_path_factory) -> Path:
 def stopped(tmp_path_factory) -> Path:
     """The same run under ZeRO-2, stopped at step 6 (its checkpoint), to resume from."""
     out = tmp_path_factory.mktemp("stopped") / "run"
-    _ok(train([*ARGS, "--strategy", "zero2", "--stop-after", "6"], out))
+    ok(train([*ARGS, "--strategy", "zero2", "--stop-after", "6"], out))
     return out
 
 
@@ -66,7 +62,7 @@ def _weights(run: Path) -> dict:
 def test_a_resume_on_one_rank_under_ddp_keeps_every_sample(whole, stopped, tmp_path):
     run = _copy(stopped, tmp_path)
     result = _resume(run, "--nproc", "1", "--strategy", "ddp")
-    _ok(result)
+    ok(result)
     # The global batch of 2 x 4 x 2 = 16 windows is kept: accum 2 -> 4 on one rank.
     assert "1 ranks x" in result.stdout and "global batch 16 windows" in result.stdout
     latest = run / "checkpoint" / (run / "checkpoint" / "latest").read_text().strip()
@@ -125,7 +121,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_resumes(stopped, tmp
     assert "no earlier checkpoint is left" in message  # the run stopped at its first
     # A run with two checkpoints: damage the newest, resume from the one before.
     run2 = tmp_path / "run2"
-    _ok(train([*ARGS, "--checkpoint-every", "3", "--stop-after", "6"], run2))
+    ok(train([*ARGS, "--checkpoint-every", "3", "--stop-after", "6"], run2))
     data = run2 / "checkpoint" / "step-000006" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 1
@@ -133,7 +129,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_resumes(stopped, tmp
     message = _error(_resume(run2))
     assert "__0_0.distcp is corrupted" in message
     assert f"--resume {run2 / 'checkpoint' / 'step-000003'}" in message
-    _ok(_resume(run2 / "checkpoint" / "step-000003"))
+    ok(_resume(run2 / "checkpoint" / "step-000003"))
     assert json.loads((run2 / "run.json").read_text())["resumed_at"][0]["step"] == 3
 
 
@@ -173,7 +169,7 @@ def test_a_resume_on_three_ranks_shares_the_global_batch_unevenly(whole, stopped
     the weights those of the uninterrupted run up to summation order ([Note: uneven batches])."""
     run = _copy(stopped, tmp_path)
     result = _resume(run, "--nproc", "3", "--strategy", "zero3")
-    _ok(result)
+    ok(result)
     assert "global batch 16 = 6,5,5 windows per rank in 2 micro-steps (uneven)" in result.stdout
     latest = run / "checkpoint" / (run / "checkpoint" / "latest").read_text().strip()
     state = json.loads((latest / "train_state.json").read_text())

@@ -26,6 +26,8 @@ from torch.nn import functional as F
 from dataparallel.cli import main
 from dataparallel.models import build_model
 
+from .helpers import CORPUS
+
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from hf_fixtures import make_tiny_llama  # noqa: E402
 
@@ -36,7 +38,6 @@ PROMPTS = [
     "    return",
     "# The quick brown fox jumps over the lazy dog, and then",
 ]
-CORPUS = Path(__file__).parent / "data" / "corpus"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from .make_reference_curve import CORPUS
+from .helpers import CORPUS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from workers import workers_by_rank  # noqa: E402

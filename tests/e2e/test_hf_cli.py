@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from dataparallel.cli import main
 
-from .make_reference_curve import CORPUS, curve, train
+from .helpers import CORPUS, curve, train
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # the tests never reach the network
 ARGS = [

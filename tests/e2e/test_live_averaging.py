@@ -23,9 +23,7 @@ from safetensors.torch import load_file
 
 from dataparallel.cli import main
 
-from .make_reference_curve import CORPUS
-from .test_live_recovery import ARGS as LIVE_ARGS
-from .test_live_recovery import GENERATION, _numbers, _ok, _train_steps
+from .helpers import CORPUS, GENERATION, LIVE_ARGS, numbers, ok, train_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from workers import live_workers  # noqa: E402
@@ -47,7 +45,7 @@ def _start(out: Path, *extra: str) -> subprocess.Popen:
 
 def _wait_for_step(out: Path, launcher: subprocess.Popen, step: int) -> None:
     deadline = time.monotonic() + 120
-    while not any(s >= step for s in _train_steps(out)):
+    while not any(s >= step for s in train_steps(out)):
         assert launcher.poll() is None and time.monotonic() < deadline, "the run ended early"
         time.sleep(0.01)
 
@@ -69,7 +67,7 @@ def _finish(launcher: subprocess.Popen) -> tuple[str, str]:
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    _ok(subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr))
+    ok(subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr))
     return stdout, stderr
 
 
@@ -104,9 +102,9 @@ def _check_rewound_run(out: Path, stderr: str, first: dict, *, members: list[int
     once; the step of the regroup."""
     generations = _generations(stderr)
     _, slots, pids, at, _ = generations[1]
-    assert _numbers(slots) == members and int(at) == EVERY, stderr
-    assert {s: first[s] for s in members} == dict(zip(members, _numbers(pids), strict=True))
-    assert _train_steps(out) == list(range(1, STEPS + 1))  # every step once
+    assert numbers(slots) == members and int(at) == EVERY, stderr
+    assert {s: first[s] for s in members} == dict(zip(members, numbers(pids), strict=True))
+    assert train_steps(out) == list(range(1, STEPS + 1))  # every step once
     assert "went back to step 10" in stderr, stderr
     return int(at)
 
@@ -128,7 +126,7 @@ def test_a_killed_replica_is_the_replica_that_left_at_the_window_start(tmp_path)
     _check_rewound_run(tmp_path / "killed", stderr, killed, members=[0, 1])
     left, stderr = _run_with(tmp_path / "left", sync, at=3, event=leave)
     _, slots, _, at, _ = _generations(stderr)[1]
-    assert (_numbers(slots), int(at)) == ([0, 1], EVERY), stderr
+    assert (numbers(slots), int(at)) == ([0, 1], EVERY), stderr
     ours, theirs = _weights(tmp_path / "killed"), _weights(tmp_path / "left")
     difference = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
     print(f"max |killed at ~15, went back to 10 - left at 10| = {difference:.2e}")
@@ -150,15 +148,15 @@ def test_streaming_diloco_replica_killed_is_replaced_at_a_boundary(tmp_path):
     _, _, _, at, _ = generations[1]  # without slot 1, or with its replacement already healed
     assert int(at) < 24, stderr  # (when a survivor waited for the other until the timeout)
     for _, slots, pids, _, _ in generations:  # the survivors, in the same processes throughout
-        got = dict(zip(_numbers(slots), _numbers(pids), strict=True))
+        got = dict(zip(numbers(slots), numbers(pids), strict=True))
         assert (got[0], got[2]) == (first[0], first[2]), stderr
     lost = int(re.search(r"a replica was lost at step (\d+)", stderr).group(1))
     assert lost >= 24 and f"went back to step {at}," in stderr
     _, slots, pids, joined_at, healed = next(g for g in generations if g[4])
-    assert _numbers(slots) == [0, 1, 2] and _numbers(healed) == [1], stderr
-    assert _numbers(pids)[1] not in first.values() and int(joined_at) < 120
+    assert numbers(slots) == [0, 1, 2] and numbers(healed) == [1], stderr
+    assert numbers(pids)[1] not in first.values() and int(joined_at) < 120
     out = tmp_path / "killed"
-    assert _train_steps(out) == list(range(1, 121))  # every step once
+    assert train_steps(out) == list(range(1, 121))  # every step once
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [r["step"] for r in map(json.loads, lines) if r["kind"] == "val"] == [0, 60, 120]
     launcher = _start(tmp_path / "whole", *sync)

@@ -10,18 +10,18 @@ import pytest
 
 from dataparallel.train.metrics import read_metrics
 
-from .make_reference_curve import train
-from .test_live_recovery import (
-    ARGS,
-    STEPS,
-    _check_generations,
-    _kill_during_a_live_run,
-    _max_difference,
-    _ok,
-    _train_steps,
+from .helpers import (
+    LIVE_ARGS,
+    LIVE_STEPS,
+    check_generations,
+    kill_during_a_live_run,
+    max_difference,
+    ok,
+    train,
+    train_steps,
 )
 
-COMPRESSED = [*ARGS, "--compress", "powersgd:rank=2"]
+COMPRESSED = [*LIVE_ARGS, "--compress", "powersgd:rank=2"]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def compressed_reference(tmp_path_factory):
     PowerSGD's sums are linear in the ranks' buckets, so the ranks' split changes only the
     summation order (the sum of the ranks' residuals is the one rank's)."""
     out = tmp_path_factory.mktemp("compressed_reference") / "run"
-    _ok(train([*COMPRESSED, "--nproc", "1", "--batch", "12"], out))
+    ok(train([*COMPRESSED, "--nproc", "1", "--batch", "12"], out))
     return out
 
 
@@ -42,15 +42,15 @@ def test_a_killed_worker_under_powersgd_is_replaced_and_the_run_stays_close(
     tmp_path, compressed_reference
 ):
     out = tmp_path / "live"
-    first, _, stderr = _kill_during_a_live_run(out, slot=1, args=COMPRESSED)
-    joined_at = _check_generations(stderr, first, slot=1)
-    assert _train_steps(out) == list(range(1, STEPS + 1))  # every step once
+    first, _, stderr = kill_during_a_live_run(out, slot=1, args=COMPRESSED)
+    joined_at = check_generations(stderr, first, slot=1)
+    assert train_steps(out) == list(range(1, LIVE_STEPS + 1))  # every step once
     # Not equal: the lost replica's residual is gone with it (what PowerSGD had held back of
     # its gradients). Measured in 3 runs (printed with -s): max |difference| 1.45e-2, val loss
     # +0.22-0.23 %. Summation order alone (3 or 2 ranks uninterrupted) gives 1.0e-3 to
     # 1.2e-3; an uninterrupted 3-rank run whose rank 1 drops its residual at the killed step
     # differs from the live run by 4.2e-4: the lost residual is all of the rest.
-    difference = _max_difference(out, compressed_reference)
+    difference = max_difference(out, compressed_reference)
     ours, theirs = _last_val_loss(out), _last_val_loss(compressed_reference)
     print(
         f"max |live - uninterrupted| = {difference:.2e}, val loss {ours:.5f} against "

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -20,37 +19,35 @@ from safetensors.torch import load_file
 from dataparallel.cli import main
 from dataparallel.train.metrics import read_metrics
 
-from .make_reference_curve import CORPUS
-from .test_live_recovery import ARGS, GENERATION, STEPS, _numbers, _ok, _train_steps
+from .helpers import (
+    CORPUS,
+    GENERATION,
+    LIVE_ARGS,
+    LIVE_STEPS,
+    numbers,
+    ok,
+    ranks_per_step,
+    train_steps,
+    wait_for,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from workers import live_ranks  # noqa: E402
 
 HSDP = ["--nproc", "4", "--shard-group", "2", "--strategy", "zero2", "--batch", "3"]
-
-
-def _ranks_per_step(run: Path) -> list[int]:
-    return [len(r["rank_step_s"]) for r in read_metrics(run) if r["kind"] == "train"]
-
-
-def _wait(condition, launcher: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + 180
-    while not condition():
-        assert launcher.poll() is None, f"the run ended before {what}"
-        assert time.monotonic() < deadline, f"no {what} within 180 s"
-        time.sleep(0.02)
+WAIT_S = 180  # for each stage of the run
 
 
 def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path, live_reference):
     reference = live_reference  # the same global batch on one rank, uninterrupted (conftest.py)
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *ARGS]
+    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *LIVE_ARGS]
     out = tmp_path / "live"
     live = [*command, *HSDP, "--recovery", "live", "--collective-timeout", "10"]
     launcher = subprocess.Popen(
         [*live, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        _wait(lambda: any(s >= 3 for s in _train_steps(out)), launcher, "step 3")
+        wait_for(lambda: any(s >= 3 for s in train_steps(out)), launcher, "step 3", WAIT_S)
         before = live_ranks(launcher.pid)
         os.kill(before[1, 1], signal.SIGKILL)  # one rank of replica 1
 
@@ -58,12 +55,14 @@ def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path
             now = live_ranks(launcher.pid)
             return all(now.get((1, i), before[1, i]) != before[1, i] for i in (0, 1))
 
-        _wait(replaced, launcher, "replica 1's replacement")  # its sibling killed with it
-        started = _train_steps(out)[-1]
-        _wait(
-            lambda: _train_steps(out)[-1] > started + 2 and _ranks_per_step(out)[-1] == 4,
+        # its sibling killed with it
+        wait_for(replaced, launcher, "replica 1's replacement", WAIT_S)
+        started = train_steps(out)[-1]
+        wait_for(
+            lambda: train_steps(out)[-1] > started + 2 and ranks_per_step(out)[-1] == 4,
             launcher,
             "steps with the new replica",
+            WAIT_S,
         )
         after = live_ranks(launcher.pid)
         assert main(["leave", str(out), "--replica", "0"]) == 0  # the writer's replica leaves
@@ -71,21 +70,21 @@ def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    _ok(subprocess.CompletedProcess(live, launcher.returncode, stdout, stderr))
+    ok(subprocess.CompletedProcess(live, launcher.returncode, stdout, stderr))
     # Replica 0's two processes went on; replica 1 is two new ones (the sibling was killed too).
     assert {k: after[k] for k in [(0, 0), (0, 1)]} == {k: before[k] for k in [(0, 0), (0, 1)]}
     assert not {after[1, 0], after[1, 1]} & set(before.values())
     generations = [m.groups() for m in GENERATION.finditer(stderr)]
-    assert _numbers(generations[0][1]) == [0, 1], stderr
+    assert numbers(generations[0][1]) == [0, 1], stderr
     # Usually replica 0 trains alone first; when its ranks waited for replica 1's survivor
     # until the collective timeout, the replacement was healed in generation 1 already.
     _, members, _, joined_at, healed = next(g for g in generations if g[4])
-    assert _numbers(members) == [0, 1] and _numbers(healed) == [1], stderr
-    assert _numbers(generations[-1][1]) == [1], stderr  # replica 0 left: the new one goes on
+    assert numbers(members) == [0, 1] and numbers(healed) == [1], stderr
+    assert numbers(generations[-1][1]) == [1], stderr  # replica 0 left: the new one goes on
     assert "worker 0 left with status 0; not replaced" in stderr
-    sizes = _ranks_per_step(out)  # 4 ranks (maybe replica 0's 2), 4 again, replica 1's 2
+    sizes = ranks_per_step(out)  # 4 ranks (maybe replica 0's 2), 4 again, replica 1's 2
     assert sizes[0] == 4 and 4 in sizes[1:] and sizes[-1] == 2 and set(sizes) <= {2, 4}, sizes
-    assert _train_steps(out) == list(range(1, STEPS + 1))  # every step once
+    assert train_steps(out) == list(range(1, LIVE_STEPS + 1))  # every step once
     vals = [r["step"] for r in read_metrics(out) if r["kind"] == "val"]
     assert vals == [0, 25, 50, 75, 100] and stdout.count("dataparallel train: done") == 1
     ours, theirs = (

@@ -23,8 +23,7 @@ from dataparallel.train.live.store import (
     run_store,
 )
 
-from .make_reference_curve import CORPUS
-from .test_live_recovery import ARGS, GENERATION, STEPS, _numbers, _ok, _train_steps
+from .helpers import CORPUS, GENERATION, LIVE_ARGS, LIVE_STEPS, numbers, ok, train_steps
 
 
 def _wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
@@ -50,12 +49,12 @@ def _send(store, text: str) -> Answer:
 def test_unauthenticated_forged_and_replayed_requests_are_refused(tmp_path, capsys, live_reference):
     out, wrong = tmp_path / "live", tmp_path / "wrong.secret"
     wrong.write_text("0" * 64 + "\n")
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *ARGS]
+    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *LIVE_ARGS]
     command += ["--nproc", "2", "--batch", "6", "--min-replicas", "2", "--max-replicas", "3"]
     command += ["--recovery", "live", "--collective-timeout", "10", "--out", str(out)]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: any(s >= 3 for s in _train_steps(out)), launcher, "step 3")
+        _wait_for(lambda: any(s >= 3 for s in train_steps(out)), launcher, "step 3")
         address = read_run_file(out)
         assert address.startswith("127.0.0.1:")  # the run's address, not every interface
         store = run_store(client_store(address))
@@ -71,7 +70,7 @@ def test_unauthenticated_forged_and_replayed_requests_are_refused(tmp_path, caps
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    _ok(subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr))
+    ok(subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr))
     said = capsys.readouterr()
     assert (unsigned.ok, unsigned.message) == (False, "not authenticated (unsigned)")
     assert "dataparallel join: refused: not authenticated (forged)" in said.err
@@ -86,9 +85,9 @@ def test_unauthenticated_forged_and_replayed_requests_are_refused(tmp_path, caps
     assert all(line.endswith("; the run goes on") for line in refusals)
     assert "replica 1 asked to leave: refused: 1 replica(s) would stay" in stderr
     # Nobody got in or out: one generation of the two started replicas, every step once.
-    members = [_numbers(m.group(2)) for m in GENERATION.finditer(stderr)]
+    members = [numbers(m.group(2)) for m in GENERATION.finditer(stderr)]
     assert members == [[0, 1]], stderr
-    assert _train_steps(out) == list(range(1, STEPS + 1))
+    assert train_steps(out) == list(range(1, LIVE_STEPS + 1))
     ours = load_file(str(out / "model.safetensors"))
     theirs = load_file(str(live_reference / "model.safetensors"))
     difference = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)

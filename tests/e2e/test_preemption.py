@@ -22,7 +22,7 @@ from dataparallel.checkpoint import verify
 from dataparallel.launch.preemption import PREEMPTED
 from dataparallel.train.preemption import ENV_SLOW_SAVE
 
-from .make_reference_curve import CORPUS, REFERENCE_ARGS
+from .helpers import CORPUS, REFERENCE_ARGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import preempt_trials  # noqa: E402

@@ -34,7 +34,7 @@ from dataparallel.data.corpus import TokenWindows, evenly_spaced, load_corpus
 from dataparallel.models import build_model
 from dataparallel.strategies import POLICIES
 
-from .make_reference_curve import CORPUS, REFERENCE, REFERENCE_ARGS, curve, train
+from .helpers import CORPUS, REFERENCE, REFERENCE_ARGS, curve, train
 
 
 def _override(args: list[str], **changes: str) -> list[str]:
@@ -59,6 +59,22 @@ def reference_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     result = train(REFERENCE_ARGS, out)
     _check_ok(result)
     return out, result
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """The reference run under a strategy, stopped after 6 steps: trained once per strategy and
+    shared (ZeRO-3's by the strategies' curve and by the int8 test's exact bytes)."""
+    runs: dict[str, Path] = {}
+
+    def run(strategy: str) -> Path:
+        if strategy not in runs:
+            out = tmp_path_factory.mktemp(f"six_steps_{strategy}") / "run"
+            _check_ok(train(_override(REFERENCE_ARGS, strategy=strategy, stop_after="6"), out))
+            runs[strategy] = out
+        return runs[strategy]
+
+    return run
 
 
 def test_reproduces_the_stored_loss_curve(reference_run):
@@ -227,13 +243,11 @@ def test_sample_continues_the_prompt(reference_run):
 
 
 @pytest.mark.parametrize("strategy", sorted(set(POLICIES) - {"ddp"}))
-def test_every_strategy_trains_the_reference_curve(strategy, reference_run, tmp_path):
+def test_every_strategy_trains_the_reference_curve(strategy, reference_run, six_steps):
     run_dir, _ = reference_run
     # 6 of the 12 steps are enough to see the same updates; the sharded strategies reduce in
     # another order than DDP's all-reduce ([Note: tolerances]).
-    args = _override(REFERENCE_ARGS, strategy=strategy, stop_after="6")
-    _check_ok(train(args, tmp_path / "run"))
-    reference, got = curve(run_dir), curve(tmp_path / "run")
+    reference, got = curve(run_dir), curve(six_steps(strategy))
     assert sorted(got["train_loss"]) == list(range(1, 7))
     for step, loss in got["train_loss"].items():
         assert loss == pytest.approx(reference["train_loss"][step], rel=1e-5), step
@@ -343,7 +357,7 @@ def _train_records(run_dir: Path) -> list[dict]:
     [(["--compress", "powersgd:rank=2,start=3"], "ddp"), (["--compress", "int8"], "zero3")],
 )
 def test_compressed_gradients_train_the_reference_curve_with_fewer_bytes(
-    flags, strategy, reference_run, tmp_path
+    flags, strategy, reference_run, six_steps, tmp_path
 ):
     """The reference run compressed: after `start`, far fewer bytes per step (counted in the
     metrics), and a loss curve within 5% of the exact one over 6 steps."""
@@ -356,8 +370,7 @@ def test_compressed_gradients_train_the_reference_curve_with_fewer_bytes(
     if strategy == "ddp":  # gpt-tiny's 1.06M fp32 gradients all-reduced, then rank-2 factors
         assert got[0]["bytes_sent"] > 4.2e6 and got[5]["bytes_sent"] < 0.1 * got[0]["bytes_sent"]
     else:  # the fp32 reduce-scatter's 4.2 MB becomes an int8 all-to-all of ~1.06 MB
-        _check_ok(train(args, tmp_path / "exact"))
-        exact_zero3 = _train_records(tmp_path / "exact")[5]["bytes_sent"]
+        exact_zero3 = _train_records(six_steps("zero3"))[5]["bytes_sent"]
         saved = exact_zero3 - got[5]["bytes_sent"]
         assert 0.7 * 4.23e6 < saved < 0.8 * 4.23e6, (exact_zero3, got[5]["bytes_sent"])
 

@@ -16,7 +16,7 @@ from dataparallel.data.packing import IGNORE
 from dataparallel.data.stream import SampleStream
 from dataparallel.data.tokenizer import ByteTokenizer
 
-from .make_reference_curve import curve, train
+from .helpers import curve, train
 
 ARGS = [
     "--nproc", "2",

@@ -16,7 +16,7 @@ import pytest
 
 from dataparallel.cli import main
 
-CORPUS = Path(__file__).parent / "data" / "corpus"
+from .helpers import CORPUS
 
 
 def _write(path: Path, text: str) -> Path:

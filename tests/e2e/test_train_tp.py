@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from .make_reference_curve import CORPUS
+from .helpers import CORPUS
 
 ARGS = [
     "--threads", "1",

@@ -31,10 +31,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 two_hosts = pytest.importorskip("two_hosts")
 from workers import children, live_workers, workers_by_rank  # noqa: E402 - benchmarks/ is on the path
 
-from .make_reference_curve import CORPUS  # noqa: E402
-from .test_elastic import WARM_JOINER, _sizes, _wait_for  # noqa: E402
-from .test_live_recovery import ARGS as LIVE_ARGS  # noqa: E402
-from .test_live_recovery import GENERATION, STEPS, _numbers, _train_steps  # noqa: E402
+from .helpers import (  # noqa: E402
+    CORPUS,
+    GENERATION,
+    LIVE_ARGS,
+    LIVE_STEPS,
+    WARM_JOINER,
+    numbers,
+    ranks_per_step,
+    train_steps,
+    wait_for,
+)
 
 REASON = two_hosts.available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two hosts: {REASON}")
@@ -158,10 +165,10 @@ def test_live_across_two_hosts_a_replica_killed_on_the_second_is_joined_again(
         launcher = start(0, train)
         keeper = start(1, [sys.executable, "-c", WARM_KEEPER, str(go), str(out)])
         try:
-            _wait_for(lambda: any(s >= 3 for s in _train_steps(out)), launcher, "step 3")
+            wait_for(lambda: any(s >= 3 for s in train_steps(out)), launcher, "step 3")
             survivor = live_workers(launcher.pid)[0]
             go.touch()  # the second host's keeper joins its first replica
-            _wait_for(lambda: _sizes(out).count(2) >= 3, launcher, "3 steps with 2 ranks")
+            wait_for(lambda: ranks_per_step(out).count(2) >= 3, launcher, "3 steps with 2 ranks")
             (replica,) = children(keeper.pid, deep=False)
             os.kill(replica, signal.SIGKILL)  # on the second host
             stdout, stderr = launcher.communicate(timeout=240)
@@ -175,11 +182,11 @@ def test_live_across_two_hosts_a_replica_killed_on_the_second_is_joined_again(
     assert keeper.returncode == 0, kept
     assert "the replica was lost (status -9); joining again (1 of --restarts 1)" in kept
     generations = [m.groups() for m in GENERATION.finditer(stderr)]
-    assert [_numbers(g[1]) for g in generations] == [[0], [0, 1], [0], [0, 2]], stderr
-    assert {int(p) for g in generations for p in _numbers(g[2])[:1]} == {survivor}
-    sizes = _sizes(out)
+    assert [numbers(g[1]) for g in generations] == [[0], [0, 1], [0], [0, 2]], stderr
+    assert {int(p) for g in generations for p in numbers(g[2])[:1]} == {survivor}
+    sizes = ranks_per_step(out)
     assert 2 in sizes and sizes[-1] == 2  # the keeper's second replica trained to the end
-    assert _train_steps(out) == list(range(1, STEPS + 1))  # every step once
+    assert train_steps(out) == list(range(1, LIVE_STEPS + 1))  # every step once
     ours = load_file(str(out / "model.safetensors"))
     theirs = load_file(str(live_reference / "model.safetensors"))
     assert max((ours[k] - theirs[k]).abs().max().item() for k in theirs) < 1e-4

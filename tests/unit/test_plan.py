@@ -267,18 +267,6 @@ def test_a_meta_module_through_the_python_call():
     assert row.activations == builtin_shape("gpt-tiny", None, torch.float32, None).activation_bytes
 
 
-def test_calibration_takes_the_median_of_per_step_maxima():
-    """[Note: slowest rank per step]: one rank here, so the maxima are the times themselves."""
-    import dataparallel as dp
-    from dataparallel.plan.calibrate import slowest_medians
-
-    dp.init()
-    try:
-        assert slowest_medians([0.3, 0.1, 0.2], [4.0, 2.0, 9.0]) == [0.2, 4.0]
-    finally:
-        dp.destroy()
-
-
 # [Note: footprint]: the policies' own footprints, which the planner reports.
 SHAPES = ParamShapes((3, 5), units=((3,), (5,)))
 

@@ -248,24 +248,3 @@ def _wait(condition, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def test_init_checks_the_timeout_and_still_sets_the_threads():
-    import dataparallel as dp
-
-    before = torch.get_num_threads()
-    try:
-        with pytest.raises(ValueError, match=r"collective_timeout=-1 must be >= 0 \(0: off\)"):
-            dp.init(collective_timeout=-1)
-        world = dp.init(threads=2, collective_timeout=5, check_collectives=True)
-        assert torch.get_num_threads() == 2
-        assert world.world_size == 1  # alone: no watchdog to start, nothing to check against
-        from dataparallel import runtime
-        from dataparallel.comm.progress import PROGRESS
-
-        assert runtime._watchdog is None and PROGRESS.check
-        dp.destroy()
-        assert not PROGRESS.check and PROGRESS.launched == {}
-    finally:
-        torch.set_num_threads(before)
-        dp.destroy()

@@ -1,0 +1,178 @@
+"""What the end-to-end tests share, in one module (no test module imports another): the corpus,
+the `dataparallel train` runner and a run's loss curve, the arguments of the live runs, the
+live run with a worker killed and the readers of its records, and the warm joiner.
+
+`make_reference_curve.py` regenerates the stored curve from REFERENCE_ARGS with `train` and
+`curve`; the fixtures that train a shared reference once are in conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from dataparallel.train.metrics import read_metrics
+
+HERE = Path(__file__).parent
+CORPUS = HERE / "data" / "corpus"
+REFERENCE = HERE / "data" / "reference_curve.json"
+# Small enough to run in seconds on 2 cores, large enough to exercise accumulation, clipping,
+# warm-up, periodic validation over a set that does not divide by 2 (7 windows) and checkpoints.
+REFERENCE_ARGS = [
+    "--nproc", "2",
+    "--threads", "1",
+    "--model", "gpt-tiny",
+    "--block-size", "32",
+    "--batch", "4",
+    "--accum", "2",
+    "--steps", "12",
+    "--lr", "3e-3",
+    "--warmup-steps", "3",
+    "--val-fraction", "0.1",
+    "--eval-every", "6",
+    "--eval-windows", "7",
+    "--checkpoint-every", "6",
+    "--seed", "1",
+]  # fmt: skip
+
+sys.path.insert(0, str(HERE.resolve().parents[1] / "benchmarks"))
+from workers import live_workers  # noqa: E402
+
+
+def train(args: list[str], out: Path, *, data: Path = CORPUS) -> subprocess.CompletedProcess:
+    """Run `dataparallel train` in a subprocess (as a user would) and return the result."""
+    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(data)]
+    command += [*args, "--out", str(out)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def curve(run_dir: Path) -> dict:
+    """The train and validation losses of a run, by step."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return {
+        "train_loss": {r["step"]: r["loss"] for r in records if r["kind"] == "train"},
+        "val_loss": {r["step"]: r["val_loss"] for r in records if r["kind"] == "val"},
+    }
+
+
+def ok(result) -> None:
+    """A finished command's status is 0 (its output in the failure's message)."""
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+# -- the live runs (docs/faults.md, "Live recovery") -------------------------------------------
+LIVE_STEPS = 100
+# A global batch of 12 windows and a small lr: a run without loss spikes, so that the summation
+# order's rounding is not amplified (at lr 3e-3 a spike at step 20 turned 1e-7 into 5e-2).
+LIVE_ARGS = [
+    "--threads", "1",
+    "--model", "gpt-tiny",
+    "--block-size", "32",
+    "--accum", "1",
+    "--steps", str(LIVE_STEPS),
+    "--lr", "3e-4",
+    "--warmup-steps", "3",
+    "--val-fraction", "0.1",
+    "--eval-every", "25",
+    "--eval-windows", "7",
+    "--checkpoint-every", "0",
+    "--log-every", "25",
+    "--seed", "1",
+]  # fmt: skip
+GENERATION = re.compile(
+    r"generation (\d+): workers \[([\d, ]+)\] \(pids ([\d, ]+)\) at step (\d+)(?:, healed \[([\d, ]+)\])?"
+)
+
+
+def numbers(text: str) -> list[int]:
+    return [int(n) for n in text.split(",")]
+
+
+def train_steps(run: Path) -> list[int]:
+    """The steps in the run's metrics.jsonl so far (a line being written is not read)."""
+    return [r["step"] for r in read_metrics(run) if r["kind"] == "train"]
+
+
+def kill_during_a_live_run(out: Path, slot: int, args=LIVE_ARGS) -> tuple[dict, str, str]:
+    """A live run on 3 workers (`args`, LIVE_ARGS unless given) whose worker in `slot` is killed
+    with SIGKILL after step 3: ({slot: pid} before the kill, stdout, stderr); asserts status 0."""
+    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *args]
+    command += ["--nproc", "3", "--batch", "4"]
+    command += ["--recovery", "live", "--collective-timeout", "10", "--out", str(out)]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(step >= 3 for step in train_steps(out)):
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        first = live_workers(launcher.pid)
+        os.kill(first[slot], signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    ok(subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr))
+    return first, stdout, stderr
+
+
+def check_generations(stderr: str, first: dict, slot: int) -> str:
+    """The survivors stay the same processes in every generation, and a new process in `slot`
+    joins them at a step boundary, healed from them; the step it joined at."""
+    generations = [m.groups() for m in GENERATION.finditer(stderr)]
+    assert generations, stderr
+    survivors = {s: pid for s, pid in first.items() if s != slot}
+    for _, members, pids, _, _ in generations:  # the survivors go on as the same processes
+        slots = dict(zip(numbers(members), numbers(pids), strict=True))
+        assert {s: slots[s] for s in survivors} == survivors, stderr
+    # (Usually the survivors first train alone; if one of them is blocked on the other until
+    # the collective timeout, the replacement may arrive in time for generation 1.)
+    _, members, pids, joined_at, healed = next(g for g in generations if g[4])
+    assert numbers(members) == [0, 1, 2] and numbers(healed) == [slot], stderr
+    assert numbers(pids)[slot] not in first.values()
+    assert 3 <= int(joined_at) < LIVE_STEPS
+    return joined_at
+
+
+def max_difference(out: Path, reference: Path) -> float:
+    """The largest |difference| between two runs' final weights."""
+    ours = load_file(str(out / "model.safetensors"))
+    theirs = load_file(str(reference / "model.safetensors"))
+    return max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+
+
+# -- membership changes (docs/faults.md, "Membership changes") ---------------------------------
+# A joiner with torch already imported that asks to join once `go` exists: the test decides
+# when it joins, not the time this machine takes to import torch.
+WARM_JOINER = """
+import pathlib, sys, time
+from dataparallel.cli import main
+from dataparallel.train.metrics import read_metrics
+go = pathlib.Path(sys.argv[1])
+while not go.exists():
+    time.sleep(0.01)
+sys.exit(main(["join", sys.argv[2]]))
+"""
+
+
+def ranks_per_step(run: Path) -> list[int]:
+    """The number of ranks of every step in metrics.jsonl so far, in order (a line being
+    written is not read)."""
+    return [len(r["rank_step_s"]) for r in read_metrics(run) if r["kind"] == "train"]
+
+
+def wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
+    """Poll `condition` until it holds; fails if `process` ends first or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert process.poll() is None, f"the launcher ended (status {process.returncode}) {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.02)
