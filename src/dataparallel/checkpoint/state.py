@@ -80,12 +80,18 @@ def _state_chunk(name: str, key: str, value, piece) -> Chunk:
         return _piece_chunk(value.detach().reshape(-1), piece)
     if kind == "scalar":
         return Chunk(value.detach().reshape(()))
-    if torch.is_tensor(value) and piece.whole:  # its owner's alone, any shape (Adafactor's)
+    if torch.is_tensor(value) and _whole(piece):  # a whole parameter's, any shape (Adafactor's)
         return Chunk(value.detach())
     raise ValueError(
         f"checkpoint: optimizer state {name!r} is neither elementwise nor a scalar tensor; "
         "sharded checkpoints hold such state only"
     )
+
+
+def _whole(piece) -> bool:
+    """An owner's master, or a parameter every rank holds whole (DDP): its optimizer state is
+    the plain one, any shape (DDP's replicas write the same tensor)."""
+    return piece.whole or (piece.offset == 0 and piece.value.numel() == piece.param.numel())
 
 
 def _averager_chunks(averager, by_key: dict, rank: int) -> dict[str, Chunk]:
@@ -181,7 +187,7 @@ def _target(size: torch.Size, dtype: torch.dtype, piece) -> Chunk:
     piece's run of an elementwise entry."""
     if len(size) == 0:
         return Chunk(torch.zeros((), dtype=dtype))
-    if piece.whole and tuple(size) != (piece.value.numel(),):  # an owner's other state
+    if _whole(piece) and tuple(size) != (piece.value.numel(),):  # a whole one's other state
         return Chunk(torch.zeros(size, dtype=dtype, device=piece.value.device))
     blank = torch.zeros(piece.value.numel(), dtype=dtype, device=piece.value.device)
     return _piece_chunk(blank, piece)
