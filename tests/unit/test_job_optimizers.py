@@ -1,0 +1,70 @@
+"""The job's optimizers (train/optimizers.py, [Note: the job's optimizers]): which parameters
+Muon steps for the built-in GPT (tied and untied head) and tiny Hugging Face models, the groups
+and arguments each choice hands dp.compose, and the one-line error for an unknown name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dataparallel.models import build_model
+from dataparallel.train.checks import check_values
+from dataparallel.train.config import ConfigError, OptimConfig, RunConfig
+from dataparallel.train.optimizers import choose_optimizer, muon_names
+
+HIDDEN = ["attn.q", "attn.k", "attn.v", "attn.proj", "mlp.0", "mlp.2"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_muon_steps_the_gpts_block_matrices_only(tied):
+    model = build_model("gpt-tiny", tie_weights=tied)
+    expected = [f"blocks.{b}.{m}.weight" for b in range(4) for m in HIDDEN]
+    assert muon_names(model) == expected  # 24: neither tok_emb, pos_emb nor head
+    assert ("head.weight" in dict(model.named_parameters())) is not tied
+
+
+def test_muon_steps_the_hidden_matrices_of_hf_models(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_fixtures import make_tiny_gpt2, make_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    llama = AutoModelForCausalLM.from_pretrained(make_tiny_llama(tmp_path / "l", layers=2))
+    projections = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    projections += ["self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    expected = [f"model.layers.{i}.{m}.weight" for i in range(2) for m in projections]
+    assert muon_names(llama) == expected  # 14: not embed_tokens, not the untied lm_head
+    gpt2 = AutoModelForCausalLM.from_pretrained(make_tiny_gpt2(tmp_path / "g", layers=2))
+    blocks = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+    expected = [f"transformer.h.{i}.{m}.weight" for i in range(2) for m in blocks]
+    assert muon_names(gpt2) == expected  # 8: not wte (tied to lm_head), not wpe
+
+
+def test_each_choice_hands_compose_its_groups_and_arguments():
+    model = build_model("gpt-tiny")
+    params = list(model.parameters())
+    counts = (sum(p.dim() >= 2 for p in params), sum(p.dim() < 2 for p in params))
+    assert counts == (26, 42)
+    adamw = choose_optimizer(OptimConfig(), model, 1e-3)
+    assert adamw.cls is torch.optim.AdamW
+    assert [len(g["params"]) for g in adamw.groups] == [26, 42]
+    assert [g["weight_decay"] for g in adamw.groups] == [0.1, 0.0]
+    assert adamw.kwargs == {"lr": 1e-3, "betas": (0.9, 0.95)}
+    factor = choose_optimizer(OptimConfig(optimizer="adafactor"), model, 1e-3)
+    assert factor.cls is torch.optim.Adafactor and factor.kwargs == {"lr": 1e-3}
+    assert [len(g["params"]) for g in factor.groups] == [26, 42]
+    muon = choose_optimizer(OptimConfig(optimizer="muon", weight_decay=0.05), model, 1e-3)
+    assert muon.cls is torch.optim.Muon
+    assert muon.kwargs == {"lr": 1e-3, "weight_decay": 0.05, "adjust_lr_fn": "match_rms_adamw"}
+    # Muon's 24 block matrices; AdamW's 2 embeddings (decayed) and 42 norms and biases.
+    assert [len(g["params"]) for g in muon.groups] == [24, 2, 42]
+    assert [g.get("optimizer") for g in muon.groups] == [None, torch.optim.AdamW, torch.optim.AdamW]
+    assert [g.get("weight_decay") for g in muon.groups] == [None, 0.05, 0.0]
+    assert muon.groups[1]["betas"] == (0.9, 0.95)
+
+
+def test_an_unknown_optimizer_is_one_line_naming_the_flag():
+    with pytest.raises(ConfigError) as error:
+        check_values(RunConfig().replace(optim={"optimizer": "lion"}))
+    assert str(error.value) == (
+        "--optimizer (optim.optimizer): unknown value 'lion'; choose one of adamw, muon, adafactor"
+    )
