@@ -1,5 +1,5 @@
 """The job's optimizers (train/optimizers.py, [Note: the job's optimizers]): which parameters
-Muon steps for the built-in GPT (tied and untied head) and tiny Hugging Face models, the groups
+Muon steps for the built-in GPT (tied and untied head), tiny Hugging Face models and LoRA, the groups
 and arguments each choice hands dp.compose, and the one-line error for an unknown name."""
 
 from __future__ import annotations
@@ -37,6 +37,22 @@ def test_muon_steps_the_hidden_matrices_of_hf_models(tmp_path):
     blocks = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
     expected = [f"transformer.h.{i}.{m}.weight" for i in range(2) for m in blocks]
     assert muon_names(gpt2) == expected  # 8: not wte (tied to lm_head), not wpe
+
+
+def test_under_lora_muon_steps_the_adapters_of_hidden_matrices(tmp_path):
+    pytest.importorskip("peft")
+    from hf_fixtures import make_tiny_llama
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    llama = AutoModelForCausalLM.from_pretrained(make_tiny_llama(tmp_path / "l", layers=1))
+    targets = ["q_proj", "v_proj", "lm_head"]
+    model = get_peft_model(llama, LoraConfig(r=4, target_modules=targets))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 6  # A and B of each target
+    layer = "base_model.model.model.layers.0.self_attn"
+    expected = [f"{layer}.{m}.lora_{x}.default.weight" for m in ("q_proj", "v_proj") for x in "AB"]
+    assert muon_names(model) == expected  # the head's adapters stay on AdamW
 
 
 def test_each_choice_hands_compose_its_groups_and_arguments():
