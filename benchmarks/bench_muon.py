@@ -12,7 +12,8 @@ dp.build_optimizer call):
    paired round by round (`--rounds`, `--interleave` as there);
 2. bench_phases.py: each phase's CPU on the training thread (zero_grad, forward, backward,
    step), medians over `--steps` alternating steps; the step phase over the whole is the
-   optimizer step's share (under ZeRO it includes the owners' gathers and the scatter back).
+   optimizer step's share (under ZeRO it includes the owners' sends of the new values and
+   ZeRO-1/2's all-gather after the update; the gradients' sends to the owners end backward).
 AdamW (flat shards) unchanged by the optimizer layout, against the commit before it:
 
     python benchmarks/bench_step.py --model gpt-small --nproc 2 --baseline 729a36c \
