@@ -14,7 +14,7 @@ dp.build_optimizer call):
    step), medians over `--steps` alternating steps; the step phase over the whole is the
    optimizer step's share (under ZeRO it includes the owners' sends of the new values and
    ZeRO-1/2's all-gather after the update; the gradients' sends to the owners end backward).
-AdamW (flat shards) unchanged by the optimizer layout, against the commit before it:
+AdamW (flat shards) unchanged by the optimizer layout, against 729a36c (before it landed):
 
     python benchmarks/bench_step.py --model gpt-small --nproc 2 --baseline 729a36c \
         --contenders ddp,old-ddp,zero1,old-zero1,zero2,old-zero2,zero3,old-zero3
