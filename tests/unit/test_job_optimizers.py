@@ -23,6 +23,11 @@ def test_muon_steps_the_gpts_block_matrices_only(tied):
     assert ("head.weight" in dict(model.named_parameters())) is not tied
 
 
+def test_the_mlps_last_layer_onto_the_vocabulary_is_its_head():
+    model = build_model("mlp")
+    assert muon_names(model) == ["net.1.weight", "net.3.weight"]  # not net.0 (256 x d), net.5
+
+
 def test_muon_steps_the_hidden_matrices_of_hf_models(tmp_path):
     pytest.importorskip("transformers")
     from hf_fixtures import make_tiny_gpt2, make_tiny_llama
@@ -76,6 +81,12 @@ def test_each_choice_hands_compose_its_groups_and_arguments():
     assert [g.get("optimizer") for g in muon.groups] == [None, torch.optim.AdamW, torch.optim.AdamW]
     assert [g.get("weight_decay") for g in muon.groups] == [None, 0.05, 0.0]
     assert muon.groups[1]["betas"] == (0.9, 0.95)
+
+
+def test_muon_without_a_hidden_matrix_is_one_line_naming_the_flag():
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.LayerNorm(4))
+    with pytest.raises(ValueError, match=r"^--optimizer \(optim.optimizer\): muon finds no hidden"):
+        choose_optimizer(OptimConfig(optimizer="muon"), model, 1e-3)
 
 
 def test_an_unknown_optimizer_is_one_line_naming_the_flag():

@@ -16,7 +16,8 @@
   both; Muon's momentum stays torch's 0.95. One GroupedOptimizer ([Note: grouped optimizer]).
   The embeddings are every nn.Embedding's weight and the model's get_input_embeddings(); the
   head is get_output_embeddings() (Hugging Face models) or a Linear named `head`/`lm_head`
-  (the built-in GPT). Parameters are compared by identity, so a head tied to the token
+  (the built-in GPT), else the last Linear whose outputs are an embedding's vocabulary (the
+  built-in mlp's last layer). Parameters are compared by identity, so a head tied to the token
   embedding (the GPT's default, tied hf: models) is one parameter, on AdamW.
   Under --lora the same rule runs over the trainable parameters, the adapters: their A and B
   matrices are 2-D and neither embedding nor head, so they go to Muon (an adapted embedding's
@@ -58,18 +59,30 @@ def decay_groups(params: list[nn.Parameter], weight_decay: float, **extra) -> li
 
 def embeddings_and_head(model: nn.Module) -> set[int]:
     """The ids of the embedding and output-head parameters ([Note: the job's optimizers])."""
-    found: list[nn.Module | None] = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        if callable(getattr(model, getter, None)):
-            try:
-                found.append(getattr(model, getter)())
-            except (NotImplementedError, AttributeError):
-                pass
-    for name in ("head", "lm_head"):
-        module = getattr(model, name, None)
-        if isinstance(module, nn.Linear):
-            found.append(module)
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    found: list[nn.Module | None] = [*embeddings, _called(model, "get_input_embeddings")]
+    heads = [_called(model, "get_output_embeddings")]
+    heads += [m for m in (getattr(model, n, None) for n in ("head", "lm_head")) if _linear(m)]
+    if not any(heads):  # the last Linear onto an embedding's vocabulary (the built-in mlp's)
+        vocabularies = {m.num_embeddings for m in embeddings}
+        onto = [m for m in model.modules() if _linear(m) and m.out_features in vocabularies]
+        heads = onto[-1:]
+    found += heads
     return {id(p) for module in found if module is not None for p in module.parameters()}
+
+
+def _called(model: nn.Module, getter: str) -> nn.Module | None:
+    """model.getter() where a Hugging Face model has it, else None."""
+    if not callable(getattr(model, getter, None)):
+        return None
+    try:
+        return getattr(model, getter)()
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def _linear(module) -> bool:
+    return isinstance(module, nn.Linear)
 
 
 def muon_names(model: nn.Module) -> list[str]:
@@ -99,7 +112,12 @@ def choose_optimizer(optim, model: nn.Module, lr: float) -> OptimizerChoice:
     named = dict(model.named_parameters())
     hidden = {id(named[name]) for name in muon_names(model)}
     rest = [p for p in params if id(p) not in hidden]
-    groups = [{"params": [p for p in params if id(p) in hidden]}] if hidden else []
+    if not hidden:
+        raise ValueError(
+            "--optimizer (optim.optimizer): muon finds no hidden matrix (a trainable 2-D "
+            "parameter other than the embeddings and the head) in this model; use adamw"
+        )
+    groups = [{"params": [p for p in params if id(p) in hidden]}]
     adamw = {"optimizer": torch.optim.AdamW, "lr": lr, "betas": betas}
     groups += decay_groups(rest, optim.weight_decay, **adamw)
     kwargs = {"lr": lr, "weight_decay": optim.weight_decay, "adjust_lr_fn": "match_rms_adamw"}
