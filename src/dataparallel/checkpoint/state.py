@@ -101,7 +101,7 @@ def _state_chunk(name: str, key: str, value, piece) -> Chunk:
         return _piece_chunk(value.detach().reshape(-1), piece)
     if kind == "scalar":
         return Chunk(value.detach().reshape(()))
-    if torch.is_tensor(value) and piece.whole:  # its owner's alone, any shape (Adafactor's)
+    if torch.is_tensor(value) and piece.whole:  # an owner's, or DDP's: any shape (Adafactor's)
         return Chunk(value.detach())
     raise ValueError(
         f"checkpoint: optimizer state {name!r} is neither elementwise nor a scalar tensor; "
@@ -205,7 +205,7 @@ def _target(size: torch.Size, dtype: torch.dtype, piece) -> Chunk:
     piece's run of an elementwise entry."""
     if len(size) == 0:
         return Chunk(torch.zeros((), dtype=dtype))
-    if piece.whole and tuple(size) != (piece.value.numel(),):  # an owner's other state
+    if piece.whole and tuple(size) != (piece.value.numel(),):  # a whole one's other state
         return Chunk(torch.zeros(size, dtype=dtype, device=piece.value.device))
     blank = torch.zeros(piece.value.numel(), dtype=dtype, device=piece.value.device)
     return _piece_chunk(blank, piece)

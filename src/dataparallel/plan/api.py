@@ -14,6 +14,7 @@ from .inputs import STRATEGIES, PlanInputs, optimizer_bytes, parse_compress
 from .model import ModelShape, bare_shape, builtin_shape, saved_bytes, shape_of_module
 from .planner import Plan, make_plan
 from .profiles import get_profile
+from .whole_parameters import WHOLE_PARAMETER_OPTIMIZERS, whole_parameters
 
 
 def plan(
@@ -55,6 +56,9 @@ def plan(
         and loss on meta inputs, so its activations are counted; None counts none.
     ranks, or nodes x ranks_per_node: the world (ranks_per_node also overrides the profile's).
     hardware: a built-in profile name, a JSON file, a dict or a HardwareProfile.
+    optimizer: adam, adamw, sgd, bytes of state per parameter, or muon / adafactor: the job's
+        recipes, whole parameters owned per shard group (whole_parameters.py: the busiest
+        owner's memory, Muon's compute; `Plan.whole`).
     Others: see PlanInputs (inputs.py). Bad input raises PlanError naming the field.
     """
     if ranks is None:
@@ -72,10 +76,11 @@ def plan(
         hw = replace(hw, ranks_per_node=ranks_per_node)
     if ":" in compress:  # a --compress spec ("topk:ratio=0.01"), as `dataparallel train` takes
         compress, compress_arg = parse_compress(compress)
+    whole = str(optimizer) in WHOLE_PARAMETER_OPTIMIZERS
     inputs = PlanInputs(
         ranks=ranks,
         precision=precision,
-        optimizer_bytes=optimizer_bytes(str(optimizer)),
+        optimizer_bytes=optimizer_bytes("adamw" if whole else str(optimizer)),
         micro_batch=micro_batch,
         accumulation=accumulation,
         strategies=tuple(strategies),
@@ -91,8 +96,14 @@ def plan(
         bucket_mb=bucket_mb,
         tp=tp,
     )
-    return make_plan(model_shape(model, params, layers, width, seq_len, vocab, loss_fn,
-                                 inputs), hw, inputs)  # fmt: skip
+    shape = model_shape(model, params, layers, width, seq_len, vocab, loss_fn, inputs)
+    if not whole:
+        return make_plan(shape, hw, inputs)
+    tokens = inputs.micro_batch * inputs.accumulation * inputs.data_ranks * shape.seq_len
+    parts = whole_parameters(str(optimizer), shape, masters=inputs.masters,
+                             tokens_per_step=tokens, ranks=inputs.data_ranks)  # fmt: skip
+    inputs = replace(inputs, optimizer_bytes=parts.state_bytes_per_param)
+    return replace(make_plan(shape, hw, inputs), whole=parts)
 
 
 def model_shape(model, params, layers, width, seq_len, vocab, loss_fn, x: PlanInputs):

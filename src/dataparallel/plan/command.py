@@ -24,7 +24,8 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: the profile's)")
     p.add_argument("--hardware", default="h100-node", help="a built-in profile or a JSON file")
     p.add_argument("--precision", default="fp32", help="fp32, bf16, bf16-params or fp16")
-    p.add_argument("--optimizer", default="adamw", help="adam, adamw, sgd or bytes/parameter")
+    p.add_argument("--optimizer", default="adamw", help="adam, adamw, sgd, muon, adafactor "
+                   "or bytes/parameter")  # fmt: skip
     p.add_argument("--micro-batch", type=int, default=1, help="samples per rank per forward")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step")
     p.add_argument("--strategy", action="append", help="plan only these (repeatable)")

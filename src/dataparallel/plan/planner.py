@@ -19,6 +19,7 @@ from .hardware import HardwareProfile
 from .inputs import PlanInputs
 from .model import ModelShape
 from .strategies import Candidate, Footprint, footprint
+from .whole_parameters import WholeParameters
 
 WINDOW_SHARE = {"forward": 1 / 3, "backward": 2 / 3, "none": 0.0}
 
@@ -97,7 +98,8 @@ class Row:
 
 @dataclass(frozen=True)
 class Plan:
-    """Every candidate's row, and the recommendation with its reason."""
+    """Every candidate's row, and the recommendation with its reason; `whole`: the owners'
+    memory and Muon's compute under --optimizer muon|adafactor (whole_parameters.py)."""
 
     model: ModelShape
     hardware: HardwareProfile
@@ -105,6 +107,7 @@ class Plan:
     rows: list[Row]
     best: Row | None
     reason: str
+    whole: WholeParameters | None = None
 
 
 def candidates(x: PlanInputs, hw: HardwareProfile) -> list[Candidate]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from .planner import Plan
+from .whole_parameters import describe
 
 GB = 1e9
 
@@ -20,9 +21,39 @@ def as_json(p: Plan) -> str:
             "rows": [r.to_dict(p.hardware) for r in p.rows],
             "recommendation": p.best.candidate.label if p.best else None,
             "reason": p.reason,
+            **({"whole_parameters": _whole_json(p)} if p.whole else {}),
         },
         indent=1,
     )
+
+
+def _whole_json(p: Plan) -> dict:
+    sharded = [r for r in p.rows if r.candidate.strategy in ("zero1", "zero2", "zero3")]
+    owners = {}
+    for r in sharded:
+        busiest, even, ownership = p.whole.per_rank(r.candidate.shard_size)
+        owners[r.candidate.label] = {
+            "busiest_bytes": busiest,
+            "even_bytes": even,
+            "idle_ranks": ownership.idle,
+        }
+    muon = p.whole.muon
+    return {
+        "optimizer": p.whole.optimizer,
+        "state_bytes_per_param": p.whole.state_bytes_per_param,
+        "owners": owners,
+        **(
+            {
+                "muon": {
+                    "distributed_share": muon.distributed_share,
+                    "ddp_share": muon.ddp_share,
+                    "verdict": muon.verdict(),
+                }
+            }
+            if muon
+            else {}
+        ),  # fmt: skip
+    }
 
 
 def _world(p: Plan) -> str:
@@ -56,5 +87,7 @@ def as_table(p: Plan) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows, strict=True)]
     for row in [columns, *rows]:
         lines.append("  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True)))
+    if p.whole is not None:
+        lines += ["", *describe(p.whole, p.rows, p.inputs.masters)]
     lines += ["", ("recommended: " if p.best else "") + p.reason]
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from ..data.tokens import TOKEN_DTYPES
 from ..launch.config import at_least, check_launch
 from .config import ConfigError, RunConfig, field_label
 from .model_source import RunModel, check_model
+from .optimizers import OPTIMIZERS
 from .run_dir import CHECKPOINTS
 from .sync import averaging, check_run_recipe
 from .tensor_parallel import check_tp
@@ -132,6 +133,7 @@ def check_values(config: RunConfig, source: RunModel | None = None) -> None:
     _choose(field_label("launch", "strategy"), config.launch.strategy, sorted(dp.STRATEGIES))
     check_recovery(config)
     _choose(field_label("train", "precision"), config.train.precision, sorted(dp.PRECISIONS))
+    _choose(field_label("optim", "optimizer"), config.optim.optimizer, list(OPTIMIZERS))
     _choose(field_label("optim", "lr_scaling"), config.optim.lr_scaling, ["none", "linear"])
     _choose(field_label("data", "token_dtype"), config.data.token_dtype, TOKEN_DTYPES)
     _choose(

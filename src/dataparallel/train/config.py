@@ -73,21 +73,24 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """AdamW and its learning-rate schedule.
+    """The optimizer and its learning-rate schedule.
 
+    optimizer: "adamw", "muon" (Muon on the hidden matrices, AdamW on the embeddings, the
+        output head, norms and biases, one lr for both) or "adafactor" (docs/train.md).
     lr: peak learning rate (before linear scaling, if any).
     lr_scaling: "none", or "linear": the peak becomes lr x global_batch / lr_base_batch (the
         linear scaling rule of Goyal et al., 2017, for growing the batch with the world size).
     lr_base_batch: the global batch, in windows, at which `lr` was tuned (linear scaling only).
     warmup_steps: steps of linear warm-up from 0 to the peak learning rate.
     min_lr_ratio: the cosine decay ends at this fraction of the peak, at the last step.
-    weight_decay: AdamW decoupled weight decay, applied to matrices and embeddings only (not to
+    weight_decay: decoupled weight decay (AdamW's, Muon's, Adafactor's), applied to matrices and embeddings only (not to
         biases and norm weights).
-    beta1: AdamW's first-moment decay.
-    beta2: AdamW's second-moment decay.
+    beta1: AdamW's first-moment decay (and Muon's AdamW groups').
+    beta2: AdamW's second-moment decay (and Muon's AdamW groups').
     grad_clip: clip gradients to this global L2 norm (over all ranks); 0 turns clipping off.
     """
 
+    optimizer: str = "adamw"
     lr: float = 2e-3
     lr_scaling: str = "none"
     lr_base_batch: int = 32

@@ -40,22 +40,13 @@ from .gradient_watch import GradientWatch
 from .ledger import EvalRecord, Ledger, StepRecord
 from .loss import all_reduce_sum, token_loss_sum
 from .model_source import BuiltModel, RunModel, build_for_run
+from .optimizers import choose_optimizer
 from .schedule import WarmupCosine, scaled_lr
 from .state import TrainState
 from .step import Vote, forward_backward, own_verdict, set_lr, take_batch, update
 from .sync import recipe_of
 from .tensor_parallel import split_for_run
 from .update import bytes_sent
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings; leave biases and norm weights (1-D) undecayed."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return [group for group in groups if group["params"]]
 
 
 def setup(
@@ -108,15 +99,15 @@ def setup(
         base_batch=optim.lr_base_batch,
     )
     # [Note: composition] in dataparallel/compose.py: what a script calling dp.compose gets
+    choice = choose_optimizer(optim, model, peak_lr)  # [Note: the job's optimizers]
     composed = dp.compose(
         model,
         recipe,
-        torch.optim.AdamW,
-        params=param_groups(model, optim.weight_decay),
+        choice.cls,
+        params=choice.groups,
         group=world.group,
         mesh=dp_mesh,
-        lr=peak_lr,
-        betas=(optim.beta1, optim.beta2),
+        **choice.kwargs,
     )
     schedule = WarmupCosine(
         warmup_steps=optim.warmup_steps,

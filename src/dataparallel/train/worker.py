@@ -103,6 +103,7 @@ def run_info(state: TrainState, threads: int, previous: dict | None) -> dict:
         "global_batch": global_batch,
         "tokens_per_step": global_batch * block,
         "steps": config.train.steps,
+        "optimizer": state.config.optim.optimizer,
         "peak_lr": state.peak_lr,
         "corpus": {
             "description": "built-in corpus (stdlib .py)"
