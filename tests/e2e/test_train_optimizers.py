@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .make_reference_curve import curve, train
+from .helpers import curve, train
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 ARGS = [
