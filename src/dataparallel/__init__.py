@@ -32,20 +32,13 @@ from .api import (
     wire_bytes,
 )
 from .averaging import DiLoCo, LocalSGD
+from .averaging.streaming import OUTER_COMPRESS
 from .comm import Tracer
-from .compose import (
-    OUTER_COMPRESS,
-    PRECISIONS,
-    STRATEGIES,
-    Composed,
-    Recipe,
-    RecipeError,
-    check_recipe,
-    compose,
-)
+from .compose import Composed, compose
 from .data import DistributedSampler
 from .ema import EMA
 from .plan import plan
+from .recipe import PRECISIONS, STRATEGIES, Recipe, RecipeError, check_recipe
 from .runtime import World, destroy, free_port, init, join_group
 from .strategies import DDP, Mesh, MixedPrecision, ZeRO1, ZeRO2, ZeRO3, init_mesh
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm

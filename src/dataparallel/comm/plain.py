@@ -32,13 +32,34 @@ import torch.distributed as dist
 DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        torch.complex64, torch.complex128,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
     )
-}  # fmt: skip
-NUMPY_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64",
-                "uint32", "uint16", "uint8", "bool"}  # fmt: skip
+}
+NUMPY_DTYPES = {
+    "float64",
+    "float32",
+    "float16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint64",
+    "uint32",
+    "uint16",
+    "uint8",
+    "bool",
+}
 LENGTH_BYTES = 8  # the header's length, little-endian, before the header
 
 
@@ -89,7 +110,7 @@ def decode(header: Any, tensors: list[torch.Tensor]) -> Any:
             return [walk(item) for item in node]
         if not isinstance(node, dict) or len(node) != 1:
             raise PlainError(f"not a plain value's header: {str(node)[:80]}")
-        (tag, body), = node.items()  # fmt: skip
+        ((tag, body),) = node.items()
         if tag == "dict" and isinstance(body, dict):
             return {k: walk(v) for k, v in body.items()}
         if tag == "pairs" and isinstance(body, list):
@@ -121,10 +142,9 @@ def to_bytes(value: Any, device: torch.device | str = "cpu") -> torch.Tensor:
     """`value` as one uint8 tensor on `device` ([Note: nothing unpickled])."""
     header, tensors = encode(value)
     described = [
-        {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-         "cuda": t.is_cuda}
+        {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "cuda": t.is_cuda}
         for t in tensors
-    ]  # fmt: skip
+    ]
     for entry in described:
         if entry["dtype"] not in DTYPES:
             raise PlainError(f"a tensor of dtype {entry['dtype']} cannot travel between ranks")

@@ -24,8 +24,9 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: the profile's)")
     p.add_argument("--hardware", default="h100-node", help="a built-in profile or a JSON file")
     p.add_argument("--precision", default="fp32", help="fp32, bf16, bf16-params or fp16")
-    p.add_argument("--optimizer", default="adamw", help="adam, adamw, sgd, muon, adafactor "
-                   "or bytes/parameter")  # fmt: skip
+    p.add_argument(
+        "--optimizer", default="adamw", help="adam, adamw, sgd, muon, adafactor or bytes/parameter"
+    )
     p.add_argument("--micro-batch", type=int, default=1, help="samples per rank per forward")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step")
     p.add_argument("--strategy", action="append", help="plan only these (repeatable)")
@@ -34,8 +35,9 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--diloco-steps", type=int, default=100, help="DiLoCo inner steps H")
     p.add_argument("--fragments", type=int, default=-1, help="DiLoCo fragments F (recipe's)")
     p.add_argument("--overlap", type=int, default=-1, help="DiLoCo overlap tau (recipe's)")
-    p.add_argument("--outer-compress", default="recipe", help="recipe (int4), fp32, bf16, "
-                   "int8, fp8 or int4")  # fmt: skip
+    p.add_argument(
+        "--outer-compress", default="recipe", help="recipe (int4), fp32, bf16, int8, fp8 or int4"
+    )
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--layout", default="dataparallel", help="dataparallel or zero-paper")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1: none)")

@@ -52,7 +52,7 @@ def _whole_json(p: Plan) -> dict:
             }
             if muon
             else {}
-        ),  # fmt: skip
+        ),
     }
 
 

@@ -2,7 +2,7 @@
 spelled with the flags.
 
 The rules on the [sync] section (and on the precision and the mesh they combine with) are the
-library's, in one home ([Note: one home for the recipe's rules] in dataparallel/compose.py):
+library's, in one home ([Note: one home for the recipe's rules] in dataparallel/recipe.py):
 `dp.Recipe` checks its fields, `dp.check_recipe` the ones that need the model; each raises a
 `dp.RecipeError` naming its field, which `check_run_recipe` below turns into the one-line
 `ConfigError` of the field's flag. The composition itself (in which order precision, the mesh,

@@ -97,9 +97,13 @@ class HostedStore:
             f"[{host}]:{self.port}" if family == socket.AF_INET6 else f"{host}:{self.port}"
         )
         self.store = dist.TCPStore(
-            host, self.port, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s), master_listen_fd=self.listener.fileno(),
-        )  # fmt: skip
+            host,
+            self.port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=self.listener.fileno(),
+        )
 
 
 def client_store(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
