@@ -166,6 +166,36 @@ def test_grace_holds_the_preempt_budget(capsys):
     assert "--signal=B:USR1@40" in sbatch_options(slurm_script(spec, "x"))
 
 
+def slurm_env(monkeypatch, tasks: int):
+    """The variables srun sets in task 0 of a one-node job with `tasks` tasks."""
+    for name in ("RANK", "WORLD_SIZE", "PET_NNODES", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    env = {"SLURM_JOB_ID": "31", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "vm",
+           "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": str(tasks),
+           "SLURM_NTASKS": str(tasks), "SLURM_STEP_NODELIST": "vm",
+           "SLURM_STEP_TASKS_PER_NODE": str(tasks), "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+           "SLURM_NODEID": "0"}  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("layout,tasks", [("node", 1), ("worker", 2)])
+def test_the_printed_command_resolves_under_slurm(capsys, monkeypatch, tmp_path, layout, tasks):
+    """srun's line, `train ... --resume auto`, resolves in a task before the run exists (a
+    topology was once resolved with --resume auto read as a run directory)."""
+    out = tmp_path / "run"
+    text = printed(capsys, "slurm", "--layout", layout, "--out", str(out), "--steps", "3")
+    (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
+    argv = shlex.split(srun.removesuffix(" &"))
+    train = argv[argv.index("train") :]
+    assert train[-2:] == ["--resume", "auto"]
+    slurm_env(monkeypatch, tasks)
+    assert main([*train, "--print-config"]) == 0
+    config = capsys.readouterr().out
+    assert f'out = "{out}"' in config and "steps = 3" in config
+    assert not out.exists()
+
+
 def test_k8s_has_no_worker_layout(capsys):
     assert main(["cluster", "k8s", "--layout", "worker"]) == 2
     assert capsys.readouterr().err == (
