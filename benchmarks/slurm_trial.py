@@ -4,6 +4,7 @@ it, in both layouts, on a one-node cluster that this script starts and stops its
     apt-get install -y slurm-wlm            # Debian's (22.05 on bookworm), with munge
     sudo python benchmarks/slurm_trial.py   # about a minute on 2 cores
     sudo python benchmarks/slurm_trial.py --steps 20 --dir /tmp/trial
+    sudo python benchmarks/slurm_trial.py --preempt   # the preemption trial, about 5 minutes
 
 It writes a slurm.conf for one node, this machine (its hostname at 127.0.0.1, the CPUs and
 memory `slurmd -C` reports), starts munged, slurmctld and slurmd in the foreground as its own
@@ -15,13 +16,27 @@ children, and then:
    reads its rank from SLURM_*);
 and checks that each job exited 0, printed its resolved topology, and ended with the reference
 run's weights bit for bit. The daemons are stopped and their files left in --dir to read.
+
+With --preempt (16 steps by default, a checkpoint every 8) each layout's job is submitted
+without --wait instead, and once step PREEMPT_AT is in its metrics the trial sends `scancel
+--batch --signal=USR1 JOB`: what the script's `--signal=B:USR1@S` sends before the time limit,
+to the batch shell alone, whose trap passes it to the step (srun then signals every task once;
+`--full` would also signal the tasks themselves, a second time). It checks that the step saved
+the step it stopped at (the checkpoint exists when the job is requeued), that Slurm requeued the
+job (`scontrol show job`: Restarts=1; no accounting here, so no sacct), that the second start
+resumed at that step ("resumed at step N" in the job's output) and that the final weights equal
+the reference's bit for bit. slurm.conf's `AuthInfo=cred_expire=10` lowers Slurm's delay before
+a requeued job may start again from 120 s (the credential's lifetime) to 10 s.
+
 Needs root (slurmd runs jobs as their user) and the slurm-wlm package.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,6 +47,8 @@ from pathlib import Path
 
 PYTHON = sys.executable
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch")
+PREEMPT_AT = 4  # the trial signals the job once this step is in its metrics
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
 def available() -> str | None:
@@ -55,7 +72,7 @@ def slurm_conf(work: Path) -> str:
             f"SlurmctldHost={name}(127.0.0.1)",
             "SlurmUser=root",
             "SlurmdUser=root",
-            f"AuthInfo=socket={work}/munge.socket",
+            f"AuthInfo=socket={work}/munge.socket,cred_expire=10",  # a requeued job's delay
             "AuthType=auth/munge",
             f"StateSaveLocation={work}/state",
             f"SlurmdSpoolDir={work}/spool",
@@ -144,8 +161,8 @@ def same_weights(a: Path, b: Path) -> bool:
     return want.keys() == got.keys() and all(want[k].equal(got[k]) for k in want)
 
 
-def submit(cluster: Cluster, work: Path, layout: str, train: list[str]) -> dict:
-    """Print the job file for `layout`, sbatch --wait it; what happened."""
+def print_script(work: Path, layout: str, train: list[str]) -> tuple[Path, Path]:
+    """The sbatch script `dataparallel cluster slurm` prints for `layout`; (it, the run dir)."""
     out = work / layout
     printed = subprocess.run(
         [PYTHON, "-m", "dataparallel.cli", "cluster", "slurm", "--layout", layout, "--nodes", "1",
@@ -155,6 +172,12 @@ def submit(cluster: Cluster, work: Path, layout: str, train: list[str]) -> dict:
     )  # fmt: skip
     script = work / f"{layout}.sbatch"
     script.write_text(printed.stdout)
+    return script, out
+
+
+def submit(cluster: Cluster, work: Path, layout: str, train: list[str]) -> dict:
+    """Print the job file for `layout`, sbatch --wait it; what happened."""
+    script, out = print_script(work, layout, train)
     started = time.perf_counter()
     done = cluster.run(["sbatch", "--wait", "--parsable", f"--chdir={work}", str(script)],
                        check=False, timeout=900)  # fmt: skip
@@ -166,11 +189,88 @@ def submit(cluster: Cluster, work: Path, layout: str, train: list[str]) -> dict:
             "topology": topology, "output": output, "out": out}  # fmt: skip
 
 
+def last_step(out: Path) -> int:
+    """The last training step in the run's metrics, 0 before the first."""
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = [json.loads(x)["step"] for x in lines if x.endswith("}") and '"train"' in x]
+    return max(steps, default=0)
+
+
+def job_fields(cluster: Cluster, job: str) -> dict[str, str]:
+    """`scontrol show job -o JOB` as a dict (JobState, Restarts, ExitCode...)."""
+    text = cluster.run(["scontrol", "show", "job", "-o", job], check=False).stdout
+    return dict(kv.split("=", 1) for kv in text.split() if "=" in kv)
+
+
+def preempt(cluster: Cluster, work: Path, layout: str, train: list[str]) -> dict:
+    """Submit the job for `layout`, USR1 it mid-run, follow the requeue to its end."""
+    script, out = print_script(work, layout, train)
+    started = time.perf_counter()
+    done = cluster.run(["sbatch", "--parsable", f"--chdir={work}", str(script)])
+    job = done.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 900
+    signalled_at = 0
+    while time.monotonic() < deadline and not signalled_at:
+        if last_step(out) >= PREEMPT_AT:
+            signalled_at = last_step(out)
+            cluster.run(["scancel", "--batch", "--signal=USR1", job])
+        elif job_fields(cluster, job).get("JobState") in ENDED:
+            break
+        time.sleep(0.2)
+    saved_on_requeue = None
+    pending_s = 0
+    fields: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        fields = job_fields(cluster, job)
+        if saved_on_requeue is None and fields.get("Restarts", "0") != "0":
+            saved_on_requeue = sorted(p.name for p in (out / "checkpoint").glob("step-*"))
+        if saved_on_requeue is not None and fields.get("JobState") == "PENDING":
+            pending_s += 1  # the seconds the requeued job waits to start again
+        if fields.get("JobState") in ENDED:
+            break
+        time.sleep(1)
+    seconds = time.perf_counter() - started
+    output = (work / f"trial-{layout}-{job}.out").read_text()
+    saved = re.search(r"checkpoint (step-\d+) written in ([\d.]+) s", output)
+    resumed = re.search(r"resumed at step (\d+)", output)
+    stopped = saved.group(1) if saved else ""
+    return {"layout": layout, "job": job, "state": fields.get("JobState"),
+            "exit": fields.get("ExitCode"), "restarts": fields.get("Restarts"),
+            "seconds": seconds, "signalled_at": signalled_at, "stopped": stopped,
+            "save_s": float(saved.group(2)) if saved else None,
+            "on_disk": bool(saved_on_requeue) and stopped in saved_on_requeue,
+            "resumed": int(resumed.group(1)) if resumed else None,
+            "requeued": "requeueing job" in output, "pending_s": pending_s,
+            "output": output, "out": out}  # fmt: skip
+
+
+def report_preempt(r: dict, reference: Path) -> bool:
+    """Print one layout's preemption result; whether it passed."""
+    stopped = int(r["stopped"].removeprefix("step-") or -1)
+    same = r["state"] == "COMPLETED" and same_weights(reference, r["out"])
+    passed = (r["restarts"] == "1" and r["requeued"] and r["on_disk"] and same
+              and r["resumed"] == stopped)  # fmt: skip
+    print(f"slurm_trial: --preempt --layout {r['layout']}: job {r['job']}: USR1 after step "
+          f"{r['signalled_at']}; stopped and saved {r['stopped'] or 'nothing'} in "
+          f"{r['save_s']} s (on disk at the requeue: {r['on_disk']}); requeued: Restarts="
+          f"{r['restarts']}, pending about {r['pending_s']}s; resumed at step {r['resumed']}; "
+          f"{r['state']} {r['exit']} after "
+          f"{r['seconds']:.1f}s in all; weights equal the reference: {same}")  # fmt: skip
+    if not passed:
+        print(r["output"][-4000:])
+    return passed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=f"/tmp/slurm-trial-{int(time.time())}")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, help="6, or 16 with --preempt")
+    parser.add_argument("--preempt", action="store_true", help="the preemption trial")
     args = parser.parse_args()
+    args.steps = args.steps or (16 if args.preempt else 6)
     reason = available()
     if reason:
         print(f"slurm_trial: {reason}", file=sys.stderr)
@@ -178,7 +278,8 @@ def main() -> int:
     work = Path(args.dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     train = ["--model", "gpt-tiny", "--steps", str(args.steps), "--nproc", "2", "--threads", "1",
-             "--eval-every", "0", "--checkpoint-every", "3", "--seed", "0"]  # fmt: skip
+             "--eval-every", "0", "--checkpoint-every", "8" if args.preempt else "3",
+             "--seed", "0"]  # fmt: skip
     started = time.perf_counter()
     reference = work / "reference"
     subprocess.run([PYTHON, "-m", "dataparallel.cli", "train", *train, "--out", str(reference)],
@@ -191,9 +292,14 @@ def main() -> int:
         version = cluster.run(["sinfo", "--version"], check=False).stdout.strip()
         print(f"slurm_trial: {socket.gethostname()}, {version}, files in {work}")
         for layout in ("node", "worker"):
-            results.append(submit(cluster, work, layout, train))
+            trial = preempt if args.preempt else submit
+            results.append(trial(cluster, work, layout, train))
     finally:
         cluster.stop()
+    if args.preempt:
+        failed = sum(not report_preempt(r, reference) for r in results)
+        print(f"slurm_trial: {'passed' if not failed else f'{failed} layout(s) failed'}")
+        return 1 if failed else 0
     failed = 0
     for r in results:
         same = r["status"] == 0 and same_weights(reference, r["out"])

@@ -179,6 +179,8 @@ def cluster_topology(args: argparse.Namespace) -> Topology | None:
     if environment is None:
         return None
     asked = getattr(args, "launch.nproc", None)
+    if args.resume == "auto":  # the command as a new run: its run directory may not exist yet
+        args = argparse.Namespace(**{**vars(args), "resume": None})
     return environment.topology(asked, default=resolve_config(args, None).launch.nproc)
 
 

@@ -43,10 +43,17 @@ def test_slurm_one_task_per_node(capsys):
         == "# Printed by: dataparallel cluster slurm --nodes 2 --nproc 4 --steps 9 --time 1:00:00"
     )
     assert "# Assumed:" in lines
-    assert "  set -- --steps 9 --nproc 4 --out runs/dataparallel" in lines
-    assert "  set -- --resume runs/dataparallel" in lines
-    assert 'srun --ntasks-per-node=1 dataparallel train "$@" &' in lines
-    assert '  scontrol requeue "$SLURM_JOB_ID"' in lines
+    # One command at every start: --resume auto begins the run or resumes it.
+    assert (
+        "srun --ntasks-per-node=1 dataparallel train --steps 9 --nproc 4 --out runs/dataparallel "
+        "--resume auto &"
+    ) in lines
+    assert not any("config.toml" in line for line in lines)
+    assert "trap 'kill -USR1 \"$step\" 2>/dev/null' USR1  # srun passes it to the tasks" in lines
+    # Requeued on the step's PREEMPTED status only; any other status is the job's.
+    requeue = lines.index('  scontrol requeue "$SLURM_JOB_ID"')
+    assert lines[requeue - 2].startswith('if [ "$status" = 75 ]; then')
+    assert lines[requeue + 1 :] == ["fi", 'exit "$status"']
     # Every #SBATCH line comes before the first command, or sbatch ignores it.
     first_command = next(i for i, line in enumerate(lines) if line and line[0] != "#")
     assert max(i for i, line in enumerate(lines) if line.startswith("#SBATCH")) < first_command
@@ -71,9 +78,11 @@ def test_slurm_one_task_per_worker_and_the_options():
     ]
     assert "--signal=B:USR1@120" in sbatch_options(text)
     lines = text.splitlines()
-    assert "module load py" in lines and "RUN_DIR=/shared/r" in lines
-    assert "  set -- --model gpt-tiny --nproc 2 --out /shared/r" in lines
-    assert 'srun --ntasks-per-node=2 python -m dataparallel.cli train "$@" &' in lines
+    assert "module load py" in lines
+    assert (
+        "srun --ntasks-per-node=2 python -m dataparallel.cli train --model gpt-tiny --nproc 2 "
+        "--out /shared/r --resume auto &"
+    ) in lines
 
 
 def test_k8s_manifest_structure(capsys):
@@ -92,8 +101,13 @@ def test_k8s_manifest_structure(capsys):
         }
     ]
     node = jobset["replicatedJobs"][0]["template"]["spec"]
+    # The container's PREEMPTED exit (it saved its step) is a disruption like DisruptionTarget.
     assert node["podFailurePolicy"]["rules"] == [
-        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]}
+        {
+            "action": "FailJob",
+            "onExitCodes": {"containerName": "node", "operator": "In", "values": [75]},
+        },
+        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]},
     ]
     pod = node["template"]["spec"]
     assert (pod["restartPolicy"], pod["terminationGracePeriodSeconds"]) == ("Never", 90)
@@ -105,8 +119,7 @@ def test_k8s_manifest_structure(capsys):
     assert container["command"] == [
         "/bin/sh",
         "-c",
-        "if [ -f /runs/tiny/config.toml ]; then exec dataparallel train --resume /runs/tiny; "
-        "else exec dataparallel train --steps 5 --nproc 3 --out /runs/tiny; fi",
+        "exec dataparallel train --steps 5 --nproc 3 --out /runs/tiny --resume auto",
     ]
 
 
@@ -119,6 +132,10 @@ REFUSALS = [
     (["--layout", "task"], "--layout"),
     (["--name", "a b"], "--name"),
     (["--layout", "worker", "--nproc", "3", "--cpus-per-node", "8"], "--cpus-per-node"),
+    (["--resume=auto"], "--resume"),
+    (["--signal-s", "29"], "--signal-s"),
+    (["--signal-s", "60", "--preempt-budget", "56"], "--signal-s"),
+    (["--preempt-budget=soon"], "--preempt-budget"),
 ]
 
 
@@ -130,7 +147,53 @@ def test_refusals(args, field):
 
 
 def test_refusal_cases_count():
-    assert len(REFUSALS) == 7
+    assert len(REFUSALS) == 11
+
+
+def test_grace_holds_the_preempt_budget(capsys):
+    """--signal-s must hold --preempt-budget (25 s unless given) plus 5 s, naming both."""
+    assert main(["cluster", "k8s", "--signal-s", "40", "--preempt-budget", "36"]) == 2
+    assert capsys.readouterr().err == (
+        "dataparallel cluster: error: --signal-s: 40 s does not hold --preempt-budget 36 s plus "
+        "5 s; give --signal-s 41 or more, or a smaller --preempt-budget\n"
+    )
+    assert job_spec(["--signal-s", "30"]).preempt_budget_s == 25.0
+    spec = job_spec(["--signal-s", "40", "--preempt-budget=35", "--steps", "3"])
+    assert spec.preempt_budget_s == 35.0 and "--preempt-budget=35" in spec.train_args
+    pod = list(yaml.safe_load_all(k8s_manifest(spec, "x")))[0]["spec"]["template"]["spec"]
+    grace = pod["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert grace["terminationGracePeriodSeconds"] == 40
+    assert "--signal=B:USR1@40" in sbatch_options(slurm_script(spec, "x"))
+
+
+def slurm_env(monkeypatch, tasks: int):
+    """The variables srun sets in task 0 of a one-node job with `tasks` tasks."""
+    for name in ("RANK", "WORLD_SIZE", "PET_NNODES", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    env = {"SLURM_JOB_ID": "31", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "vm",
+           "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": str(tasks),
+           "SLURM_NTASKS": str(tasks), "SLURM_STEP_NODELIST": "vm",
+           "SLURM_STEP_TASKS_PER_NODE": str(tasks), "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+           "SLURM_NODEID": "0"}  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("layout,tasks", [("node", 1), ("worker", 2)])
+def test_the_printed_command_resolves_under_slurm(capsys, monkeypatch, tmp_path, layout, tasks):
+    """srun's line, `train ... --resume auto`, resolves in a task before the run exists (a
+    topology was once resolved with --resume auto read as a run directory)."""
+    out = tmp_path / "run"
+    text = printed(capsys, "slurm", "--layout", layout, "--out", str(out), "--steps", "3")
+    (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
+    argv = shlex.split(srun.removesuffix(" &"))
+    train = argv[argv.index("train") :]
+    assert train[-2:] == ["--resume", "auto"]
+    slurm_env(monkeypatch, tasks)
+    assert main([*train, "--print-config"]) == 0
+    config = capsys.readouterr().out
+    assert f'out = "{out}"' in config and "steps = 3" in config
+    assert not out.exists()
 
 
 def test_k8s_has_no_worker_layout(capsys):

@@ -11,6 +11,7 @@ from dataclasses import fields
 
 from .config import ConfigError, field_docs
 from .jobfiles import JobSpec, k8s_manifest, slurm_script
+from .preemption import DEFAULT_BUDGET_S
 
 USAGE = """Print the sbatch script or the Kubeflow TrainJob that runs `dataparallel train ARGS`,
 with the requeue signal and the shared run directory in place; it says what it assumed.
@@ -90,9 +91,26 @@ def job_spec(args: list[str]) -> JobSpec:
             raise ConfigError(
                 flag,
                 "is the job file's to decide",
-                "leave it out (the nodes come from the scheduler, a restart resumes by itself)",
+                "leave it out (the nodes come from the scheduler, every start runs --resume auto)",
             )
-    return JobSpec(**given, train_args=tuple(train_args))
+    budget = _preempt_budget(train_args)
+    return JobSpec(**given, train_args=tuple(train_args), preempt_budget_s=budget)
+
+
+def _preempt_budget(train_args: list[str]) -> float:
+    """The train command's --preempt-budget (it stays in ARGS), else its default."""
+    value = str(DEFAULT_BUDGET_S)
+    for i, arg in enumerate(train_args):
+        if arg == "--preempt-budget" and i + 1 < len(train_args):
+            value = train_args[i + 1]
+        elif arg.startswith("--preempt-budget="):
+            value = arg.split("=", 1)[1]
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(
+            "--preempt-budget", f"{value!r} is not a number", "give seconds"
+        ) from None
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

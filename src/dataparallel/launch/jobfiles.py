@@ -1,17 +1,24 @@
 """Job files that run `dataparallel train` on a scheduler: an sbatch script, a Kubeflow TrainJob.
 
 `dataparallel cluster slurm|k8s ARGS...` (cluster_command.py) prints them. Each says in its
-first lines what it assumed, and each keeps the run in one shared run directory, so that a
-requeued or restarted job finds it and resumes (`--resume RUN_DIR`) instead of starting over.
+first lines what it assumed, and each runs one command, `dataparallel train ARGS --out RUN_DIR
+--resume auto`, in one shared run directory: the first start begins the run, a requeued or
+restarted one resumes it from its latest checkpoint.
 
 [Note: requeue] Slurm requeues a job only when asked (`scontrol requeue`, from the script) and
-Kubernetes restarts a TrainJob's pods only when a failure policy says so. The sbatch script asks
-Slurm for USR1 `signal_s` seconds before the time limit (`--signal=B:USR1@S`, to the batch
-shell), forwards it to the job step, waits for the step to end and requeues the job; the
-manifest's pod failure policy turns a disruption (preemption, eviction) into a restart of the
-whole JobSet that does not count against its restarts. The next start resumes from the run's
-latest complete checkpoint (written every --checkpoint-every steps); a checkpoint written at the
-signal itself is not there yet (issue 31 item 4): the steps since the last one are redone.
+Kubernetes restarts a TrainJob's pods only when a failure policy says so. A preempted run saves
+its step and exits with PREEMPTED ([Note: preemption] in preemption.py), and the job files
+requeue on that status:
+- The sbatch script asks Slurm for USR1 `signal_s` seconds before the time limit
+  (`--signal=B:USR1@S`, to the batch shell), forwards it to the job step (srun passes it to
+  the tasks), waits for the step to end and, when its status is PREEMPTED, requeues the job;
+  any other status is the job's.
+- The manifest's pod failure policy fails the node's Job on a disruption (preemption, eviction:
+  the pod's DisruptionTarget condition) and on the container's exit with PREEMPTED, and the
+  JobSet restarts every node on that failure without counting it against its restarts.
+- Either way the grace (`signal_s`: the warning before Slurm's time limit, the pod's
+  terminationGracePeriodSeconds) must hold the save: `--preempt-budget` plus GRACE_MARGIN_S.
+The next start resumes from the checkpoint written at the signal; nothing is redone.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ import shlex
 from dataclasses import dataclass
 
 from .config import ConfigError
+from .preemption import DEFAULT_BUDGET_S, PREEMPTED
+
+# Seconds of grace beyond --preempt-budget: the signal's way to the workers and the exits.
+GRACE_MARGIN_S = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +45,9 @@ class JobSpec:
         "worker": one task per worker (--ntasks-per-node=nproc), each task trains in place.
     run_dir: the run directory, on a file system every node shares; empty: runs/<name> (Slurm:
         under the directory sbatch is run from) or /runs/<name> (Kubernetes: the volume).
-    train_args: the arguments of `dataparallel train` other than --nproc and --out.
+    train_args: the arguments of `dataparallel train` other than --nproc, --out and --resume.
+    preempt_budget_s: the train command's --preempt-budget (read from train_args): the grace
+        `signal_s` must hold.
     program: how the nodes start dataparallel ("dataparallel", "python -m dataparallel.cli").
     setup: a shell line run before it on every start (e.g. "source .venv/bin/activate").
     time: Slurm's time limit (--time), empty: the partition's.
@@ -43,7 +56,7 @@ class JobSpec:
         scheduler's default.
     gpus_per_node: GPUs asked on each node, 0: none.
     signal_s: seconds of warning before the time limit (Slurm --signal) and the grace of a
-        pod's termination (Kubernetes).
+        pod's termination (Kubernetes): at least preempt_budget_s + GRACE_MARGIN_S.
     image: Kubernetes: the container image holding dataparallel.
     claim: Kubernetes: the PersistentVolumeClaim (ReadWriteMany) mounted at /runs.
     max_restarts: Kubernetes: restarts of the whole JobSet after a failure that is not a
@@ -56,6 +69,7 @@ class JobSpec:
     layout: str = "node"
     run_dir: str = ""
     train_args: tuple[str, ...] = ()
+    preempt_budget_s: float = DEFAULT_BUDGET_S
     program: str = "dataparallel"
     setup: str = ""
     time: str = ""
@@ -73,6 +87,13 @@ def check_spec(spec: JobSpec) -> None:
     for name in ("nodes", "nproc", "signal_s"):
         if getattr(spec, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", "is below 1", "give 1 or more")
+    if spec.signal_s < spec.preempt_budget_s + GRACE_MARGIN_S:
+        need = spec.preempt_budget_s + GRACE_MARGIN_S
+        raise ConfigError(
+            "--signal-s",
+            f"{spec.signal_s} s does not hold --preempt-budget {spec.preempt_budget_s:g} s plus {GRACE_MARGIN_S} s",
+            f"give --signal-s {need:g} or more, or a smaller --preempt-budget",
+        )
     if spec.layout not in ("node", "worker"):
         raise ConfigError("--layout", f"{spec.layout!r} is not a layout", "give node or worker")
     if not spec.name or not all(c.isalnum() or c == "-" for c in spec.name):
@@ -85,10 +106,10 @@ def check_spec(spec: JobSpec) -> None:
         )
 
 
-def _train_line(spec: JobSpec, run_dir: str) -> tuple[str, str]:
-    """(the first start's arguments, a restart's arguments) of `dataparallel train`."""
-    first = shlex.join([*spec.train_args, "--nproc", str(spec.nproc), "--out", run_dir])
-    return first, shlex.join(["--resume", run_dir])
+def _train_line(spec: JobSpec, run_dir: str) -> str:
+    """The arguments of `dataparallel train`, the same at every start ([Note: requeue])."""
+    args = [*spec.train_args, "--nproc", str(spec.nproc), "--out", run_dir, "--resume", "auto"]
+    return shlex.join(args)
 
 
 def slurm_script(spec: JobSpec, printed_by: str) -> str:
@@ -97,7 +118,7 @@ def slurm_script(spec: JobSpec, printed_by: str) -> str:
     run_dir = spec.run_dir or f"runs/{spec.name}"
     per_worker = spec.layout == "worker"
     tasks = spec.nproc if per_worker else 1
-    first, again = _train_line(spec, run_dir)
+    train = _train_line(spec, run_dir)
     layout = (
         f"one task per worker: {spec.nproc} tasks per node, each trains in place"
         if per_worker
@@ -109,12 +130,13 @@ def slurm_script(spec: JobSpec, printed_by: str) -> str:
         "# Assumed:",
         f"# - {spec.nodes} node(s), {layout}.",
         f"# - {run_dir} is on a file system every node shares (relative paths: under the",
-        "#   directory sbatch is run from): node 0 writes the run there, a requeued job resumes",
-        "#   from its latest checkpoint.",
+        "#   directory sbatch is run from): node 0 writes the run there, and --resume auto",
+        "#   resumes a requeued job from its latest checkpoint.",
         f"# - `{spec.program}` starts dataparallel on every node"
         + (f", after `{spec.setup}`." if spec.setup else "."),
-        f"# - USR1 {spec.signal_s} s before the time limit: the step is told, ends, and the job",
-        "#   is requeued (scontrol requeue); the steps since the last checkpoint are redone.",
+        f"# - USR1 {spec.signal_s} s before the time limit (or scancel --batch --signal=USR1)",
+        "#   goes to the step: it saves its step within --preempt-budget, exits with",
+        f"#   {PREEMPTED} and the job is requeued (scontrol requeue); other statuses are the job's.",
         f"#SBATCH --job-name={spec.name}",
         f"#SBATCH --nodes={spec.nodes}",
         f"#SBATCH --ntasks-per-node={tasks}",
@@ -132,20 +154,13 @@ def slurm_script(spec: JobSpec, printed_by: str) -> str:
         f"#SBATCH --output={spec.name}-%j.out",
         *([spec.setup] if spec.setup else []),
         "set -u",
-        f"RUN_DIR={shlex.quote(run_dir)}",
-        'if [ -f "$RUN_DIR/config.toml" ]; then  # requeued: resume the run',
-        f"  set -- {again}",
-        "else",
-        f"  set -- {first}",
-        "fi",
-        "preempted=0",
-        "trap 'preempted=1; kill -USR1 \"$step\" 2>/dev/null' USR1  # srun passes it to the tasks",
-        f'srun --ntasks-per-node={tasks} {spec.program} train "$@" &',
+        "trap 'kill -USR1 \"$step\" 2>/dev/null' USR1  # srun passes it to the tasks",
+        f"srun --ntasks-per-node={tasks} {spec.program} train {train} &",
         "step=$!",
         'wait "$step"; status=$?',
         'while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done',
-        'if [ "$preempted" = 1 ]; then',
-        '  echo "dataparallel: USR1 before the time limit: requeueing job $SLURM_JOB_ID"',
+        f'if [ "$status" = {PREEMPTED} ]; then  # PREEMPTED: the step saved, the next start resumes',
+        '  echo "dataparallel: preempted: requeueing job $SLURM_JOB_ID"',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "fi",
         'exit "$status"',
@@ -165,13 +180,8 @@ def k8s_manifest(spec: JobSpec, printed_by: str) -> str:
     if spec.layout != "node":
         raise ConfigError("--layout", "worker is Slurm's", "leave --layout out for k8s")
     run_dir = spec.run_dir or f"/runs/{spec.name}"
-    first, again = _train_line(spec, run_dir)
-    program = f"{spec.setup} && " if spec.setup else ""
-    shell = (
-        f"{program}if [ -f {shlex.quote(run_dir)}/config.toml ]; "
-        f"then exec {spec.program} train {again}; "
-        f"else exec {spec.program} train {first}; fi"
-    )
+    setup = f"{spec.setup} && " if spec.setup else ""
+    shell = f"{setup}exec {spec.program} train {_train_line(spec, run_dir)}"
     resources = {}
     if spec.cpus_per_node:
         resources["cpu"] = spec.cpus_per_node
@@ -190,11 +200,14 @@ def k8s_manifest(spec: JobSpec, printed_by: str) -> str:
         f"# - {spec.nodes} node(s) of {spec.nproc} workers; image {spec.image} holds dataparallel"
         + (" (a placeholder: give --image)." if spec.image == JobSpec.image else "."),
         f"# - the PersistentVolumeClaim {spec.claim} (ReadWriteMany) holds the run directory",
-        f"#   {run_dir}: node 0 writes the run there, a restarted job resumes from it.",
-        "# - a disruption (preemption, eviction: the pod's DisruptionTarget condition) fails the",
-        "#   node's Job by its pod failure policy, and the JobSet then restarts every node without",
-        f"#   counting it; other failures restart it at most {spec.max_restarts} times. The pods",
-        f"#   get SIGTERM and {spec.signal_s} s; the steps since the last checkpoint are redone.",
+        f"#   {run_dir}: node 0 writes the run there, and --resume auto resumes a restarted job",
+        "#   from its latest checkpoint.",
+        "# - a disruption (preemption, eviction: the pod's DisruptionTarget condition) or the",
+        f"#   container's exit with {PREEMPTED} (it saved its step) fails the node's Job by its pod",
+        "#   failure policy, and the JobSet then restarts every node without counting it; other",
+        f"#   failures restart it at most {spec.max_restarts} times.",
+        f"# - the pods get SIGTERM and {spec.signal_s} s, which hold --preempt-budget "
+        f"{spec.preempt_budget_s:g} s.",
         "apiVersion: trainer.kubeflow.org/v1alpha1",
         "kind: TrainingRuntime",
         "metadata:",
@@ -223,6 +236,11 @@ def k8s_manifest(spec: JobSpec, printed_by: str) -> str:
         "              backoffLimit: 0",
         "              podFailurePolicy:",
         "                rules:",
+        "                  - action: FailJob",
+        "                    onExitCodes:",
+        "                      containerName: node",
+        "                      operator: In",
+        f"                      values: [{PREEMPTED}]",
         "                  - action: FailJob",
         "                    onPodConditions:",
         "                      - type: DisruptionTarget",
