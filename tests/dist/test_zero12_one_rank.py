@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import dataparallel as dp
+from dataparallel.strategies.parts.sharded_grads import is_sharded_grad
 
 
 @pytest.fixture(scope="module", autouse=True)
