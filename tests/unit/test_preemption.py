@@ -10,8 +10,9 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from dataparallel.launch import preemption
 from dataparallel.launch.config import ConfigError, LaunchConfig, check_launch
-from dataparallel.launch.preemption import LauncherSignals, WorkerSignals
+from dataparallel.launch.preemption import LauncherSignals, WorkerSignals, preempting
 from dataparallel.launch.workers import torchrun_argv
 
 
@@ -28,6 +29,7 @@ def test_the_launcher_raises_once_and_says_a_repeat_once(kept_handlers, capsys):
     with pytest.raises(SignalException) as raised:
         os.kill(os.getpid(), signal.SIGUSR1)
     assert raised.value.sigval == signal.SIGUSR1 and signals.received == signal.SIGUSR1
+    assert preempting(os.getpid()).exists()  # marked before the agent passes it on
     for _ in range(3):  # later signals: no exception, one line in all
         os.kill(os.getpid(), signal.SIGTERM)
     signals.restore()
@@ -35,6 +37,7 @@ def test_the_launcher_raises_once_and_says_a_repeat_once(kept_handlers, capsys):
     assert len(lines) == 2 and "exits 75" in lines[0]
     assert lines[1].startswith("dataparallel: SIGTERM again") and "within 25 s" in lines[1]
     assert signal.getsignal(signal.SIGTERM) is not signals._handle
+    assert not preempting(os.getpid()).exists()  # the mark goes with the handlers
 
 
 def test_a_worker_keeps_the_first_signal(kept_handlers):
@@ -43,6 +46,21 @@ def test_a_worker_keeps_the_first_signal(kept_handlers):
     os.kill(os.getpid(), signal.SIGUSR1)
     os.kill(os.getpid(), signal.SIGTERM)
     assert signals.received == signal.SIGUSR1
+
+
+def test_a_workers_sigterm_is_a_preemption_only_once_its_launcher_marked_one(monkeypatch):
+    """The agent also stops the survivors of a failure with SIGTERM: without its launcher's
+    mark a worker's SIGTERM is not a preemption (the worker ends at once, as before)."""
+    monkeypatch.setattr(preemption, "MARK_WAIT_S", 0.05)
+    launcher = 2**22 + 12345  # no such launcher: never marked
+    preempting(launcher).unlink(missing_ok=True)
+    assert WorkerSignals(launcher)._preempting() is False
+    preempting(launcher).touch()
+    try:
+        assert WorkerSignals(launcher)._preempting() is True
+    finally:
+        preempting(launcher).unlink()
+    assert WorkerSignals(None)._preempting() is True  # no launcher of ours: the scheduler's
 
 
 def test_the_agent_leaves_the_preemption_signals_to_us_and_waits_the_budget():

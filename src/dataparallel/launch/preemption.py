@@ -13,7 +13,14 @@ default) and sends SIGKILL. So:
   second signal is noted on one line and changes nothing: the save goes on within the same
   budget. The launcher then exits with PREEMPTED.
 - A worker takes them too (`WorkerSignals`; Slurm signals every task, and a worker may be the
-  task): the handler only raises a flag. At the next step boundary the ranks agree on the flag
+  task): the handler only raises a flag. A SIGTERM to a worker of our launcher is a preemption
+  only once the launcher was preempted: torch's agent also stops the survivors of a failure
+  with SIGTERM, and those end at once as before (a stalled worker's run ends within the
+  collective timeout plus a few seconds, [Note: stopped workers]). The launcher marks its
+  preemption (`preempting(pid)`, a file) before it passes the signal on; a worker's SIGTERM
+  waits for the mark up to MARK_WAIT_S (Slurm may signal the workers before their launcher)
+  and ends the worker when none comes. SIGUSR1 always means preemption (the agent never sends
+  it). At the next step boundary the ranks agree on the flag
   (train/preemption.py: one 1-element all-reduce per step), so every rank stops after the same
   step; a worker under our launcher tells it (the same signal), they write one synchronous
   checkpoint of that step (or keep the one of that step already written) and exit with
@@ -38,12 +45,21 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry"
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 DEFAULT_BUDGET_S = 25.0
+MARK_WAIT_S = 2.0  # how long a worker's SIGTERM waits for its launcher's mark
 # The signals torch's agent keeps handling itself (Ctrl-C and the like: status 130).
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+
+
+def preempting(launcher_pid: int) -> Path:
+    """The mark a preempted launcher leaves before it passes the signal on to its workers."""
+    return Path(tempfile.gettempdir()) / f"dataparallel-preempting-{launcher_pid}"
 
 
 class LauncherSignals:
@@ -68,6 +84,7 @@ class LauncherSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        preempting(os.getpid()).unlink(missing_ok=True)
 
     def _handle(self, signum: int, frame) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -85,6 +102,7 @@ class LauncherSignals:
             )
             return
         self.received = sig
+        preempting(os.getpid()).touch()  # before the agent passes it on: the workers save
         print(
             f"dataparallel: {sig.name}: preempted; the workers finish their step and save a "
             f"checkpoint (at most {self.budget_s:g} s), then the launcher exits {PREEMPTED}",
@@ -98,8 +116,9 @@ class WorkerSignals:
     """A worker's handlers of SIGTERM and SIGUSR1: they raise a flag, read at the next step
     boundary ([Note: preemption]). `received` is the first signal, or None."""
 
-    def __init__(self):
+    def __init__(self, launcher_pid: int | None = None):
         self.received: signal.Signals | None = None
+        self.launcher_pid = launcher_pid  # our launcher's (ENV_LAUNCHER), None without one
 
     def install(self) -> WorkerSignals:
         for sig in PREEMPT_SIGNALS:
@@ -107,8 +126,24 @@ class WorkerSignals:
         return self
 
     def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGTERM and self.received is None and not self._preempting():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the agent stops us: end as before
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         if self.received is None:
             self.received = signal.Signals(signum)
+
+    def _preempting(self) -> bool:
+        """Whether this SIGTERM is a preemption: no launcher of ours (the scheduler's own task,
+        torchrun started by hand), or our launcher marked its preemption (waited for briefly)."""
+        if self.launcher_pid is None:
+            return True
+        mark, deadline = preempting(self.launcher_pid), time.monotonic() + MARK_WAIT_S
+        while not mark.exists():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
 
 def exit_now(code: int = PREEMPTED) -> None:

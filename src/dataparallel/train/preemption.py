@@ -23,9 +23,11 @@ from ..checkpoint import latest_checkpoint, step_name
 from ..launch.preemption import PREEMPTED, WorkerSignals
 from ..launch.workers import ENV_LAUNCHER
 from . import checkpointing
-from .checkpointing import CHECKPOINTS, CheckpointSaver
-from .loop import Callback
-from .trainer import StepRecord, TrainState
+from .callbacks import Callback
+from .checkpointing import CheckpointSaver
+from .ledger import StepRecord
+from .run_dir import CHECKPOINTS
+from .state import TrainState
 
 # Tests only: seconds every rank sleeps inside the preemption save, after its files are written
 # and before rank 0 commits them, so that a test can kill a save half done.

@@ -193,7 +193,8 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
     """
     launch = config.launch
     live = LiveRecovery.from_environment(launch)  # [Note: live recovery] in live/recovery.py
-    signals = WorkerSignals().install() if live is None else None
+    launcher = os.environ.get(ENV_LAUNCHER)  # our launcher's pid: it marks a preemption
+    signals = WorkerSignals(int(launcher) if launcher else None).install() if live is None else None
     preempted = False
     world = dp.init(
         threads=launch.threads or None,
