@@ -140,15 +140,14 @@ def test_the_store_listens_on_the_run_address_only():
         HostedStore("192.0.2.1")
 
 
-def test_a_joiner_trains_only_the_run_the_launcher_sealed(tmp_path, monkeypatch):
+def test_a_joiner_trains_only_the_run_the_launcher_sealed(tmp_path):
     from dataparallel.train.elastic import read_run
     from dataparallel.train.live.store import RUN_KEY
 
     path = make_secret(tmp_path)
-    monkeypatch.setenv("DATAPARALLEL_SECRET_FILE", str(path))
     key, store = RunKey.read(path), dist.HashStore()
     store.set(RUN_KEY, key.seal('{"run": 1}', purpose=RUN_KEY))
-    assert read_run(store) == '{"run": 1}'
+    assert read_run(store, path) == '{"run": 1}'
     for written, reason in [
         ('{"run": 2}', "unsigned"),
         (OTHER.seal('{"run": 2}', purpose=RUN_KEY), "forged"),
@@ -156,4 +155,4 @@ def test_a_joiner_trains_only_the_run_the_launcher_sealed(tmp_path, monkeypatch)
     ]:
         store.set(RUN_KEY, written)
         with pytest.raises(Refused, match=f"^{reason}"):
-            read_run(store)
+            read_run(store, path)

@@ -107,27 +107,25 @@ def connect(run_dir: Path):
     return address, run_store(store)
 
 
-def use_secret(run_dir: Path, given: str | None) -> RunKey:
-    """The run's key, from --secret-file, $DATAPARALLEL_SECRET_FILE or RUN_DIR/live.secret
-    (ConfigError naming the file); the file is kept in the environment, where this process's
-    replica (and a keeper's later ones) find it."""
+def use_secret(run_dir: Path, given: str | None) -> Path:
+    """The file of the run's key, from --secret-file, $DATAPARALLEL_SECRET_FILE or
+    RUN_DIR/live.secret, checked readable (ConfigError naming the file); passed down to this
+    process's replica (and a keeper's later ones), never left in the environment."""
     path = find_secret(run_dir, given).resolve()
-    key = RunKey.read(path)
-    os.environ[ENV_SECRET_FILE] = str(path)
-    return key
+    RunKey.read(path)
+    return path
 
 
-def read_run(store) -> str:
+def read_run(store, secret: Path) -> str:
     """The run a joiner trains, as the launcher sealed it (Refused if anyone else wrote it)."""
-    key = RunKey.read(Path(os.environ[ENV_SECRET_FILE]))  # set by use_secret
+    key = RunKey.read(secret)
     return key.verify(store.get(RUN_KEY), purpose=RUN_KEY)["body"]
 
 
-def _answer(command: str, store, request: Request) -> Answer | None:
+def _answer(command: str, store, request: Request, secret: Path) -> Answer | None:
     """The launcher's answer, or None when it gave none (said on one line)."""
     try:
-        key = RunKey.read(Path(os.environ[ENV_SECRET_FILE]))  # set by use_secret
-        return ask(store, request, key)
+        return ask(store, request, RunKey.read(secret))
     except TimeoutError as error:
         print(f"dataparallel {command}: error: {error}", file=sys.stderr)
     except RuntimeError:  # the store closed: the launcher has ended
@@ -141,24 +139,25 @@ def cmd_join(args: argparse.Namespace) -> int:
               "more", file=sys.stderr)  # fmt: skip
         return 2
     try:
-        use_secret(Path(args.run), args.secret_file)
+        secret = use_secret(Path(args.run), args.secret_file)
     except ConfigError as error:
         print(f"dataparallel join: error: {error}", file=sys.stderr)
         return 2
     if args.restarts:
-        return keep(Path(args.run), args.restarts)
-    code = join(Path(args.run))
+        return keep(Path(args.run), args.restarts, secret)
+    code = join(Path(args.run), secret)
     return 1 if code == REFUSED else code
 
 
-def join(run_dir: Path) -> int:
+def join(run_dir: Path, secret: Path) -> int:
     """Join the run and train until it ends: 0 done or left, 1 failed, 2 bad input, REFUSED."""
     try:
         address, store = connect(run_dir)
     except ConfigError as error:
         print(f"dataparallel join: error: {error}", file=sys.stderr)
         return 2
-    answer = _answer("join", store, Request(kind=JOIN, pid=os.getpid(), host=socket.gethostname()))
+    request = Request(kind=JOIN, pid=os.getpid(), host=socket.gethostname())
+    answer = _answer("join", store, request, secret)
     if answer is None:
         return 1
     if not answer.ok:
@@ -168,16 +167,16 @@ def join(run_dir: Path) -> int:
     from .handoff import decode_run
 
     try:
-        shard = max(decode_run(read_run(store))[0].launch.shard_group, 1)
+        shard = max(decode_run(read_run(store, secret))[0].launch.shard_group, 1)
     except Refused as refused:  # someone but the launcher wrote the run: train nothing of it
         print(f"dataparallel join: error: the run in the store: {refused}", file=sys.stderr)
         return 1
     if shard == 1:
-        return train_joined(run_dir, address, store, answer.replica)
-    return train_replica(run_dir, address, answer.replica, shard)
+        return train_joined(run_dir, address, store, answer.replica, secret=secret)
+    return train_replica(run_dir, address, answer.replica, shard, secret)
 
 
-def train_replica(run_dir: Path, address: str, slot: int, shard: int) -> int:
+def train_replica(run_dir: Path, address: str, slot: int, shard: int, secret: Path) -> int:
     """Join as an HSDP replica of `shard` processes ([Note: HSDP replicas] in live/replica.py): each
     is forked here and trains as its index; they meet among themselves, then enter the run as
     one replica. The replica ends as a whole: when one of them ends otherwise than with 0 the
@@ -186,7 +185,7 @@ def train_replica(run_dir: Path, address: str, slot: int, shard: int) -> int:
 
     def train(index: int) -> int:
         store = run_store(client_store(address, CONNECT_TIMEOUT_S))  # its own socket
-        return train_joined(run_dir, address, store, slot, index, shard, owner)
+        return train_joined(run_dir, address, store, slot, index, shard, owner, secret=secret)
 
     children = [fork(partial(train, index)) for index in range(shard)]
     codes: dict[int, int] = {}
@@ -201,7 +200,7 @@ def train_replica(run_dir: Path, address: str, slot: int, shard: int) -> int:
     return (failed[0] if failed[0] > 0 else 1) if failed else 0
 
 
-def keep(run_dir: Path, restarts: int) -> int:
+def keep(run_dir: Path, restarts: int, secret: Path) -> int:
     """Keep a replica of the run on this machine: join, and join again when it is lost.
 
     [Note: the machine's keeper] The live launcher replaces the workers it started, on its own
@@ -231,7 +230,7 @@ def keep(run_dir: Path, restarts: int) -> int:
     while True:
         if stopping:
             return 128 + signal.SIGTERM
-        child = fork(partial(join, run_dir))  # the replica
+        child = fork(partial(join, run_dir, secret))  # the replica
         _, status = os.waitpid(child, 0)
         code, child = os.waitstatus_to_exitcode(status), 0
         if stopping:
@@ -275,6 +274,8 @@ def train_joined(
     index: int = 0,
     shard: int = 1,
     owner: int | None = None,
+    *,
+    secret: Path,
 ) -> int:
     """Train as the replica in `slot` of the live run until it ends, beating meanwhile; under
     --shard-group as its process `index` of `shard`, forked by the process `owner` that asked
@@ -285,7 +286,7 @@ def train_joined(
     from .handoff import decode_run
     from .worker import ENV_LAUNCHER, run_worker
 
-    config, _, _ = decode_run(read_run(store))
+    config, _, _ = decode_run(read_run(store, secret))
     # The run directory as this process reaches it (the launcher's may be relative to its own
     # working directory, or a mount on another machine).
     config = config.replace(launch={"out": str(run_dir)})
@@ -293,8 +294,7 @@ def train_joined(
     environment = worker_environment(launch)
     environment.pop(ENV_LAUNCHER)  # not the launcher's child: its heartbeat ties it to the run
     os.environ.update(environment)
-    secret = os.environ[ENV_SECRET_FILE]  # set by use_secret
-    live = {"store": address, "replica": slot, "joining": True, "secret": secret}
+    live = {"store": address, "replica": slot, "joining": True, "secret": str(secret)}
     if shard > 1:  # [Note: HSDP replicas]: its first group is its own, named by its slot
         live.update(index=index, shard=shard, start=f"join-{slot}", owner=owner)
     os.environ[ENV_LIVE] = json.dumps(live)
@@ -317,12 +317,12 @@ def cmd_leave(args: argparse.Namespace) -> int:
     try:
         if args.replica < 0:
             raise ConfigError("--replica", f"{args.replica} is negative", "give a replica's slot")
-        use_secret(Path(args.run), args.secret_file)
+        secret = use_secret(Path(args.run), args.secret_file)
         _, store = connect(Path(args.run))
     except ConfigError as error:
         print(f"dataparallel leave: error: {error}", file=sys.stderr)
         return 2
-    answer = _answer("leave", store, Request(kind=LEAVE, replica=args.replica))
+    answer = _answer("leave", store, Request(kind=LEAVE, replica=args.replica), secret)
     if answer is None:
         return 1
     if not answer.ok:
