@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import latest_checkpoint, step_name
+from ..comm.progress import watched
 from ..launch.preemption import PREEMPTED, WorkerSignals
 from ..launch.workers import ENV_LAUNCHER
 from . import checkpointing
@@ -83,7 +84,9 @@ class Preemption(Callback):
         if self.flag is None:
             self.flag = torch.zeros(1, dtype=torch.int32, device=state.world.device)
         self.flag.fill_(mine)
-        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=state.world.group)
+        # Watched like every collective of the step: a rank that stalls before it is named.
+        with watched(state.world.group, "all_reduce", self.flag, what="preemption flag"):
+            dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=state.world.group)
         return int(self.flag.item())
 
 
