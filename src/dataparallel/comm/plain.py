@@ -28,24 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# The dtypes a tensor may have on the wire (a name outside it is refused, never looked up).
-DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.complex64,
-        torch.complex128,
-    )
-}
+from .progress import DTYPES as PROGRESS_DTYPES
+
+# The dtypes a tensor may have on the wire (a name outside it is refused, never looked up): the
+# ones the collectives' progress records know (progress.py).
+DTYPES = {str(d).removeprefix("torch."): d for d in PROGRESS_DTYPES}
 NUMPY_DTYPES = {
     "float64",
     "float32",
