@@ -224,7 +224,7 @@ def fsdp2(model, world) -> Prepared:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(world.group, "cpu")
+    mesh = DeviceMesh.from_group(world.group, world.device.type)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

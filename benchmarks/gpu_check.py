@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue as queue_module
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,15 +61,32 @@ def batch(step: int, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:, :-1].to(device), x[:, 1:].to(device)
 
 
+def small_gpt() -> torch.nn.Module:
+    return GPT(SMALL_GPT)
+
+
+def tiny_llama() -> torch.nn.Module:
+    """A Hugging Face Llama (transformers' own modules), built from a config: nothing read."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=SMALL_GPT.vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=SMALL_GPT.block_size,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
 def lm_loss(model, x, y) -> torch.Tensor:
-    logits = model(x).float()
+    out = model(x)
+    logits = (out.logits if hasattr(out, "logits") else out).float()
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def reference_run(device, precision, steps: int, size: int, n: int):
+def reference_run(device, precision, steps: int, size: int, n: int, build=small_gpt):
     """One process, plain PyTorch: low-precision weights with fp32 masters when asked."""
     torch.manual_seed(0)
-    model = GPT(SMALL_GPT).to(device)
+    model = build().to(device)
     masters = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
     initial = [m.detach().clone() for m in masters]
     if precision is not None:
@@ -88,9 +107,12 @@ def reference_run(device, precision, steps: int, size: int, n: int):
     return [m.detach() for m in masters], moved
 
 
-def ours_run(world, name, precision, steps: int, size: int):
+def ours_run(world, name, precision, steps: int, size: int, build=small_gpt, compile=False):
     torch.manual_seed(0)
-    model = dp.parallelize(GPT(SMALL_GPT).to(world.device), policy(name, precision))
+    model = dp.parallelize(build().to(world.device), policy(name, precision))
+    if compile:  # each block after wrapping ([Note: compile] in strategies/fsdp.py)
+        for block in model.blocks:
+            block.compile()
     opt = dp.build_optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
     fp16 = precision is not None and precision.param_dtype == torch.float16
     scaler = torch.amp.GradScaler(world.device.type, init_scale=2.0**10) if fp16 else None
@@ -107,28 +129,30 @@ def ours_run(world, name, precision, steps: int, size: int):
             opt.step()
         opt.zero_grad()
     state = dp.full_state_dict(model)
-    return [state[k] for k, _ in GPT(SMALL_GPT).named_parameters()]
+    return [state[k] for k, _ in build().named_parameters()]
 
 
-def parity(world, precisions) -> list[dict]:
+def parity(
+    world, precisions, build=small_gpt, check="parity", compile=False, strategies=STRATEGIES
+):
     rows = []
     for precision_name in precisions:
         precision = PRECISIONS[precision_name]
         ref, moved = reference_run(
-            world.device, precision, 4, 4 * world.world_size, world.world_size
+            world.device, precision, 4, 4 * world.world_size, world.world_size, build
         )
-        for name in STRATEGIES:
+        for name in strategies:
             case = f"{name} {precision_name} ({world.world_size} rank, {world.backend})"
             try:
-                ours = ours_run(world, name, precision, 4, 4 * world.world_size)
+                ours = ours_run(world, name, precision, 4, 4 * world.world_size, build, compile)
                 diff = max(
                     (a.float().cpu() - b.cpu()).abs().max().item()
                     for a, b in zip(ours, ref, strict=True)
                 )
                 ok = diff <= TOL[precision_name] * moved
-                rows.append({"check": "parity", "case": case, "ok": ok, "value": f"{diff:.2e}"})
+                rows.append({"check": check, "case": case, "ok": ok, "value": f"{diff:.2e}"})
             except Exception as exc:  # a path that does not run here is a result too
-                rows.append({"check": "parity", "case": case, "ok": False, "value": _why(exc)})
+                rows.append({"check": check, "case": case, "ok": False, "value": _why(exc)})
     return rows
 
 
@@ -263,7 +287,7 @@ def _rank(rank, world_size, port, backend, device_type, job, queue):
     try:
         if device_type == "cpu":
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        world = dp.init(backend=backend)
+        world = dp.init(backend=backend, threads=1 if device_type == "cpu" else None)
         queue.put((rank, job(world)))
     except BaseException:
         queue.put(
@@ -283,8 +307,10 @@ def _rank(rank, world_size, port, backend, device_type, job, queue):
         dp.destroy()
 
 
-def run_world(world_size: int, backend: str, device_type: str, job) -> list[dict]:
-    """`job(world)` in a fresh world; rank 0's rows."""
+def run_world(world_size: int, backend: str, device_type: str, job, timeout: float) -> list[dict]:
+    """`job(world)` in a fresh world of `world_size` processes; rank 0's rows. A world that
+    has not answered within `timeout` seconds is ended and reported as a row (the check goes
+    on with the next section)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -296,9 +322,21 @@ def run_world(world_size: int, backend: str, device_type: str, job) -> list[dict
     ]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    results, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            rank, rows = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            results[rank] = rows
+    except queue_module.Empty:
+        missing = sorted(set(range(world_size)) - set(results))
+        row = {"check": job.__name__, "case": "world", "ok": False,
+               "value": f"no answer from rank(s) {missing} within {timeout:.0f} s; ended"}  # fmt: skip
+        results.setdefault(0, [row])
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
     return results[0]
 
 
@@ -310,38 +348,141 @@ def all_parity(world):
     return parity(world, list(PRECISIONS))
 
 
+def hf_parity(world):
+    return parity(world, ["fp32", "bf16-params"], tiny_llama, "hf llama")
+
+
+def compiled_parity(world):
+    """torch.compile'd blocks (inductor: Triton kernels on CUDA) under each strategy, against the
+    eager one-process reference."""
+    return parity(world, ["fp32"], small_gpt, "compiled", compile=True)
+
+
 def benchmarks(world):
     return step_times(world, MODEL_CONFIGS["gpt-small"], "gpt-small", 20) + step_times(
         world, DEEP_NARROW, "deep-narrow", 20
     )
 
 
+def host_times(world):
+    """benchmarks/host_time.py's table on this device (gpt-deep-narrow)."""
+    from host_time import measure, parameter_tensors, table
+
+    rows = table([measure(world, "gpt-deep-narrow")], parameter_tensors("gpt-deep-narrow"))
+    return [
+        {
+            "check": "host time deep-narrow",
+            "case": r["contender"],
+            "ok": True,
+            "value": f"step {r['step_ms']:.2f} ms, host {r['host_ms']:.2f} ms, "
+            f"{r['host_us_per_param']:+.2f} us/param over bound, "
+            f"exposed {r['exposed_ms']:+.2f} ms",
+        }  # fmt: skip
+        for r in rows
+    ]
+
+
+def job(device_type: str, timeout: float) -> list[dict]:
+    """`dataparallel train` (the job, through its launcher) on one rank of this device."""
+    folder = tempfile.mkdtemp(prefix="gpu-check-job-")
+    command = [sys.executable, "-m", "dataparallel.cli", "train", "--steps", "20", "--nproc",
+               "1", "--strategy", "zero3", "--out", f"{folder}/run"]  # fmt: skip
+    case = "train --nproc 1 --strategy zero3 --steps 20"
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [
+            {"check": "job", "case": case, "ok": False, "value": f"timed out ({timeout:.0f} s)"}
+        ]
+    try:
+        with open(f"{folder}/run/run.json") as f:
+            run = json.load(f)
+        with open(f"{folder}/run/metrics.jsonl") as f:
+            val = [r["val_loss"] for r in map(json.loads, f) if r.get("kind") == "val"]
+        value = f"{run['device']}/{run['backend']}, val {val[0]:.4f} -> {val[-1]:.4f}"
+        ok = done.returncode == 0 and run["device"].startswith(device_type) and val[-1] < val[0]
+    except (OSError, KeyError, IndexError, ValueError) as exc:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+        value, ok = f"exit {done.returncode}: {tail[0][:100]} ({type(exc).__name__})", False
+    shutil.rmtree(folder, ignore_errors=True)
+    return [{"check": "job", "case": case, "ok": ok, "value": value}]
+
+
+# (name, world size, backend, job, seconds it may take): the sections in the order they run.
+def sections(device_type: str) -> list[tuple]:
+    single = "nccl" if device_type == "cuda" else "gloo"
+    return [
+        ("parity", 1, single, all_parity, 90),
+        ("gloo with device tensors", 2, "gloo", fp32_parity, 60),
+        ("hf models", 1, single, hf_parity, 60),
+        ("memory", 1, single, memory, 45),
+        ("checkpoints", 1, single, checkpoints, 60),
+        ("compile", 1, single, compiled_parity, 150),
+        ("step times", 1, single, benchmarks, 90),
+        ("host time", 1, single, host_times, 90),
+    ]
+
+
+def render(rows: list[dict], device_name: str, started: float) -> str:
+    lines = [
+        f"gpu_check: torch {torch.__version__}, {device_name}, "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {time.monotonic() - started:.0f} s",
+        "",
+        "| check | case | ok | value |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        ok = "yes" if row["ok"] else "NO"
+        lines.append(f"| {row['check']} | {row['case']} | {ok} | {row['value']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument(
+        "--out", default="gpu_check.md", help="the table, rewritten after each section"
+    )
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--budget", type=float, default=270,
+                        help="seconds for the whole check: sections that would start later are "
+                             "reported as skipped")  # fmt: skip
+    parser.add_argument("--only", help="comma-separated section names (default: all)")
+    parser.add_argument("--patience", type=float, default=1.0,
+                        help="multiplies each section's time limit (a slow or busy machine)")  # fmt: skip
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"gpu_check: torch {torch.__version__} sees no CUDA device; run `make gpu-check`")
-        return 2
-    single = "nccl" if args.device == "cuda" else "gloo"
-    rows = []
-    rows += run_world(1, single, args.device, all_parity)
-    rows += run_world(2, "gloo", args.device, fp32_parity)
-    rows += run_world(1, single, args.device, memory)
-    rows += run_world(1, single, args.device, checkpoints)
-    rows += run_world(1, single, args.device, benchmarks)
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"gpu_check: torch {torch.__version__}, {name}, {time.strftime('%Y-%m-%d %H:%M')}")
-    print("| check | case | ok | value |\n|---|---|---|---|")
-    for row in rows:
         print(
-            f"| {row['check']} | {row['case']} | {'yes' if row['ok'] else 'NO'} | {row['value']} |"
+            f"gpu_check: torch {torch.__version__} sees no CUDA device (--device cpu: a smoke run)"
         )
+        return 2
+    started = time.monotonic()
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    rows: list[dict] = []
+    chosen = set(args.only.split(",")) if args.only else None
+    for title, size, backend, work, timeout in [*sections(args.device), ("job", 0, "", None, 120)]:
+        if chosen is not None and title not in chosen:
+            continue
+        left, timeout = args.budget - (time.monotonic() - started), timeout * args.patience
+        if left < 10:
+            rows.append(
+                {"check": title, "case": "-", "ok": False, "value": "skipped: budget spent"}
+            )
+            continue
+        begun = time.monotonic()
+        if work is None:
+            rows += job(args.device, min(timeout, left))
+        else:
+            rows += run_world(size, backend, args.device, work, min(timeout, left))
+        print(f"gpu_check: {title} done in {time.monotonic() - begun:.0f} s", flush=True)
+        with open(args.out, "w") as f:
+            f.write(render(rows, name, started))
+    text = render(rows, name, started)
+    print(text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    return 0 if all(r["ok"] for r in rows) else 1
+    return 0 if rows and all(r["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":
