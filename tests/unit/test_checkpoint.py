@@ -107,7 +107,10 @@ def test_a_pickle_payload_in_a_data_file_never_runs(tmp_path):
     marker = tmp_path / "pwned"
     data = next(path.glob("*.distcp"))
     data.write_bytes(pickle.dumps(_Payload(marker)) * 8)  # long enough for every slice
-    with pytest.raises(CheckpointError, match="cannot be loaded: .*Weights only load failed"):
+    # torch 2.13 says "Weights only load failed"; 2.11 (the GPU machine's) runs out of bytes: EOFError
+    with pytest.raises(
+        CheckpointError, match="cannot be loaded: .*(Weights only load failed|EOFError)"
+    ):
         load_chunks({"w": Chunk(torch.zeros(10))}, path, None)
     assert not marker.exists()
 

@@ -13,7 +13,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from dataparallel.launch import preemption
 from dataparallel.launch.config import ConfigError, LaunchConfig, check_launch
 from dataparallel.launch.preemption import LauncherSignals, WorkerSignals, preempting
-from dataparallel.launch.workers import torchrun_argv
+from dataparallel.launch.workers import AGENT_FIXED_SHUTDOWN_S, shutdown_timeout, torchrun_argv
 
 
 @pytest.fixture
@@ -69,6 +69,15 @@ def test_the_agent_leaves_the_preemption_signals_to_us_and_waits_the_budget():
     assert "--shutdown-timeout=8" in argv  # whole seconds, rounded up
     default = torchrun_argv(LaunchConfig(), ["script.py"], port=1234)
     assert "--shutdown-timeout=25" in default
+
+
+def test_a_torchrun_without_shutdown_timeout_is_not_given_one():
+    # torch 2.11's torchrun (the GPU machine's) refused the option: "unrecognized arguments"
+    assert shutdown_timeout(7.5, frozenset({"--nnodes", "--shutdown-timeout"})) == [
+        "--shutdown-timeout=8"
+    ]
+    assert shutdown_timeout(7.5, frozenset({"--nnodes"})) == []
+    assert AGENT_FIXED_SHUTDOWN_S > LaunchConfig().preempt_budget
 
 
 def test_a_budget_under_a_second_is_refused():

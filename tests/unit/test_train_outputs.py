@@ -4,6 +4,7 @@ who writes them when a live run's membership changes."""
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -67,6 +68,18 @@ def test_report_summarizes_the_metrics(tmp_path):
     assert "stopped at step 12 of 20" in text and f"--resume {tmp_path}" in text
     for name in ("loss.png", "throughput.png"):
         assert (tmp_path / "report" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_machine_whose_matplotlib_cannot_start_still_gets_the_summary(tmp_path, monkeypatch):
+    # The GPU machine's matplotlib failed in its font cache (`fc-list`); an ImportError stands in.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    _session(tmp_path, 0, 12)
+    (tmp_path / "run.json").write_text(json.dumps({"steps": 12, "threads": 1, "parameters": 10}))
+    text = make_report(tmp_path)
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["steps_done"] == 12 and summary["plots_skipped"].startswith("matplotlib failed")
+    assert "report/summary.txt (no plots: matplotlib failed: ModuleNotFoundError" in text
+    assert not (tmp_path / "report" / "loss.png").exists()
 
 
 def test_formats():

@@ -303,10 +303,18 @@ def read_metadata(path) -> Metadata:
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader, with the metadata read by `read_metadata`."""
+    """DCP's file reader, with the metadata read by `read_metadata`. A refusal is kept in
+    `refused`: torch 2.11's loader catches what `read_metadata` raises and fails later on
+    "metadata is None", which would hide why."""
+
+    refused: Exception | None = None
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        metadata = read_metadata(self.path)
+        try:
+            metadata = read_metadata(self.path)
+        except pickle.UnpicklingError as error:
+            self.refused = error
+            raise
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -331,23 +339,26 @@ def load_chunks(chunks: dict[str, Chunk], folder, group: dist.ProcessGroup | Non
     """Fill every rank's `chunks` from `folder` (collective over `group`; None: one process).
     Every key must be in the checkpoint (see `stored_tensors`)."""
     state = {key: chunk.tensor for key, chunk in chunks.items()}
+    reader = SafeReader(str(folder))
     try:
         with _plans_unpickled_safely():
             dcp.load(
                 state,
-                storage_reader=SafeReader(str(folder)),
+                storage_reader=reader,
                 planner=ChunkLoadPlanner(chunks),
                 process_group=group,
                 no_dist=group is None,
             )
     except CheckpointException as error:  # one line: the first rank's root cause
-        raise CheckpointError(f"{folder} cannot be loaded: {root_cause(error)}") from None
+        refused = reader.refused
+        why = f"{type(refused).__name__}: {refused}" if refused else root_cause(error)
+        raise CheckpointError(f"{folder} cannot be loaded: {why}") from None
 
 
 def root_cause(error: CheckpointException) -> str:
     """The first sentence of the innermost exception in the failing ranks' tracebacks."""
     lines = [line.strip() for line in str(error).splitlines()]
-    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)(: |$)", line)]
     if not raised:
         return "unknown error"
     return raised[-1].split(". ")[0]

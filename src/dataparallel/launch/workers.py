@@ -14,6 +14,7 @@ busy). torchrun's own default is 1 thread, which wastes cores when workers are f
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -55,9 +56,30 @@ def torchrun_argv(launch: LaunchConfig, entry: list[str], port: int | None = Non
         f"--master-port={port}",
         f"--max-restarts={launch.max_restarts}",  # [Note: restarts] in train/worker.py
         f"--signals-to-handle={AGENT_SIGNALS}",  # SIGTERM, SIGUSR1: [Note: preemption]
-        f"--shutdown-timeout={math.ceil(launch.preempt_budget)}",
+        *shutdown_timeout(launch.preempt_budget),
         *entry,
     ]
+
+
+@functools.cache
+def agent_flags() -> frozenset[str]:
+    """The options this torch's torch.distributed.run accepts."""
+    from torch.distributed.run import get_args_parser
+
+    return frozenset(get_args_parser()._option_string_actions)
+
+
+# torchrun before 2.13 has no --shutdown-timeout: its agent waits a fixed 30 s for the workers
+# to stop after it signals them, longer than the default preemption budget (25 s).
+AGENT_FIXED_SHUTDOWN_S = 30
+
+
+def shutdown_timeout(budget: float, flags: frozenset[str] | None = None) -> list[str]:
+    """`--shutdown-timeout` of `budget` whole seconds, where this torchrun has that option;
+    nothing where it has not (the agent's own AGENT_FIXED_SHUTDOWN_S then)."""
+    if "--shutdown-timeout" in (agent_flags() if flags is None else flags):
+        return [f"--shutdown-timeout={math.ceil(budget)}"]
+    return []
 
 
 def worker_environment(launch: LaunchConfig) -> dict[str, str]:

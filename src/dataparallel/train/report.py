@@ -144,7 +144,9 @@ def summary_text(summary: dict, run_dir: Path) -> str:
     lines += [
         f"  weights   {run_dir / 'model.safetensors'}",
         f"  metrics   {run_dir / 'metrics.jsonl'}; tensorboard --logdir {run_dir / 'tensorboard'}",
-        f"  report    {run_dir / REPORT}/{plots}, summary.txt",
+        f"  report    {run_dir / REPORT}/{plots}, summary.txt"
+        if not summary.get("plots_skipped")
+        else f"  report    {run_dir / REPORT}/summary.txt (no plots: {summary['plots_skipped']})",
     ]
     if finished:
         lines.append(f'  next      dataparallel sample {run_dir} --prompt "def "')
@@ -160,14 +162,19 @@ def make_report(run_dir: str | Path) -> str:
     (run_dir / REPORT).mkdir(exist_ok=True)
     summary = summarize(run_dir)
     records = read_metrics(run_dir)
-    _plot(
-        run_dir,
-        [r for r in records if r["kind"] == "train"],
-        [r for r in records if r["kind"] == "val"],
-    )
-    if summary["trace"]:
-        timeline = run_dir / REPORT / "timeline.png"
-        plot_timeline(timeline, load_traces(run_dir), summary["trace"]["last_step"])
+    try:
+        _plot(
+            run_dir,
+            [r for r in records if r["kind"] == "train"],
+            [r for r in records if r["kind"] == "val"],
+        )
+        if summary["trace"]:
+            timeline = run_dir / REPORT / "timeline.png"
+            plot_timeline(timeline, load_traces(run_dir), summary["trace"]["last_step"])
+    except Exception as exc:  # noqa: BLE001 - a machine whose matplotlib cannot start
+        # (seen: its font cache calling a broken `fc-list`) still gets the run's summary.
+        reason = str(exc).splitlines()[0][:80] if str(exc) else ""
+        summary["plots_skipped"] = f"matplotlib failed: {type(exc).__name__} {reason}".strip()
     text = summary_text(summary, run_dir)
     (run_dir / REPORT / "summary.txt").write_text(text + "\n")
     (run_dir / REPORT / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
