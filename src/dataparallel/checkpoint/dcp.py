@@ -39,7 +39,6 @@ goes through DCP's pickled byte items: the trainer writes it as JSON.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import math
 import pickle
@@ -53,12 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    _validate_global_plan,
-    create_default_global_save_plan,
-)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -75,7 +69,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .rectangles import rectangles, tiles
+from .global_plan import global_save_plan
+from .rectangles import rectangles
 from .store import CheckpointError
 
 # DCP warns on every call without a process group that it assumes one process: we mean it.
@@ -191,22 +186,9 @@ class ChunkSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        """DCP's (torch 2.13's `DefaultSavePlanner._create_global_plan`), with its check of
-        each tensor's boxes run only where `tiles` cannot vouch for them ([Note: tiling
-        check] in rectangles.py), and the ranks' nestings merged in one pass (a ChainMap of
-        one per rank searched rank by rank for each name)."""
-        global_plan, metadata = create_default_global_save_plan(self._dedup_save_plans(all_plans))
-        nesting: dict = {}
-        for plan in reversed(global_plan):  # the lowest rank's wins, as in DCP's ChainMap
-            nesting.update(plan.planner_data or {})
-        metadata = dataclasses.replace(metadata, planner_data=nesting)
-        if not all(_tiled(entry) for entry in metadata.state_dict_metadata.values()):
-            errors = _validate_global_plan(global_plan, metadata)
-            if errors:
-                summary = "; ".join(errors)
-                summary = summary if len(summary) <= 500 else summary[:500] + "... (truncated)"
-                raise ValueError(f"Failed to validate global plan: {summary}")
-        return global_plan, metadata
+        """DCP's, with the check of each tensor's boxes made linear ([Note: tiling check] in
+        rectangles.py): `global_plan.py`."""
+        return global_save_plan(all_plans, self._dedup_save_plans)
 
     def lookup_object(self, index: MetadataIndex):
         tensor = self.parts[index.fqn, index.offset].detach()
@@ -214,15 +196,6 @@ class ChunkSavePlanner(DefaultSavePlanner):
         if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
             tensor = tensor.clone()
         return tensor
-
-
-def _tiled(entry) -> bool:
-    """Whether a stored entry needs no further check: not a tensor's boxes, a 0-d tensor, or
-    boxes that tile its tensor ([Note: tiling check] in rectangles.py)."""
-    chunks = getattr(entry, "chunks", None)
-    if chunks is None or len(entry.size) == 0:
-        return True
-    return tiles(entry.size, [(c.offsets, c.sizes) for c in chunks])
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):
