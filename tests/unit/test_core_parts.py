@@ -164,3 +164,33 @@ def test_low_precision_sends_bf16_and_writes_back_in_the_buckets_dtype():
     hook(HookState(comm), bucket).wait()
     assert comm.calls == [("all_reduce", 4, BF16)]
     assert bucket.buffer.dtype == F32 and bucket.buffer[2:].tolist() == [3.5, 4.5]
+
+
+class _GatherOwn:
+    """A comm of `world_size` ranks whose object gather hands back every rank's object as
+    `objects` lists (this rank's own where None), recording what each gather carried."""
+
+    def __init__(self, world_size: int, objects=None):
+        self.world_size, self.objects, self.gathered = world_size, objects, []
+
+    def all_gather_object(self, obj):
+        everyone = [obj] * self.world_size if self.objects is None else self.objects.pop(0)
+        self.gathered.append(everyone)
+        return everyone
+
+
+def test_the_model_check_gathers_one_digest_per_rank_and_signatures_only_on_a_mismatch():
+    from dataparallel.strategies.base import model_signature, verify_same_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    same = _GatherOwn(4096)
+    verify_same_model(model, same)
+    assert len(same.gathered) == 1 and {len(d) for d in same.gathered[0]} == {64}
+    other = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 5))
+    signatures = [model_signature(model), model_signature(other)]
+    digests = _GatherOwn(2)
+    digests.objects = [["a" * 64, "b" * 64], signatures]
+    expected = r"'1.weight' differs across ranks: rank 0 has 1.weight shape \[2, 3\] float32"
+    with pytest.raises(ValueError, match=expected + r", rank 1 has 1.weight shape \[5, 3\]"):
+        verify_same_model(model, digests)
+    assert len(digests.gathered) == 2

@@ -1,6 +1,8 @@
 """Whole-parameter ownership, the pure parts: which optimizer gets which layout, and who owns
 what ([Note: optimizer layout] in strategies/parts/owners.py)."""
 
+import random
+
 import pytest
 import torch
 
@@ -29,6 +31,26 @@ def test_more_ranks_than_parameters_leave_ranks_owning_nothing():
     assert assign_owners([], 2) == []
     with pytest.raises(ValueError, match="ranks=0"):
         assign_owners([1], 0)
+
+
+def _owners_by_walking_the_ranks(sizes: list[int], ranks: int) -> list[int]:
+    """The rule as first written: each parameter, largest first, onto min over every rank."""
+    owners, loads = [0] * len(sizes), [0] * ranks
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owners[i] = min(range(ranks), key=lambda r: (loads[r], r))
+        loads[owners[i]] += sizes[i]
+    return owners
+
+
+def test_owners_agree_with_the_walk_over_the_ranks_and_cost_nothing_per_rank():
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.choice([0, 1, 4, rng.randint(0, 100)]) for _ in range(rng.randint(0, 30))]
+        ranks = rng.randint(1, 40)
+        assert assign_owners(sizes, ranks) == _owners_by_walking_the_ranks(sizes, ranks)
+    # 10^12 ranks: the work is per parameter (a heap of the ranks given one), never per rank.
+    assert assign_owners([3, 9, 9, 1], 10**12) == [2, 0, 1, 3]
+    assert assign_owners([3, 9, 9, 1], 2) == [0, 0, 1, 1]
 
 
 def test_which_optimizers_get_whole_parameters():

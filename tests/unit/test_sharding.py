@@ -45,6 +45,29 @@ def test_every_element_belongs_to_exactly_one_piece():
         assert all(count == 1 for counts in seen for count in counts)
 
 
+def test_holders_and_local_slices_are_the_pieces_found_without_walking_the_ranks():
+    rng = random.Random(1)
+    cases = 0
+    for _ in range(60):
+        sizes = [rng.choice([0, 1, rng.randint(1, 50)]) for _ in range(rng.randint(1, 6))]
+        world = rng.randint(1, 70)  # many more ranks than elements too: most hold nothing
+        layout = ShardLayout.pack(sizes, world)
+        for position in range(len(sizes)):
+            held = {}
+            for rank in range(world):
+                piece = next((p for p in layout.pieces(rank) if p.param == position), None)
+                if piece is not None:
+                    held[rank] = (piece.shard_start, piece.shard_start + piece.numel, piece.start)
+                assert layout.local_slice(position, rank) == held.get(rank, (0, 0, 0))
+                cases += 1
+            assert list(layout.holders(position)) == sorted(held)
+    assert cases > 2000
+    # A world of 10^12 shards: each call is arithmetic on one parameter, not a walk over ranks.
+    huge = ShardLayout.pack([5, 7, 3], 10**12)
+    assert [huge.holders(i) for i in range(3)] == [range(0, 5), range(5, 12), range(12, 15)]
+    assert huge.local_slice(1, 6) == (0, 1, 1) and huge.local_slice(1, 10**12 - 1) == (0, 0, 0)
+
+
 def test_layout_refuses_what_cannot_shard_evenly():
     with pytest.raises(ValueError, match="numel=13 must be a multiple of world_size=3"):
         ShardLayout(sizes=(13,), offsets=(0,), numel=13, world_size=3)

@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from .global_plan import global_save_plan
 from .rectangles import rectangles
 from .store import CheckpointError
 
@@ -183,6 +184,11 @@ class ChunkSavePlanner(DefaultSavePlanner):
                 )
         self.plan = SavePlan(items, planner_data=nesting)
         return self.plan
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DCP's, with the check of each tensor's boxes made linear ([Note: tiling check] in
+        rectangles.py): `global_plan.py`."""
+        return global_save_plan(all_plans, self._dedup_save_plans)
 
     def lookup_object(self, index: MetadataIndex):
         tensor = self.parts[index.fqn, index.offset].detach()

@@ -37,3 +37,38 @@ def rectangles(shape, start: int, stop: int) -> list[tuple[tuple[int, ...], tupl
     if b:
         out += within(last, 0, b)
     return out
+
+
+def tiles(shape, boxes) -> bool:
+    """Whether `boxes` ((offsets, sizes) pairs) tile a tensor of `shape` exactly, each box a
+    contiguous run of the flattened elements (what `rectangles` makes): the runs, sorted,
+    must follow each other from 0 to the last element. O(B log B) for B boxes. False does not
+    mean they overlap: a box that is not one run, or is empty, is not judged here.
+
+    [Note: tiling check] DCP's global save plan checks that every stored tensor's boxes are
+    in bounds, disjoint and cover it, with a sweep along the tensor's largest dimension. Our
+    boxes are runs of rows, and when that dimension is the rows' own (a matrix wider than it
+    is tall) every box spans most of the sweep and is compared with every other: C^2 for the
+    C pieces of a parameter, and C grows with the world (1 s of the coordinator's CPU for
+    gpt-small at 4,096 ranks, BENCHMARKS.md "Cost as the world grows"). `ChunkSavePlanner`
+    checks runs with this instead, and asks DCP's own check, for its messages, when this
+    cannot say yes."""
+    shape = tuple(int(n) for n in shape)
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    runs = []
+    for offsets, sizes in boxes:
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            return False
+        if any(o < 0 or s < 1 or o + s > n for o, s, n in zip(offsets, sizes, shape, strict=True)):
+            return False
+        lead = next((d for d, s in enumerate(sizes) if s > 1), len(shape))
+        if any(offsets[d] or sizes[d] != shape[d] for d in range(lead + 1, len(shape))):
+            return False  # not one run of the flattened elements
+        start = sum(o * stride for o, stride in zip(offsets, strides, strict=True))
+        runs.append((start, math.prod(sizes)))
+    at = 0
+    for start, length in sorted(runs):
+        if start != at:
+            return False
+        at += length
+    return at == math.prod(shape)

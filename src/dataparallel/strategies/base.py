@@ -7,6 +7,7 @@ module-level functions of `dataparallel.api`; the trainer never sees strategy in
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
 
 import torch
@@ -53,12 +54,18 @@ def _describe(entry) -> str:
 def verify_same_model(model: nn.Module, comm: Comm) -> None:
     """Fail on every rank, with one clear error, when the ranks hold different models.
 
-    Signatures are all-gathered (one small collective), so every rank sees the same mismatch
-    and raises the same error, instead of some ranks hanging in the broadcast that follows.
+    Signatures are all-gathered, so every rank sees the same mismatch and raises the same
+    error, instead of some ranks hanging in the broadcast that follows. First only a digest
+    of each (every rank reads N digests, not N signatures: gpt-small's took 1 s of CPU at
+    4,096 ranks); the signatures themselves only when the digests differ, to name what does.
     """
     if comm.world_size == 1:
         return
-    problem = first_mismatch(comm.all_gather_object(model_signature(model)))
+    signature = model_signature(model)
+    digest = hashlib.sha256(repr(signature).encode()).hexdigest()
+    if len(set(comm.all_gather_object(digest))) == 1:
+        return
+    problem = first_mismatch(comm.all_gather_object(signature))
     if problem:
         raise ValueError(
             f"parallelize: {problem}; build the same model (same config and dtype) on every rank"

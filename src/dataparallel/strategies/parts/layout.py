@@ -106,7 +106,19 @@ class ShardLayout:
         """(start, stop) of parameter `param` inside `rank`'s shard, and where that part starts
         inside the parameter; (0, 0, 0) when the parameter has no element there. The same
         arithmetic as `pieces`, for one parameter."""
-        for piece in self.pieces(rank):
-            if piece.param == param:
-                return piece.shard_start, piece.shard_start + piece.numel, piece.start
-        return 0, 0, 0
+        lo, hi = self.shard_range(rank)
+        offset = self.offsets[param]
+        start, stop = max(offset, lo), min(offset + self.sizes[param], hi)
+        if start >= stop:
+            return 0, 0, 0
+        return start - lo, stop - lo, start - offset
+
+    def holders(self, param: int) -> range:
+        """The ranks whose shard holds an element of parameter `param`, in rank order (none for
+        an empty parameter). Consecutive, so found by division: a walk over the ranks would
+        cost every rank the world's size per parameter (owners.py's messages, each step)."""
+        size = self.sizes[param]
+        if size == 0:
+            return range(0)
+        first = self.offsets[param] // self.shard_numel
+        return range(first, (self.offsets[param] + size - 1) // self.shard_numel + 1)

@@ -46,6 +46,7 @@ the master's `.grad` (set when it is None), and the pieces' own `.grad` are clea
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -105,11 +106,19 @@ def assign_owners(sizes: list[int], ranks: int) -> list[int]:
     if ranks < 1:
         raise ValueError(f"assign_owners: ranks={ranks} must be >= 1")
     owners = [0] * len(sizes)
-    loads = [0] * ranks
+    # (load, rank) of the ranks given a parameter so far, least first; the ranks from `fresh`
+    # up hold nothing yet: the least-loaded rank is the heap's top or `fresh` (load 0), so
+    # the work is O(P log P) for P parameters whatever the number of ranks.
+    used: list[tuple[int, int]] = []
+    fresh = 0
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        if fresh < ranks and (not used or (0, fresh) < used[0]):
+            load, rank = 0, fresh
+            fresh += 1
+        else:
+            load, rank = heapq.heappop(used)
         owners[i] = rank
-        loads[rank] += sizes[i]
+        heapq.heappush(used, (load + sizes[i], rank))
     return owners
 
 
@@ -133,6 +142,10 @@ class Owned:
     def runs(self, rank: int) -> tuple[int, int, int]:
         """(start, stop) of its piece in `rank`'s shard, and where that starts in the param."""
         return self.shard.layout.local_slice(self.position, rank)
+
+    def holders(self) -> range:
+        """The ranks of the shard group that hold a piece of it."""
+        return self.shard.layout.holders(self.position)
 
 
 class Owners:
@@ -209,7 +222,7 @@ class Owners:
         from the owner's master into its flat shard."""
         rank, sends, recvs, slots = self.comm.rank, {}, {}, []
         for o in self.owned:
-            for holder in range(self.comm.world_size):
+            for holder in o.holders():
                 start, stop, inner = o.runs(holder)
                 if stop == start or (holder != rank and o.owner != rank):
                     continue
@@ -238,7 +251,7 @@ class Owners:
             dtype = o.shard.data.dtype
             if o.owner == rank:
                 wholes[o] = torch.empty(o.param.numel(), dtype=dtype, device=o.shard.data.device)
-            for holder in range(self.comm.world_size):
+            for holder in o.holders():
                 start, stop, inner = o.runs(holder)
                 if stop == start:
                     continue
