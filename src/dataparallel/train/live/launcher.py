@@ -253,7 +253,7 @@ class LiveLauncher:
         # members evaluating, saving or still starting) wait for them, not against the clock;
         # unless no member is left to come.
         member_spoke = any(
-            s in self.current.members and r.where != JOIN for s, r in reports.items()
+            s in self.current.slots and r.where != JOIN for s, r in reports.items()
         )
         if member_spoke or not alive:
             self.first_report_at = self.first_report_at or now
