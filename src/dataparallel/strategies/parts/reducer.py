@@ -31,6 +31,15 @@ from Python and the bookkeeping around it per gradient. Buckets of a wider dtype
 (the widening) and that hook. ZeRO-2's lazy buckets allocate and attach at their first
 gradient ([Note: lazy buckets] in buckets.py).
 
+[Note: arrival order] Buckets are first planned in reverse registration order ([Note: bucket
+order] in buckets.py), a guess at the order backward produces gradients. With
+`record_arrival`, the counting hooks note the order the gradients really arrive in until the
+first synchronised round ends (then `arrival_order` holds it, the never-seen ones last), and
+DDP re-lays its buckets in rank 0's order at the next forward, once, as PyTorch's DDP rebuilds
+its buckets after the first iteration: a bucket then fills without waiting for a gradient that
+comes late. Sharded strategies keep the planned order: their buckets are the optimizer's shards,
+built before the first step.
+
 Sharded strategies extend the reducer without branching it: `on_bucket_reduced(bucket)` is
 called on the training thread for each bucket once its reduction has arrived, in launch order
 (during backward for those already done, the rest at the end), and `on_round_end(used)` after
@@ -82,6 +91,7 @@ class GradientReducer:
         on_round_end: Callable[[list[bool]], None] | None = None,
         max_in_flight: int | None = None,
         flat_shards: list | None = None,
+        record_arrival: bool = False,
     ):
         self.params = params
         self.flat_shards = flat_shards  # checked for inf/NaN at the round's end (round.py)
@@ -103,6 +113,8 @@ class GradientReducer:
             for position, i in enumerate(bucket.spec.param_indices):
                 self.location[i] = (bucket, position)
         self.sync_enabled = True
+        self.arrival: list[int] | None = [] if record_arrival else None  # [Note: arrival order]
+        self.arrival_order: list[int] | None = None  # set when the first synchronised round ends
         self.round = BackwardRound(len(params), world)
         self.was_none = [True] * len(params)
         self.round_open = False
@@ -149,6 +161,8 @@ class GradientReducer:
         if bucket.buffer is None:  # a lazy bucket's first gradient
             bucket.allocate_attached()
         self.round.used[i] = 1
+        if self.arrival is not None:
+            self.arrival.append(i)
         if not self.sync_enabled:
             return
         if not self.round.queued:
@@ -225,6 +239,11 @@ class GradientReducer:
             if not was_used and self.was_none[i]:
                 self.params[i].grad = None
         self._reset()
+        if self.arrival is not None:  # the first synchronised round: its order is settled
+            seen = set(self.arrival)
+            missing = [i for i in range(len(self.params)) if i not in seen]
+            self.arrival_order = list(dict.fromkeys(self.arrival)) + missing
+            self.arrival = None
         if self.on_round_end is not None:
             self.on_round_end(used)
 
