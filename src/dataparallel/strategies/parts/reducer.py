@@ -18,8 +18,10 @@ would in single-process training.
 bucket unless `reduce_dtype` is wider), the work per gradient is autograd's, in C++: before the
 backward (`prepare`, at the forward) every `.grad` is made its view of the bucket, zeroed where
 it was None, and autograd's AccumulateGrad adds each gradient into it in place. The only Python
-per gradient is the counting hook, a tensor hook that autograd calls just before AccumulateGrad
-(it marks the parameter used and counts its bucket down; no tensor operation). What runs per
+per gradient is the counting hook, a pre-hook of the parameter's AccumulateGrad node that
+autograd calls just before it runs, after the parameter's tensor hooks (so a user's hook that
+changes the gradient is seen); it marks the parameter used and counts its bucket down, no tensor
+operation. What runs per
 bucket: the last gradient's hook adds that gradient into its view itself and takes the view off
 `.grad` for this once (AccumulateGrad then stores the gradient on the side without a copy, and
 the view is put back at the round's end: adding into a buffer already being reduced would race
@@ -62,6 +64,14 @@ import torch
 from ...comm import Comm, HookState
 from .buckets import EMPTY, Bucket, BucketSpec
 from .round import BackwardRound
+
+
+def grad_accumulator(param: torch.Tensor):
+    """The autograd node that accumulates `param`'s gradient (AccumulateGrad). Its pre-hooks
+    run after every tensor hook of the parameter, so they see the gradient as the user's own
+    hooks left it. Autograd keeps only a weak reference to it: whoever hooks it must hold it."""
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]
 
 
 class GradientReducer:
@@ -122,12 +132,15 @@ class GradientReducer:
         self.next_collect = 0
         self.planned_order = [i for b in self.buckets for i in b.spec.param_indices]
         self.handles = []
+        self.accumulators = []  # held, so that autograd keeps these nodes and their hooks
         for bucket in self.buckets:  # [Note: attached views]
             for position, i in enumerate(bucket.spec.param_indices):
                 param = params[i]
                 if bucket.grad_views:
+                    accumulator = grad_accumulator(param)
+                    self.accumulators.append(accumulator)
                     hook = partial(self._on_grad, bucket, position, i)
-                    self.handles.append(param.register_hook(hook))
+                    self.handles.append(accumulator.register_prehook(hook))
                 else:
                     hook = partial(self._on_grad_ready, i)
                     self.handles.append(param.register_post_accumulate_grad_hook(hook))
@@ -153,9 +166,9 @@ class GradientReducer:
                 self.was_none[i] = flag
             self.round_open = True
 
-    def _on_grad(self, bucket: Bucket, position: int, i: int, grad: torch.Tensor) -> None:
-        """The view path's hook, before autograd adds `grad` into the view ([Note: attached
-        views]): count it, and launch the bucket when it is the last one."""
+    def _on_grad(self, bucket: Bucket, position: int, i: int, grads: tuple) -> None:
+        """The view path's hook, before autograd adds the gradient into the view ([Note:
+        attached views]): count it, and launch the bucket when it is the last one."""
         if not self.round_open:  # a backward with no forward through the root module
             self.prepare()
         if bucket.buffer is None:  # a lazy bucket's first gradient
@@ -171,7 +184,7 @@ class GradientReducer:
             self.comm.tracer.mark("grad_ready", param=i)
         bucket.pending -= 1
         if bucket.pending == 0:
-            bucket.take_last(position, grad)
+            bucket.take_last(position, grads[0])
             self._launch_ready()
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
