@@ -9,17 +9,19 @@ launched in readiness order could pair its bucket 2 with another rank's bucket 1
 [Note: gradient views] After backward each parameter's `.grad` is a view into its bucket's
 flat buffer: the all-reduce runs on the buffer in place and the optimizer reads the views, so
 nothing is copied out of the bucket (PyTorch's DDP, by default, copies every gradient into its
-bucket and back out). DDP and ZeRO-1/2 attach the views before backward and let autograd add
-into them ([Note: attached views] in reducer.py); ZeRO-3's units, and buckets of a wider dtype,
-adopt each gradient as follows:
+bucket and back out). DDP, ZeRO-1/2 and ZeRO-3's units attach the views before backward and let
+autograd add into them ([Note: attached views] in reducer.py); buckets of a wider dtype (and
+ZeRO-3 units with a frozen parameter) adopt each gradient as follows:
 - `.grad` exists (accumulation under `no_sync`, or `zero_grad(set_to_none=False)`): it is the
   view, and autograd adds into it in place: no copy at all.
 - `.grad` is None (after the usual `zero_grad()`): autograd hands over a fresh tensor, and the
   post-accumulate-grad hook writes it into the view divided by the world size (`torch.div(...,
   out=view)`: the mean's division and the copy in one pass), then points `.grad` at the view.
-  We measured this against keeping the views attached (zeroed at each forward, autograd then
-  adding into them): that costs a memset and a read more per step, and page faults for the
-  gradients autograd frees at once: 7-12 ms more CPU per gpt-small step (of ~340 ms).
+  An earlier measurement put keeping the views attached (zeroed at each forward, autograd then
+  adding into them) 7-12 ms of CPU behind this per gpt-small step (of ~340 ms); the attached
+  path as built now ([Note: attached views]) measured level with this one on gpt-small (paired
+  CPU 0.99-1.01x, benchmarks/bench_step.py --baseline da77e80, 2026-11-27) and took its place
+  where the dtypes agree.
 Each position of a bucket is EMPTY (no gradient yet this round), SCALED (divided) or RAW (a
 local sum, divided at launch); at launch EMPTY positions become zeros ([Note: unused
 parameters] in reducer.py).
