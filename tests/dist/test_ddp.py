@@ -111,6 +111,18 @@ def test_parity_with_torch_ddp():
             assert diff < TOL, f"{case}: max |ours - torch DDP| = {diff:.3g}"
 
 
+class UsedInReverse(nn.Module):
+    """Registered in the reverse of the order forward uses its layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = nn.Linear(4, 4)
+        self.first = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.last(torch.tanh(self.first(x)))
+
+
 def behaviours(world):
     """Sub-cases that each check one promise of the DDP contract."""
     out = {}
@@ -197,6 +209,44 @@ def behaviours(world):
     diff = (plain_bn(wide).chunk(n)[rank] - synced_bn(wide.chunk(n)[rank])).abs().max().item()
     out["syncbn_large_mean_diff"] = diff
 
+    # [Note: arrival order]: after the first backward the buckets follow the order the
+    # gradients arrived in (here the reverse of registration), and the gradients stay exact.
+    torch.manual_seed(0)
+    net = UsedInReverse()
+    reference = copy.deepcopy(net)
+    ddp_net = dp.parallelize(net, dp.DDP(bucket_mb=1e-5, first_bucket_mb=1e-5))
+    names = {id(p): name for name, p in net.named_parameters()}
+    before = [names[id(b.params[0])] for b in dp.strategy_of(ddp_net).reducer.buckets]
+    diffs = []
+    for step in range(3):
+        xg = torch.randn(4 * n, 4, generator=torch.Generator().manual_seed(step))
+        ddp_net(xg.chunk(n)[rank]).pow(2).mean().backward()
+        reference(xg).pow(2).mean().backward()
+        diffs += [
+            (a.grad - b.grad).abs().max().item()
+            for a, b in zip(net.parameters(), reference.parameters(), strict=True)
+        ]
+        net.zero_grad(), reference.zero_grad()
+    # A user's tensor hook registered after parallelize runs before the reducer's: the
+    # gradient is reduced as the hook changed it, for the last of a bucket too.
+    for a, b in zip(net.parameters(), reference.parameters(), strict=True):
+        a.register_hook(lambda g: g * 3)
+        b.register_hook(lambda g: g * 3)
+    xg = torch.randn(4 * n, 4, generator=torch.Generator().manual_seed(7))
+    ddp_net(xg.chunk(n)[rank]).pow(2).mean().backward()
+    reference(xg).pow(2).mean().backward()
+    diffs += [
+        (a.grad - b.grad).abs().max().item()
+        for a, b in zip(net.parameters(), reference.parameters(), strict=True)
+    ]
+    after = [names[id(b.params[0])] for b in dp.strategy_of(ddp_net).reducer.buckets]
+    out["arrival"] = {
+        "before": before,
+        "after": after,
+        "max_grad_diff": max(diffs),
+        "diffs": len(diffs),
+    }
+
     # Uneven inputs: rank r has 3 + r batches; join stops everyone at the shortest.
     model = dp.parallelize(nn.Linear(2, 1), dp.DDP())
     seen = 0
@@ -223,6 +273,11 @@ def test_ddp_behaviours():
         assert out["syncbn_grad_diff"] < 1e-5 and out["syncbn_stats_diff"] < 1e-5, out
         assert out["syncbn_large_mean_diff"] < 1e-2, out  # outputs are ~N(0, 1)
         assert out["join_steps"] == 3 and out["join_empty"] == 0
+        arrival = out["arrival"]
+        assert arrival["before"] == ["first.bias", "first.weight", "last.bias", "last.weight"]
+        assert sorted(arrival["after"][:2]) == ["last.bias", "last.weight"], arrival
+        assert sorted(arrival["after"][2:]) == ["first.bias", "first.weight"], arrival
+        assert arrival["diffs"] == 4 * 4 and arrival["max_grad_diff"] < 1e-6, arrival
     assert results[0]["bn_running_mean"] == results[1]["bn_running_mean"]
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dataparallel.strategies.parts.buckets import plan_buckets
+from dataparallel.strategies.parts.buckets import Bucket, plan_buckets
 
 F32, BF16, CPU = torch.float32, torch.bfloat16, torch.device("cpu")
 
@@ -38,3 +38,36 @@ def test_padding_makes_every_bucket_divisible():
 def test_bucket_size_must_be_positive(bad):
     with pytest.raises(ValueError, match="bucket_bytes=.* must be > 0"):
         plan_buckets([(1, F32, CPU)], bucket_bytes=bad)
+
+
+def _attached_bucket(lazy=False):
+    params = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))]
+    (spec,) = plan_buckets([(p.numel(), p.dtype, "cpu") for p in params], 1 << 20, pad_to=4)
+    return Bucket(spec, params, lazy=lazy, divisor=2), params
+
+
+def test_attached_views_let_autograd_add_and_divide_once_at_launch():
+    """[Note: attached views]: .grad are the views, autograd adds into them, the last gradient
+    is added by hand with its view off .grad until `reattach`; `complete` divides once."""
+    bucket, (w, b) = _attached_bucket()
+    b.grad = torch.full((4,), 3.0)  # a kept gradient is copied in; a None one zeroed
+    assert bucket.attach_views() == [True, False]
+    assert w.grad.data_ptr() == bucket.buffer.data_ptr() and b.grad.tolist() == [3.0] * 4
+    (w.sum() * 2).backward()  # autograd adds into the view in place
+    assert w.grad.data_ptr() == bucket.buffer.data_ptr()
+    bucket.take_last(1, torch.ones(4))
+    assert b.grad is None and bucket.detached == 1
+    bucket.complete()
+    assert bucket.buffer.tolist() == [1.0] * 6 + [2.0] * 4 + [0.0] * 2  # halved, padding zero
+    bucket.reattach()
+    assert b.grad.tolist() == [2.0] * 4 and bucket.detached is None
+
+
+def test_lazy_attached_bucket_allocates_zeroed_at_its_first_gradient():
+    bucket, (w, b) = _attached_bucket(lazy=True)
+    assert bucket.attach_views() == [True, True] and bucket.buffer is None
+    bucket.allocate_attached()
+    assert bucket.buffer.tolist() == [0.0] * 12 and b.grad.data_ptr() != w.grad.data_ptr()
+    bucket.release()
+    bucket.reattach()
+    assert bucket.buffer is None and w.grad is None and b.grad is None

@@ -121,11 +121,6 @@ class DDPStrategy(Strategy):
         precision = policy.precision
         trainable = [p for p in model.parameters() if p.requires_grad]
         planned = list(reversed(trainable))  # [Note: bucket order]
-        specs = plan_buckets(
-            [(p.numel(), p.dtype, p.device) for p in planned],
-            bucket_bytes=int(policy.bucket_mb * MB),
-            first_bucket_bytes=int(policy.first_bucket_mb * MB),
-        )
         dtype = planned[0].dtype if planned else torch.float32
         if precision.bucket_dtype(dtype) != dtype:
             raise ValueError(
@@ -133,22 +128,52 @@ class DDPStrategy(Strategy):
                 f"({dtype}); hold them in it and set param_dtype={dtype} for masters, or drop "
                 "reduce_dtype"
             )
-        hook = policy.comm_hook or default_hook("all_reduce", precision.wire_dtype(dtype))
-        self.hook = hook
-        self.reducer = GradientReducer(
-            planned,
-            specs,
-            comm,
-            hook,
-            policy.hook_state or HookState(comm),
-            divisor=comm.world_size if policy.reduce_op == "mean" else 1,
-        )
+        self.hook = policy.comm_hook or default_hook("all_reduce", precision.wire_dtype(dtype))
+        self.hook_state = policy.hook_state or HookState(comm)
+        self.reducer = self._build_reducer(planned, record_arrival=True)
         self.casts = install_casts(model, precision, dtype, dtype)
         self.buffers = [b for b in model.buffers()]
         self._pre_hook = model.register_forward_pre_hook(opaque(self._before_forward))
 
+    def _build_reducer(self, planned: list[nn.Parameter], record_arrival: bool) -> GradientReducer:
+        policy = self.policy
+        specs = plan_buckets(
+            [(p.numel(), p.dtype, p.device) for p in planned],
+            bucket_bytes=int(policy.bucket_mb * MB),
+            first_bucket_bytes=int(policy.first_bucket_mb * MB),
+        )
+        reducer = GradientReducer(
+            planned,
+            specs,
+            self.comm,
+            self.hook,
+            self.hook_state,
+            divisor=self.comm.world_size if policy.reduce_op == "mean" else 1,
+            record_arrival=record_arrival,
+        )
+        reducer.sync_enabled = self.sync_enabled
+        return reducer
+
+    def _relay_buckets(self, order: list[int]) -> None:
+        """[Note: arrival order] Once the first synchronised backward is over: buckets in the
+        order its gradients arrived on rank 0 (every rank takes rank 0's, so that bucket i
+        holds the same parameters everywhere). The next `prepare` moves any kept gradient into
+        the new buckets."""
+        if self.comm.world_size > 1:
+            agreed = torch.tensor(order, dtype=torch.int64, device=self.comm.device)
+            self.comm.broadcast(agreed, src=0)
+            order = agreed.tolist()
+        if order == list(range(len(order))):
+            return
+        planned = [self.reducer.params[i] for i in order]
+        self.reducer.remove()
+        self.reducer = self._build_reducer(planned, record_arrival=False)
+
     def _before_forward(self, module, args) -> None:
         if torch.is_grad_enabled():
+            if self.reducer.arrival_order is not None:
+                order, self.reducer.arrival_order = self.reducer.arrival_order, None
+                self._relay_buckets(order)
             self.reducer.prepare()
             if self.policy.broadcast_buffers:
                 broadcast_buffers(module, self.buffers, self.comm)

@@ -141,7 +141,11 @@ class ZeRO3Strategy(Strategy):
             self.handles.append(units[0].module.register_forward_hook(post))
         for unit in self.units:
             for position, p in enumerate(unit.params):
-                if p.requires_grad:
+                if unit.attached:  # [Note: attached views] in parts/reducer.py
+                    index = self.first_index[unit.index] + position
+                    hook = partial(self._on_grad_arriving, unit, index)
+                    self.handles.append(p.register_hook(hook))
+                elif p.requires_grad:
                     hook = partial(self._on_grad, unit, position)
                     self.handles.append(p.register_post_accumulate_grad_hook(hook))
 
@@ -153,6 +157,11 @@ class ZeRO3Strategy(Strategy):
         chosen = {id(m) for m in select_units(model, self.policy.wrap)}
         chosen |= {id(m) for m in model.modules() if m is not model and is_norm(m)}
         return lambda m: id(m) in chosen
+
+    def _on_grad_arriving(self, unit: FlatUnit, index: int, grad) -> None:
+        """Before autograd adds `grad` into its attached view: only checked and counted."""
+        unit.check_not_reduced()
+        self.round.used[index] = 1
 
     def _on_grad(self, unit: FlatUnit, position: int, param) -> None:
         unit.on_grad_accumulated(position, divide=self.sync_enabled)

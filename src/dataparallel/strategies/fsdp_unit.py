@@ -27,8 +27,10 @@ the gathered views, the same shape and strides every step.
   (`finish_round`). Under `no_sync` the round ends from BACKWARD without a reduction.
 
 Gradients: a unit's gradients land in a lazy `Bucket` (parts/buckets.py, the same one ZeRO-1/2
-and DDP use: divided for the mean as they are copied in, views autograd accumulates into under
-`no_sync`), which the strategy's hook reduces to this rank's shard ([Note: reduction interface]
+and DDP use). At `pre_backward` its views become the parameters' `.grad` and autograd adds into
+them in place ([Note: attached views] in parts/reducer.py; a unit with a frozen parameter, or
+whose bucket is wider than its parameters, copies each gradient in instead), and the bucket is
+divided for the mean once, at launch. The strategy's hook reduces it the strategy's hook reduces to this rank's shard ([Note: reduction interface]
 in comm/hooks.py); the shard keeps the result in its dtype (fp32 under mixed precision) and the
 bucket is freed, as ZeRO-2 does with its buckets.
 """
@@ -117,6 +119,8 @@ class FlatUnit:
             self.device,
         )
         self.bucket = Bucket(spec, self.params, True, divisor, self.layout.shard_range(rank))
+        # [Note: attached views] in parts/reducer.py: autograd adds into the bucket itself
+        self.attached = self.bucket.grad_views and all(p.requires_grad for p in self.params)
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.pending_backwards = 0  # forwards whose backward has not run yet
@@ -225,20 +229,31 @@ class FlatUnit:
         self.gather()
         if self.training_state is TrainingState.FORWARD:
             self.training_state = TrainingState.BACKWARD
-            if not self.empty and any(p.grad is not None for p in self.params):
-                self.bucket.attach_grads()
+            if self.empty:
+                return
+            if not self.attached:
+                if any(p.grad is not None for p in self.params):
+                    self.bucket.attach_grads()
+            elif self.bucket.buffer is None and all(p.grad is None for p in self.params):
+                self.bucket.allocate_attached()
+            else:
+                self.bucket.attach_views()
 
     def post_backward(self) -> bool:
         """One backward of the unit is over; True when it was the last one this round."""
         self.pending_backwards -= 1
         return self.pending_backwards <= 0
 
-    def on_grad_accumulated(self, position: int, divide: bool) -> None:
+    def check_not_reduced(self) -> None:
         if self.training_state in (TrainingState.REDUCING, TrainingState.REDUCED):
             raise RuntimeError(
                 f"ZeRO3: a gradient of unit '{self.name}' arrived after the unit was reduced; "
                 "does a module outside the unit use its parameters? wrap differently"
             )
+
+    def on_grad_accumulated(self, position: int, divide: bool) -> None:
+        """A unit without attached views: the gradient autograd stored comes into the bucket."""
+        self.check_not_reduced()
         self.bucket.adopt_grad(position, divide=divide)
 
     @property

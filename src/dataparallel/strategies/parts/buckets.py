@@ -9,15 +9,19 @@ launched in readiness order could pair its bucket 2 with another rank's bucket 1
 [Note: gradient views] After backward each parameter's `.grad` is a view into its bucket's
 flat buffer: the all-reduce runs on the buffer in place and the optimizer reads the views, so
 nothing is copied out of the bucket (PyTorch's DDP, by default, copies every gradient into its
-bucket and back out). How autograd's gradient gets into the view:
+bucket and back out). DDP, ZeRO-1/2 and ZeRO-3's units attach the views before backward and let
+autograd add into them ([Note: attached views] in reducer.py); buckets of a wider dtype (and
+ZeRO-3 units with a frozen parameter) adopt each gradient as follows:
 - `.grad` exists (accumulation under `no_sync`, or `zero_grad(set_to_none=False)`): it is the
   view, and autograd adds into it in place: no copy at all.
 - `.grad` is None (after the usual `zero_grad()`): autograd hands over a fresh tensor, and the
   post-accumulate-grad hook writes it into the view divided by the world size (`torch.div(...,
   out=view)`: the mean's division and the copy in one pass), then points `.grad` at the view.
-  We measured this against keeping the views attached (zeroed at each forward, autograd then
-  adding into them): that costs a memset and a read more per step, and page faults for the
-  gradients autograd frees at once: 7-12 ms more CPU per gpt-small step (of ~340 ms).
+  An earlier measurement put keeping the views attached (zeroed at each forward, autograd then
+  adding into them) 7-12 ms of CPU behind this per gpt-small step (of ~340 ms); the attached
+  path as built now ([Note: attached views]) measured level with this one on gpt-small (paired
+  CPU 0.99-1.01x, benchmarks/bench_step.py --baseline da77e80, 2026-11-27) and took its place
+  where the dtypes agree.
 Each position of a bucket is EMPTY (no gradient yet this round), SCALED (divided) or RAW (a
 local sum, divided at launch); at launch EMPTY positions become zeros ([Note: unused
 parameters] in reducer.py).
@@ -160,6 +164,7 @@ class Bucket:
             self.allocate()
         self.pending = len(params)
         self.future = None
+        self.detached: int | None = None  # the position `take_last` took off `.grad`
 
     def allocate(self) -> None:
         """Create the flat buffer (padding zeroed) and the per-parameter views into it."""
@@ -219,6 +224,59 @@ class Bucket:
             self.held[position] = RAW  # a local sum: autograd may add to it in place
         return was_none
 
+    def attach_views(self) -> list[bool]:
+        """Before a backward of the reducer's view path ([Note: attached views] in reducer.py):
+        every `.grad` becomes its view, so autograd adds into the buffer in place; views of
+        parameters without a grad are zeroed, an existing grad is copied in. Returns, per
+        parameter, whether its grad was None ([Note: unused parameters] in reducer.py). A lazy
+        bucket without any grad stays without a buffer until its first gradient."""
+        was_none = [p.grad is None for p in self.params]
+        if self.buffer is None:
+            if all(was_none):
+                return was_none
+            self.allocate()
+        if all(was_none):
+            self.buffer[: self.end].zero_()
+            for param, view in zip(self.params, self.views, strict=True):
+                param.grad = view
+        else:
+            for param, view, none in zip(self.params, self.views, was_none, strict=True):
+                if none:
+                    view.zero_()
+                elif param.grad.data_ptr() != view.data_ptr():
+                    view.copy_(param.grad)
+                else:
+                    continue
+                param.grad = view
+        self.held = [RAW] * len(self.params)  # local sums, divided at launch
+        return was_none
+
+    def allocate_attached(self) -> None:
+        """A lazy bucket's first gradient on the view path: a zeroed buffer, its views as the
+        parameters' `.grad`."""
+        self.allocate()
+        self.buffer.zero_()
+        for param, view in zip(self.params, self.views, strict=True):
+            param.grad = view
+        self.held = [RAW] * len(self.params)
+
+    def take_last(self, position: int, grad: torch.Tensor) -> None:
+        """The bucket's last gradient, handed over before autograd accumulates it: added into
+        the view here, and the view taken off `.grad` so that autograd stores the gradient
+        elsewhere (no copy) instead of adding into a buffer being reduced
+        ([Note: attached views] in reducer.py). `reattach` puts the view back."""
+        self.views[position].add_(grad)
+        self.params[position].grad = None
+        self.detached = position
+
+    def reattach(self) -> None:
+        """After the round: the view taken off by `take_last` is `.grad` again (None when a
+        lazy bucket was released)."""
+        if self.detached is not None:
+            param = self.params[self.detached]
+            param.grad = self.views[self.detached] if self.buffer is not None else None
+            self.detached = None
+
     def adopt_grad(self, position: int, divide: bool = True) -> None:
         """Bring the grad autograd just produced into the buffer.
 
@@ -255,8 +313,9 @@ class Bucket:
             self.allocate()
         elif self.end < self.spec.numel:  # [Note: finite padding] in flat_shard.py
             self.buffer[self.end :].zero_()
-        if self.divisor != 1 and all(h == RAW for h in self.held):
-            self.buffer.div_(self.divisor)  # one pass (the padding is zero)
+        if all(h == RAW for h in self.held):
+            if self.divisor != 1:
+                self.buffer.div_(self.divisor)  # one pass (the padding is zero)
             self.held = [SCALED] * len(self.params)
             return
         for position, held in enumerate(self.held):

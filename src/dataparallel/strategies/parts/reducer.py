@@ -1,7 +1,6 @@
 """The gradient reducer: launches each bucket's reduction the moment autograd fills it.
 
-[Note: overlap] A post-accumulate-grad hook on every parameter counts it ready; when a bucket
-is full (and every bucket before it has launched, see [Note: bucket order] in buckets.py) its
+[Note: overlap] A hook on every parameter counts it ready; when a bucket is full (and every bucket before it has launched, see [Note: bucket order] in buckets.py) its
 hook starts an asynchronous collective, which runs on the backend's thread while autograd goes
 on computing earlier layers. The first hook of a backward queues a callback that autograd runs
 when the whole backward is done: it launches what is left, waits for everything in flight, and
@@ -14,6 +13,34 @@ the missing gradients, which is exactly that rank's contribution. The round's ag
 backward round] in round.py) tells every rank which parameters no rank used; those get
 `.grad = None` back if they had none when the round began, so optimizers skip them just as they
 would in single-process training.
+
+[Note: attached views] Where a bucket holds its parameters' dtype (every DDP and ZeRO-1/2
+bucket unless `reduce_dtype` is wider), the work per gradient is autograd's, in C++: before the
+backward (`prepare`, at the forward) every `.grad` is made its view of the bucket, zeroed where
+it was None, and autograd's AccumulateGrad adds each gradient into it in place. The only Python
+per gradient is the counting hook, a pre-hook of the parameter's AccumulateGrad node that
+autograd calls just before it runs, after the parameter's tensor hooks (so a user's hook that
+changes the gradient is seen); it marks the parameter used and counts its bucket down, no tensor
+operation. What runs per
+bucket: the last gradient's hook adds that gradient into its view itself and takes the view off
+`.grad` for this once (AccumulateGrad then stores the gradient on the side without a copy, and
+the view is put back at the round's end: adding into a buffer already being reduced would race
+with the collective); then the launch, one division of the whole buffer for the mean and the
+hook. Per step: the zeroing, one memset per bucket after the usual `zero_grad()`. This replaced
+a post-accumulate-grad hook per parameter that copied autograd's fresh gradient into its view
+(divided on the way) from Python: on gpt-deep-narrow (292 tensors) that was a kernel launched
+from Python and the bookkeeping around it per gradient. Buckets of a wider dtype keep that copy
+(the widening) and that hook. ZeRO-2's lazy buckets allocate and attach at their first
+gradient ([Note: lazy buckets] in buckets.py).
+
+[Note: arrival order] Buckets are first planned in reverse registration order ([Note: bucket
+order] in buckets.py), a guess at the order backward produces gradients. With
+`record_arrival`, the counting hooks note the order the gradients really arrive in until the
+first synchronised round ends (then `arrival_order` holds it, the never-seen ones last), and
+DDP re-lays its buckets in rank 0's order at the next forward, once, as PyTorch's DDP rebuilds
+its buckets after the first iteration: a bucket then fills without waiting for a gradient that
+comes late. Sharded strategies keep the planned order: their buckets are the optimizer's shards,
+built before the first step.
 
 Sharded strategies extend the reducer without branching it: `on_bucket_reduced(bucket)` is
 called on the training thread for each bucket once its reduction has arrived, in launch order
@@ -37,6 +64,14 @@ import torch
 from ...comm import Comm, HookState
 from .buckets import EMPTY, Bucket, BucketSpec
 from .round import BackwardRound
+
+
+def grad_accumulator(param: torch.Tensor):
+    """The autograd node that accumulates `param`'s gradient (AccumulateGrad). Its pre-hooks
+    run after every tensor hook of the parameter, so they see the gradient as the user's own
+    hooks left it. Autograd keeps only a weak reference to it: whoever hooks it must hold it."""
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]
 
 
 class GradientReducer:
@@ -66,6 +101,7 @@ class GradientReducer:
         on_round_end: Callable[[list[bool]], None] | None = None,
         max_in_flight: int | None = None,
         flat_shards: list | None = None,
+        record_arrival: bool = False,
     ):
         self.params = params
         self.flat_shards = flat_shards  # checked for inf/NaN at the round's end (round.py)
@@ -87,16 +123,27 @@ class GradientReducer:
             for position, i in enumerate(bucket.spec.param_indices):
                 self.location[i] = (bucket, position)
         self.sync_enabled = True
+        self.arrival: list[int] | None = [] if record_arrival else None  # [Note: arrival order]
+        self.arrival_order: list[int] | None = None  # set when the first synchronised round ends
         self.round = BackwardRound(len(params), world)
         self.was_none = [True] * len(params)
         self.round_open = False
         self.next_launch = 0
         self.next_collect = 0
         self.planned_order = [i for b in self.buckets for i in b.spec.param_indices]
-        self.handles = [
-            p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i))
-            for i, p in enumerate(params)
-        ]
+        self.handles = []
+        self.accumulators = []  # held, so that autograd keeps these nodes and their hooks
+        for bucket in self.buckets:  # [Note: attached views]
+            for position, i in enumerate(bucket.spec.param_indices):
+                param = params[i]
+                if bucket.grad_views:
+                    accumulator = grad_accumulator(param)
+                    self.accumulators.append(accumulator)
+                    hook = partial(self._on_grad, bucket, position, i)
+                    self.handles.append(accumulator.register_prehook(hook))
+                else:
+                    hook = partial(self._on_grad_ready, i)
+                    self.handles.append(param.register_post_accumulate_grad_hook(hook))
 
     def prepare(self) -> None:
         """Before a forward: bring every .grad into its bucket; remember which had none."""
@@ -106,12 +153,39 @@ class GradientReducer:
             # buckets) and start the next round clean instead of half-way through this one.
             for bucket in self.buckets[: self.next_launch]:
                 bucket.wait()
+            for bucket in self.buckets:
+                bucket.reattach()
             self._reset()
-        was_none = [flag for bucket in self.buckets for flag in bucket.attach_grads()]
+        was_none = [
+            flag
+            for bucket in self.buckets
+            for flag in (bucket.attach_views() if bucket.grad_views else bucket.attach_grads())
+        ]
         if not self.round_open:
             for i, flag in zip(self.planned_order, was_none, strict=True):
                 self.was_none[i] = flag
             self.round_open = True
+
+    def _on_grad(self, bucket: Bucket, position: int, i: int, grads: tuple) -> None:
+        """The view path's hook, before autograd adds the gradient into the view ([Note:
+        attached views]): count it, and launch the bucket when it is the last one."""
+        if not self.round_open:  # a backward with no forward through the root module
+            self.prepare()
+        if bucket.buffer is None:  # a lazy bucket's first gradient
+            bucket.allocate_attached()
+        self.round.used[i] = 1
+        if self.arrival is not None:
+            self.arrival.append(i)
+        if not self.sync_enabled:
+            return
+        if not self.round.queued:
+            self.round.open(self._finish)
+        if self.comm.tracer.enabled:
+            self.comm.tracer.mark("grad_ready", param=i)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            bucket.take_last(position, grads[0])
+            self._launch_ready()
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         bucket, position = self.location[i]
@@ -172,10 +246,17 @@ class GradientReducer:
             agreement = self.round.start_agreement(self.flat_shards)
         used = self.round.finish_agreement(agreement)
         self.comm.tracer.mark("reduce_end")
+        for bucket in self.buckets:
+            bucket.reattach()
         for i, was_used in enumerate(used):
             if not was_used and self.was_none[i]:
                 self.params[i].grad = None
         self._reset()
+        if self.arrival is not None:  # the first synchronised round: its order is settled
+            seen = set(self.arrival)
+            missing = [i for i in range(len(self.params)) if i not in seen]
+            self.arrival_order = list(dict.fromkeys(self.arrival)) + missing
+            self.arrival = None
         if self.on_round_end is not None:
             self.on_round_end(used)
 
@@ -185,6 +266,7 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.divisor = divisor
             bucket.held = [EMPTY] * len(bucket.params)
+            bucket.reattach()
         self._reset()
 
     def _reset(self) -> None:
