@@ -10,6 +10,7 @@ dp.plan("llama-8b", ranks=64, precision="bf16-params")   # memory and step time,
 """
 
 from . import comm, compression
+from .activation_checkpointing import checkpoint_activations
 from .api import (
     build_optimizer,
     bytes_sent,
@@ -66,6 +67,7 @@ __all__ = [
     "build_optimizer",
     "bytes_sent",
     "check_recipe",
+    "checkpoint_activations",
     "wire_bytes",
     "clip_grad_norm_",
     "clip_grad_value_",

@@ -63,7 +63,7 @@ from .base import (
 )
 from .fsdp_plan import plan_units, select_units
 from .fsdp_schedule import Schedule
-from .fsdp_unit import FlatUnit, PostBackward
+from .fsdp_unit import FlatUnit, PostBackward, TrainingState
 from .parts.clip import clip_shards_
 from .parts.geometry import Geometry, build_geometry, optimized_ids
 from .parts.mesh import Groups
@@ -178,10 +178,13 @@ class ZeRO3Strategy(Strategy):
             self._post_forward(unit, module, args, output)
 
     def _pre_forward(self, unit: FlatUnit, module, args, kwargs):
-        gather = self.schedule.before_forward(unit)
-        training = torch.is_grad_enabled()
-        unit.pre_forward(training, gather)
-        self.comm.tracer.mark("forward_start", unit=unit.index)
+        recompute = _recomputing(unit)  # [Note: recomputed forward]
+        training = torch.is_grad_enabled() and not recompute
+        if recompute:
+            unit.gather()
+        else:
+            unit.pre_forward(training, self.schedule.before_forward(unit))
+            self.comm.tracer.mark("forward_start", unit=unit.index)
         if self.precision.cast_forward_inputs and self.precision.param_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), unit.compute_dtype)
         if not training:
@@ -198,6 +201,8 @@ class ZeRO3Strategy(Strategy):
         return tree_unflatten(flat, spec)
 
     def _post_forward(self, unit: FlatUnit, module, args, output):
+        if _recomputing(unit):
+            return  # gathered until its backward is over ([Note: recomputed forward])
         self.comm.tracer.mark("forward_end", unit=unit.index)
         training = torch.is_grad_enabled()
         if training:
@@ -338,3 +343,22 @@ class ZeRO3Strategy(Strategy):
         report = super().memory_report(optimizer)
         report["largest_gathered_unit"] = max(u.largest_gathered for u in self.units)
         return report
+
+
+def _recomputing(unit: FlatUnit) -> bool:
+    """[Note: recomputed forward] A unit's forward run by autograd inside its backward: whole-
+    unit activation checkpointing, `checkpoint(block, x, use_reentrant=False)`, recomputes the
+    module's `__call__`, hooks included. Its parameters are gathered for the backward it serves
+    (or gathered now, for a unit nested in a recomputed one) and its step is already scheduled:
+    the recompute is compute only, with no backward to expect, no order entry and no free
+    (which would pull the storage from under the tensors it saves). Reentrant checkpointing
+    runs the first forward without gradients, so no backward was scheduled: refused."""
+    if torch._C._current_graph_task_id() == -1:  # not in backward (FSDP2's is_bw())
+        return False
+    if unit.training_state is TrainingState.IDLE and torch.is_grad_enabled():
+        raise RuntimeError(
+            f"ZeRO3: unit '{unit.name}' was recomputed in backward after a forward without "
+            "gradients (reentrant activation checkpointing); pass use_reentrant=False to "
+            "torch.utils.checkpoint (dp.checkpoint_activations does)"
+        )
+    return unit.training_state is not TrainingState.IDLE

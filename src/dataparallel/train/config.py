@@ -118,6 +118,10 @@ class TrainConfig:
         communication with fp32 master weights and optimizer state; "fp16" for the same in
         float16 with dynamic loss scaling (torch.amp.GradScaler's defaults; a step whose
         gradients overflow is skipped on every rank and counted as `skipped_steps`).
+    activation_checkpointing: recompute each block's activations in backward instead of
+        keeping them from forward (each block of a reference GPT, each decoder layer of an
+        hf:DIR model, LoRA too): less activation memory for about one more forward per step,
+        on every strategy (`dp.checkpoint_activations`; docs/train.md).
     seed: seeds the model's initialisation and the data order; the same seed and world size
         give the same loss curve.
     eval_every: steps between validation passes (also at step 0 and at the end); 0: only at
@@ -141,6 +145,7 @@ class TrainConfig:
     global_batch: int = 0
     accum: int = 1
     precision: str = "fp32"
+    activation_checkpointing: bool = False
     seed: int = 1337
     eval_every: int = 100
     log_every: int = 25

@@ -139,6 +139,15 @@ def check_model(config: RunConfig, source: RunModel) -> nn.Module:
         context = getattr(opened.config, "max_position_embeddings", None)
         check_tokenizer(source)
     meta = source.meta_model()
+    if config.train.activation_checkpointing:
+        try:
+            dp.checkpoint_activations(meta)
+        except ValueError as error:
+            raise ConfigError(
+                field_label("train", "activation_checkpointing"),
+                f"{model.name} has no blocks to recompute ({error})",
+                "leave it out, or train a GPT (gpt-tiny, gpt-small, gpt-medium) or hf:DIR",
+            ) from None
     if context and config.data.block_size > context:
         raise ConfigError(
             field_label("data", "block_size"),

@@ -82,6 +82,8 @@ def setup(
     else:
         built = BuiltModel(model.to(world.device), launch.strategy, None, type(model).__name__)
     model, model_name = built.model, built.name
+    if config.train.activation_checkpointing:  # before the strategy's hooks, which stay outside
+        dp.checkpoint_activations(model)  # [Note: checkpoint inside the unit]
     dp_mesh, data = split_for_run(model, world, config.launch.tp)  # [Note: the job's mesh]
     recipe = recipe_of(config, built.strategy)  # the CLI's flags as a dp.Recipe
     optim = config.optim
