@@ -33,13 +33,14 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from .errors import PlanError
-from .strategies import Candidate, policy_of
+from .strategies import policy_of
 
 DRY_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 DRY_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
 HELD = ("params", "grads", "optimizer_state", "master_params")
 # the engine's agreements (used parameters, ZeRO-3's unit order): small, and not planned
 CONTROL = ("used flags", "unit order", "gradient norm")
+TENSOR_PARALLEL = "activations"  # the plan's name for --tp's all-reduces (plan/tensor_parallel.py)
 
 
 @dataclass(frozen=True)
@@ -237,12 +238,24 @@ def chosen_roles(policy, shapes, s: int, ranks: list[int]):
 
 
 def planned_collectives(row) -> dict[tuple[str, int], tuple[int, int]]:
+    """The plan's collectives of one step by (kind, group size), as the engine's are keyed;
+    left out: those over one rank (DDP with masters is ZeRO-1 on shard groups of one rank,
+    whose all-gather moves nothing and which the comm layer skips) and tensor parallelism's
+    activation all-reduces (DTensor's, which the dry run does not run: it runs the data-
+    parallel engine on the part of the model a rank holds; `tensor_parallel_collectives`)."""
     out: dict[tuple[str, int], tuple[int, int]] = {}
     for c in row.memory.collectives:
+        if c.group.size == 1 or c.what.startswith(TENSOR_PARALLEL):
+            continue
         key = (c.kind, c.group.size)
         b, n = out.get(key, (0, 0))
         out[key] = (b + int(c.buffer_bytes), n + int(c.calls))
     return out
+
+
+def tensor_parallel_collectives(row) -> list:
+    """The plan's tensor-parallel activation all-reduces (not run by the dry run)."""
+    return [c for c in row.memory.collectives if c.what.startswith(TENSOR_PARALLEL)]
 
 
 def build_meta(model: str, tp: int):
@@ -357,6 +370,9 @@ def render(dry: DryRun) -> str:
         want = first.planned_collectives.get(key, (0, 0))
         lines.append(f"{key[0]:<16} {key[1]:>6} {got[0] / 1e6:>12.3f} {got[1]:>6} "
                      f"{want[0] / 1e6:>12.3f} {want[1]:>6}")  # fmt: skip
+    for c in tensor_parallel_collectives(dry.row):
+        lines.append(f"{c.what} ({c.kind} over {c.group.size} ranks): {c.buffer_bytes / 1e6:.3f} "
+                     "MB planned, not run (DTensor's, not the data-parallel engine's)")  # fmt: skip
     for key, (b, n) in sorted(first.control.items()):
         lines.append(f"{key[0]:<28} over {key[1]} ranks: {b} B in {n} calls (not planned)")
     for run in dry.runs:
@@ -366,5 +382,7 @@ def render(dry: DryRun) -> str:
                      f"first step {t['first step']:.2f} s, step {t['step']:.2f} s (meta forward "
                      "and backward included)")  # fmt: skip
     diffs = dry.differences()
-    lines += [f"DIFFERS: {d}" for d in diffs] or ["agrees: held bytes and collectives equal the plan"]
+    lines += [f"DIFFERS: {d}" for d in diffs] or [
+        "agrees: held bytes and collectives equal the plan"
+    ]
     return "\n".join(lines)
