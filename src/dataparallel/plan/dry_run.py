@@ -9,7 +9,8 @@ that rank of the world ([Note: dry run] in comm/dry.py), the model built on the 
 `dp.parallelize` with the planner's own policy (`policy_of`), `dp.build_optimizer` and two
 training steps (the plan is the steady state: the second is measured), and reads from the engine's own structures: `dp.memory_report` (parameters,
 gradients, optimizer state, fp32 masters; Adam's 4-byte `step` per tensor set apart, as the
-footprint does not count it), every collective of the step (its kind, bytes and group, as the
+footprint does not count it; under ZeRO-3 the largest unit a gather allocated, the buffer in
+flight on top), every collective of the step (its kind, bytes and group, as the
 comm layer's tracer records it; the used-parameter flags apart), and the Python time of each
 phase. It compares them with the policy's footprint for that rank, and the step's
 collectives with the plan's, and names every difference. Every other rank of the shard group
@@ -38,6 +39,7 @@ from .strategies import policy_of
 DRY_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 DRY_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
 HELD = ("params", "grads", "optimizer_state", "master_params")
+GATHERED = "largest_gathered_unit"  # ZeRO-3: the largest buffer a gather allocated (in flight)
 # the engine's agreements (used parameters, ZeRO-3's unit order): small, and not planned
 CONTROL = ("used flags", "unit order", "gradient norm")
 TENSOR_PARALLEL = "activations"  # the plan's name for --tp's all-reduces (plan/tensor_parallel.py)
@@ -76,8 +78,8 @@ class RoleRun:
         out = [
             f"rank {self.role.rank}: {k} held {self.held[k]} B by the engine, "
             f"{self.planned[k]} B planned"
-            for k in HELD
-            if self.held[k] != self.planned[k]
+            for k in self.held
+            if self.held[k] != self.planned.get(k)
         ]
         for key in sorted(set(self.collectives) | set(self.planned_collectives)):
             got = self.collectives.get(key, (0, 0))[0]
@@ -160,15 +162,18 @@ def global_rank(shard_rank: int, shard_size: int, tp: int) -> int:
 
 
 def footprint_of(policy, shapes, s: int, optimizer_bytes: float, rank: int) -> dict[str, int]:
-    from ..strategies import DDP
+    from ..strategies import DDP, ZeRO3
 
     if isinstance(policy, DDP):
         f = policy.footprint(shapes, optimizer_bytes=optimizer_bytes)
     else:
         f = policy.footprint(shapes, shard_size=s, pairwise=False,
                              optimizer_bytes=optimizer_bytes, rank=rank)  # fmt: skip
-    return {"params": int(f.params), "grads": int(f.grads),
-            "optimizer_state": int(f.optimizer + f.masters), "master_params": int(f.masters)}  # fmt: skip
+    out = {"params": int(f.params), "grads": int(f.grads),
+           "optimizer_state": int(f.optimizer + f.masters), "master_params": int(f.masters)}  # fmt: skip
+    if isinstance(policy, ZeRO3):
+        out[GATHERED] = int(max(f.gathers))  # in flight: the largest unit gathered
+    return out
 
 
 def layouts_of(policy, shapes, s: int) -> list:
@@ -233,7 +238,7 @@ def chosen_roles(policy, shapes, s: int, ranks: list[int]):
             why.append("padded")
         if any(not layout.pieces(r) or len(layout.pieces(r)) < len(layout.sizes)
                for layout in layouts):  # fmt: skip
-            why.append("holds nothing of some parameter")
+            why.append("holds none of a parameter")
         yield r, tuple(why) or ("middle",)
 
 
@@ -318,7 +323,7 @@ def run_role(model, role: Role, *, ranks, tp, shard_size, policy, optimizer, mic
         report = dp.memory_report(net, opt)
         steps = sum(s["step"].untyped_storage().nbytes() for s in opt.state.values()
                     if "step" in s)  # fmt: skip
-        held = {k: int(report.get(k, 0)) for k in HELD}
+        held = {k: int(report.get(k, 0)) for k in HELD + (GATHERED,) if k in HELD or k in report}
         held["optimizer_state"] -= steps
         collectives, control = traced_collectives(tracer)
         del net, opt
@@ -353,11 +358,11 @@ def render(dry: DryRun) -> str:
     gb = 1e9
     lines = [f"dry run: {dry.label} over {dry.ranks} ranks (fake process group, NCCL's code "
              "paths; meta tensors)"]  # fmt: skip
-    lines.append(f"{'rank':>6} {'role':<36} {'term':<16} {'engine GB':>12} {'plan GB':>12}")
+    lines.append(f"{'rank':>6} {'role':<40} {'term':<21} {'engine GB':>12} {'plan GB':>12}")
     for run in dry.runs:
         why = ", ".join(run.role.why)
-        for k in HELD:
-            lines.append(f"{run.role.rank:>6} {why:<36} {k:<16} {run.held[k] / gb:>12.6f} "
+        for k in run.held:
+            lines.append(f"{run.role.rank:>6} {why:<40} {k:<21} {run.held[k] / gb:>12.6f} "
                          f"{run.planned[k] / gb:>12.6f}")  # fmt: skip
             why = ""
     lines.append(f"plan: held {dry.row.held_bytes / gb:.6f} GB, peak {dry.row.peak_bytes / gb:.6f} "
