@@ -92,7 +92,8 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
 def real_reports(world) -> dict:
     """Per strategy, gpt-tiny trained two steps for real (gloo) at 16 tokens: memory_report
-    less Adam's per-tensor `step`, on this rank."""
+    less Adam's per-tensor `step`, on this rank. gloo's pairwise collectives hold receive
+    buffers the fake group's NCCL paths do not, but only in flight: the held bytes agree."""
     from dataparallel.models import build_model
 
     out = {}
@@ -110,6 +111,8 @@ def real_reports(world) -> dict:
         steps = sum(s["step"].untyped_storage().nbytes() for s in opt.state.values() if "step" in s)
         held = {k: int(report.get(k, 0)) for k in ("params", "grads", "optimizer_state",
                                                     "master_params")}  # fmt: skip
+        if "largest_gathered_unit" in report:  # ZeRO-3's buffer in flight
+            held["largest_gathered_unit"] = int(report["largest_gathered_unit"])
         held["optimizer_state"] -= steps
         out[strategy] = held
         del model, opt

@@ -48,7 +48,7 @@ TENSOR_PARALLEL = "activations"  # the plan's name for --tp's all-reduces (plan/
 @dataclass(frozen=True)
 class Role:
     """A rank the dry run runs: `rank` in the world, `shard_rank` in its shard group, and why
-    it differs from the others (`why`: "first", "last", "padded", "holds nothing of ...")."""
+    it differs from the others (`why`: "first", "last", "padded", "holds none of a parameter")."""
 
     rank: int
     shard_rank: int
