@@ -21,7 +21,8 @@ The fake backend's name is neither "gloo" nor "nccl": the comm layer takes NCCL'
 (`Comm.pairwise` off, `sharded_reduce` a reduce-scatter), and the plan is made for the
 `h100-node` profile, NCCL's. A dry run does not see NCCL's own buffers, the allocator's
 fragmentation, data-dependent control flow (a skipped step, unused parameters, a rank that
-found an inf) or the network, and it does not measure peaks: the peak column is the plan's.
+found an inf) or the network; its peak is the meta storages alive at once ([Note: meta peak] in
+live_bytes.py), printed beside the plan's and not compared (no allocator, no fragmentation).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from .errors import PlanError
+from .live_bytes import LiveBytes
 from .strategies import policy_of
 
 DRY_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -64,6 +66,8 @@ class RoleRun:
         all-gather's bytes are the gathered buffer's, as the plan counts them.
     seconds: Python time per phase (parallelize, build_optimizer, first step, step).
     control: the engine's own agreements of the step (CONTROL), which the plan leaves out.
+    peak: the most bytes of meta storages alive at once during the step ([Note: meta peak]);
+        with the step's time the measuring costs.
     """
 
     role: Role
@@ -73,6 +77,7 @@ class RoleRun:
     planned_collectives: dict[tuple[str, int], tuple[int, int]]
     seconds: dict[str, float]
     control: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    peak: int = 0
 
     def differences(self) -> list[str]:
         out = [
@@ -295,31 +300,36 @@ def run_role(model, role: Role, *, ranks, tp, shard_size, policy, optimizer, mic
 
     seconds: dict[str, float] = {}
     dp.init_fake(ranks, role.rank)
+    live = LiveBytes()  # [Note: meta peak] in live_bytes.py
     try:
         net, vocab = build_meta(model, tp)
-        group = data_group(role.rank, ranks, tp)
-        data = ranks // tp
-        mesh = dp.init_mesh(shard_size, group) if 1 < shard_size < data else None
-        tracer = Tracer(enabled=False)
-        start = time.perf_counter()
-        net = dp.parallelize(net, policy, group=None if mesh else group, mesh=mesh,
-                             tracer=tracer)  # fmt: skip
-        seconds["parallelize"] = time.perf_counter() - start
-        start = time.perf_counter()
-        kwargs = {"momentum": 0.9} if optimizer == "sgd" else {}
-        opt = dp.build_optimizer(net, getattr(torch.optim, DRY_OPTIMIZERS[optimizer]), lr=1e-3,
-                                 **kwargs)  # fmt: skip
-        seconds["build_optimizer"] = time.perf_counter() - start
-        tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
-        for phase in ("first step", "step"):  # the plan is the steady state: the second
-            tracer.enabled = phase == "step"
+        for p in net.parameters():
+            live.note(p)
+        with live:
+            group = data_group(role.rank, ranks, tp)
+            data = ranks // tp
+            mesh = dp.init_mesh(shard_size, group) if 1 < shard_size < data else None
+            tracer = Tracer(enabled=False)
             start = time.perf_counter()
-            logits = net(tokens)
-            F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
-            opt.step()
-            opt.zero_grad()
-            seconds[phase] = time.perf_counter() - start
-        tracer.enabled = False
+            net = dp.parallelize(net, policy, group=None if mesh else group, mesh=mesh,
+                                 tracer=tracer)  # fmt: skip
+            seconds["parallelize"] = time.perf_counter() - start
+            start = time.perf_counter()
+            kwargs = {"momentum": 0.9} if optimizer == "sgd" else {}
+            opt = dp.build_optimizer(net, getattr(torch.optim, DRY_OPTIMIZERS[optimizer]),
+                                     lr=1e-3, **kwargs)  # fmt: skip
+            seconds["build_optimizer"] = time.perf_counter() - start
+            tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+            for phase in ("first step", "step"):  # the plan is the steady state: the second
+                tracer.enabled = live.measuring = phase == "step"
+                start = time.perf_counter()
+                logits = net(tokens)
+                F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+                opt.step()
+                opt.zero_grad()
+                seconds[phase] = time.perf_counter() - start
+                del logits
+            tracer.enabled = live.measuring = False
         report = dp.memory_report(net, opt)
         steps = sum(s["step"].untyped_storage().nbytes() for s in opt.state.values()
                     if "step" in s)  # fmt: skip
@@ -327,7 +337,7 @@ def run_role(model, role: Role, *, ranks, tp, shard_size, policy, optimizer, mic
         held["optimizer_state"] -= steps
         collectives, control = traced_collectives(tracer)
         del net, opt
-        return RoleRun(role, held, {}, collectives, {}, seconds, control)
+        return RoleRun(role, held, {}, collectives, {}, seconds, control, live.peak)
     finally:
         dp.destroy()
 
@@ -365,8 +375,11 @@ def render(dry: DryRun) -> str:
             lines.append(f"{run.role.rank:>6} {why:<40} {k:<21} {run.held[k] / gb:>12.6f} "
                          f"{run.planned[k] / gb:>12.6f}")  # fmt: skip
             why = ""
-    lines.append(f"plan: held {dry.row.held_bytes / gb:.6f} GB, peak {dry.row.peak_bytes / gb:.6f} "
-                 "GB (the peak is the plan's: a dry run allocates nothing)")  # fmt: skip
+    for run in dry.runs:
+        gap = run.peak / dry.row.peak_bytes - 1 if dry.row.peak_bytes else 0.0
+        lines.append(f"rank {run.role.rank}: peak {run.peak / gb:.6f} GB (meta storages alive "
+                     f"at once in the step), plan {dry.row.peak_bytes / gb:.6f} GB ({gap:+.1%}; "
+                     "not compared: the plan's peak is a model, docs/plan.md)")  # fmt: skip
     lines.append(f"{'collective':<16} {'ranks':>6} {'engine MB':>12} {'calls':>6} "
                  f"{'plan MB':>12} {'calls':>6}")  # fmt: skip
     first = dry.runs[0]
