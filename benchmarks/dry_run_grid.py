@@ -3,7 +3,8 @@ src/dataparallel/plan/dry_run.py): built-in GPTs and llama-8b, DDP, ZeRO-1/2/3, 
 (ZeRO-2 on shard groups of 8) and a dp x tp mesh (ZeRO-3, tp 2), worlds of 2 to 4,096 ranks,
 bf16 parameters with fp32 masters and AdamW. Per case: the roles run, rank 0's held bytes by
 the engine and by the plan, the step's collective bytes by the engine and by the plan, whether
-every role agrees, and the wall time of the whole case (plan, and per role: the fake world,
+every role agrees (held bytes, ZeRO-3's largest gathered unit, collective bytes), rank 0's peak
+of meta storages alive at once in the step beside the plan's peak (not compared), and the wall time of the whole case (plan, and per role: the fake world,
 parallelize, build_optimizer, two steps).
 
     PYTHONPATH=src python benchmarks/dry_run_grid.py [--models gpt-small,llama-8b] [--seq-len 256]
@@ -39,9 +40,9 @@ def main() -> int:
     worlds = [int(n) for n in args.worlds.split(",")]
     print(
         "| model | layout | ranks | roles | held GB engine / plan (rank 0) | collectives "
-        "MB engine / plan | agrees | s |"
+        "MB engine / plan | agrees | peak GB meta / plan | s |"
     )
-    print("|---|---|---:|---|---|---|---|---:|")
+    print("|---|---|---:|---|---|---|---|---|---:|")
     failed = 0
     for model in args.models.split(","):
         for name, (strategy, shard, tp) in LAYOUTS.items():
@@ -62,7 +63,8 @@ def main() -> int:
                 roles = " ".join(str(run.role.shard_rank) for run in result.runs)
                 print(f"| {model} | {name} | {n} | {roles} | {engine / 1e9:.6f} / "
                       f"{planned / 1e9:.6f} | {sent / 1e6:.3f} / {plan_sent / 1e6:.3f} | "
-                      f"{'yes' if ok else 'NO'} | {seconds:.1f} |", flush=True)  # fmt: skip
+                      f"{'yes' if ok else 'NO'} | {first.peak / 1e9:.4f} / "
+                      f"{result.row.peak_bytes / 1e9:.4f} | {seconds:.1f} |", flush=True)  # fmt: skip
                 for line in result.differences():
                     print(f"  DIFFERS: {line}", file=sys.stderr)
     return 1 if failed else 0
