@@ -13,7 +13,8 @@ import dataparallel as dp
 from dataparallel.cli import main
 from dataparallel.data.stream import SampleStream, split_evenly
 from dataparallel.models import build_model
-from dataparallel.plan.dry_run import dry_run, layouts_of, render, traced_collectives
+from dataparallel.plan.dry_roles import layouts_of
+from dataparallel.plan.dry_run import dry_run, render, traced_collectives
 from dataparallel.plan.errors import PlanError
 
 
