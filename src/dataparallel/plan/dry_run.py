@@ -135,8 +135,10 @@ def dry_run(
         raise PlanError("--strategy", f"{strategy!r} has no dry run",
                         f"give one of {', '.join(DRY_STRATEGIES)}")  # fmt: skip
     if str(optimizer) not in DRY_OPTIMIZERS:
-        raise PlanError("--optimizer", f"{optimizer!r} has no dry run (a bare number of bytes "
-                        "names no optimizer)", f"give one of {', '.join(DRY_OPTIMIZERS)}")  # fmt: skip
+        bare = str(optimizer).replace(".", "", 1).isdigit()
+        why = "bytes per parameter name no optimizer to run" if bare else "has no dry run"
+        raise PlanError("--optimizer", f"{optimizer!r}: {why}",
+                        f"give one of {', '.join(DRY_OPTIMIZERS)}")  # fmt: skip
     data_ranks = ranks // tp if tp >= 1 else ranks
     s = 1 if strategy == "ddp" else (shard_size or data_ranks)
     result = plan(model, ranks=ranks, strategies=[strategy], shard_sizes=[s], tp=tp,
