@@ -37,6 +37,7 @@ from torch.nn import functional as F
 from .dry_roles import chosen_roles, role_ranks
 from .errors import PlanError
 from .live_bytes import LiveBytes
+from .model import _FlashAttention
 from .strategies import policy_of
 
 DRY_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -264,7 +265,8 @@ def run_role(model, role: Role, *, ranks, tp, shard_size, policy, optimizer, mic
                 tracer.enabled = phase == "step"
                 live.measuring = peak and phase == "step"
                 start = time.perf_counter()
-                logits = net(tokens)
+                with _FlashAttention():  # as a GPU runs it: no s x s scores ([Note: activations])
+                    logits = net(tokens)
                 F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
                 opt.step()
                 opt.zero_grad()
