@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from . import pairwise
-from .dry import gather_objects
 from .plain import all_gather_plain
 from .progress import PROGRESS, Progress, check_collective
 from .trace import Span, TracedWork, TraceEvent, Tracer
@@ -242,7 +241,7 @@ class Comm:
             check_collective(self.group, collective, None, progress=progress)
         token = progress.begin_wait(collective)
         try:
-            out = gather_objects(obj, self.group, all_gather_plain)  # [Note: nothing unpickled]
+            out = all_gather_plain(obj, group=self.group)  # [Note: nothing unpickled]
         finally:
             progress.end_wait(token)
         self.calls["all_gather_object"] += 1

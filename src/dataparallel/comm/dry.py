@@ -8,16 +8,15 @@ all the engine needs almost everywhere; the few places that read values go throu
 module, which on a real run does what they did before, and in a dry run:
 - `to_host`: a copy of a meta tensor to a real device (the found-inf flag of a gradient shard,
   a norm) gives zeros: every value finite, nothing to skip;
-- `gather_objects`: an object collective on the fake group returns the caller's own value
-  from every rank (the ranks of a dry run are copies of the one simulated, and agree);
+- an object collective on the fake group (`all_gather_plain`, `broadcast_plain` in plain.py)
+  returns the caller's own value from every rank (the ranks of a dry run are copies of the one
+  simulated, and agree);
 - `storage_key`: meta storages all have data pointer 0; they are told apart by identity.
 What a dry run therefore cannot see is data-dependent control flow (a skipped step, a rank
 that found an inf, a parameter no rank used), NCCL's own buffers and the network.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,14 +35,6 @@ def to_host(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | Non
     if tensor.is_meta:
         return torch.zeros(tensor.shape, dtype=dtype or tensor.dtype, device=device)
     return tensor.to(device, dtype) if dtype is not None else tensor.to(device)
-
-
-def gather_objects(value: Any, group: dist.ProcessGroup | None, gather) -> list:
-    """`gather(value, group)` (every rank's value, in rank order); on the fake group the
-    caller's own value once per rank ([Note: dry run])."""
-    if is_fake(group):
-        return [value] * dist.get_world_size(group)
-    return gather(value, group=group)
 
 
 def storage_key(tensor: torch.Tensor):
