@@ -40,7 +40,7 @@ from .data import DistributedSampler
 from .ema import EMA
 from .plan import plan
 from .recipe import PRECISIONS, STRATEGIES, Recipe, RecipeError, check_recipe
-from .runtime import World, destroy, free_port, init, join_group
+from .runtime import World, destroy, free_port, init, init_fake, join_group
 from .strategies import DDP, Mesh, MixedPrecision, ZeRO1, ZeRO2, ZeRO3, init_mesh
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
@@ -82,6 +82,7 @@ __all__ = [
     "geometry",
     "grad_norms",
     "init",
+    "init_fake",
     "init_mesh",
     "join",
     "join_group",

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import Comm, Tracer
+from .comm.dry import is_fake
 from .strategies import (
     Geometry,
     Groups,
@@ -85,7 +86,8 @@ def parallelize(
         group, mesh = as_layout(mesh)
     policy = resolve_policy(strategy)
     on_meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
-    if on_meta is not None and getattr(policy, "materialize", None) is None:
+    dry = is_fake(group if group is not None else None)  # [Note: dry run] in comm/dry.py
+    if on_meta is not None and getattr(policy, "materialize", None) is None and not dry:
         raise ValueError(
             f"parallelize: parameter {on_meta!r} is on the meta device; give it values first, "
             "or shard it as it is filled with dataparallel.ZeRO3(materialize=...)"

@@ -112,7 +112,10 @@ def init(
     if backend is None:
         backend = "nccl" if use_cuda else "gloo"
     if backend not in ("gloo", "nccl"):
-        raise ValueError(f"init: backend={backend!r} is not supported; use 'gloo' or 'nccl'")
+        raise ValueError(
+            f"init: backend={backend!r} is not supported; use 'gloo' or 'nccl' (a dry run on "
+            "the fake process group: dataparallel.init_fake)"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -142,6 +145,34 @@ def init(
         group=group,
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     )
+
+
+def init_fake(world_size: int, rank: int = 0) -> World:
+    """A world of `world_size` ranks in which this process plays rank `rank`, on PyTorch's fake
+    process group: every collective returns at once and leaves its tensors as they are, and
+    object collectives return this rank's own value ([Note: dry run] in comm/dry.py). For a
+    dry run of the engine at any scale in one process (`dataparallel plan --dry-run`, the
+    world-size benchmarks): build the model under `torch.device("meta")`, then
+    `parallelize`, `build_optimizer` and a step run as they would on rank `rank`, with no
+    data. Tear it down with `destroy()` before the next (one process group per process).
+
+    The backend's name is "fake": the comm layer takes the code paths it takes on NCCL (no
+    pairwise reduce-scatter or all-gather: those are gloo's, `Comm.pairwise`), so a dry run
+    follows what a GPU job runs. No watchdog, no store other than torch's FakeStore.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ValueError(f"init_fake: world_size={world_size!r} must be an integer >= 1")
+    if not (isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"init_fake: rank={rank!r} must be in 0..{world_size - 1}")
+    if dist.is_initialized():
+        raise RuntimeError("init_fake: a process group exists; call dataparallel.destroy() first")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    PROGRESS.reset()
+    group = dist.group.WORLD
+    return World(rank=rank, world_size=world_size, local_rank=0, device=torch.device("meta"),
+                 backend="fake", group=group)  # fmt: skip
 
 
 def join_group(

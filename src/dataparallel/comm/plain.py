@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .dry import is_fake
 from .progress import DTYPES as PROGRESS_DTYPES
 
 # The dtypes a tensor may have on the wire (a name outside it is refused, never looked up): the
@@ -183,6 +184,8 @@ def broadcast_plain(value: Any, src: int, group: dist.ProcessGroup | None = None
     """Rank `src`'s `value` (global rank, as dist.broadcast takes it) on every rank of `group`;
     two broadcasts (the length, then the bytes). The other ranks' `value` is ignored. A value
     `src` cannot encode raises PlainError on every rank (a length of -1), not a hang."""
+    if is_fake(group):  # [Note: dry run] in dry.py: every rank holds the caller's value
+        return value
     device = wire_device(group)
     mine, failure = None, None
     if dist.get_rank() == src:
@@ -206,8 +209,10 @@ def broadcast_plain(value: Any, src: int, group: dist.ProcessGroup | None = None
 def all_gather_plain(value: Any, group: dist.ProcessGroup | None = None) -> list:
     """Every rank's `value`, in the group's rank order, on every rank of `group` (two
     all-gathers: the lengths, then the bytes padded to the longest)."""
-    device = wire_device(group)
     size = dist.get_world_size(group)
+    if is_fake(group):  # [Note: dry run] in dry.py: every rank holds the caller's value
+        return [value] * size
+    device = wire_device(group)
     try:
         mine, failure = to_bytes(value, device), None
     except PlainError as error:  # said on every rank, not a hang: a length of -1

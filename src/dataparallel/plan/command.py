@@ -42,6 +42,12 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--layout", default="dataparallel", help="dataparallel or zero-paper")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1: none)")
     p.add_argument("--json", action="store_true", help="print rows as JSON")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run the real engine for the ranks that differ on a fake process group, beside "
+        "the plan; exit 1 where they differ (docs/plan.md)",
+    )
     p.add_argument("--calibrate", action="store_true", help="measure this machine (2 ranks)")
     p.add_argument("--out", help="with --calibrate: where to write the profile JSON")
     p.add_argument("--batch", type=int, default=4, help="with --calibrate: samples per rank")
@@ -57,7 +63,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             profile = calibrate([args.model or "gpt-small"], batch=args.batch, out=args.out)
             print(profile.to_json())
             return 0
-        return _plan(args)
+        return _dry_run(args) if args.dry_run else _plan(args)
     except PlanError as error:
         print(f"dataparallel plan: error: {error}", file=sys.stderr)
         return 2
@@ -97,4 +103,31 @@ def _plan(args: argparse.Namespace) -> int:
         tp=args.tp,
     )
     print(as_json(result) if args.json else as_table(result))
+    return 0
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """[Note: dry run of a plan] in dry_run.py: one strategy and shard size, printed beside
+    the plan; 1 when they differ."""
+    from .dry_run import dry_run, render
+    from .errors import PlanError
+
+    if args.params is not None:
+        raise PlanError("--params", "a bare parameter count names no architecture to run",
+                        "give --model NAME with --dry-run")  # fmt: skip
+    if args.model is None or args.ranks is None:
+        raise PlanError("--dry-run", "needs --model and --ranks", "give both")
+    if len(args.strategy or []) != 1 or len(args.shard_size or [None]) != 1:
+        raise PlanError("--strategy", "a dry run runs one strategy on one shard size",
+                        "give --strategy once (and --shard-size at most once)")  # fmt: skip
+    result = dry_run(args.model, ranks=args.ranks, strategy=args.strategy[0],
+                     shard_size=(args.shard_size or [None])[0], tp=args.tp,
+                     precision=args.precision, optimizer=args.optimizer,
+                     micro_batch=args.micro_batch, seq_len=args.seq_len)  # fmt: skip
+    print(render(result))
+    differences = result.differences()
+    if differences:
+        print(f"dataparallel plan --dry-run: {len(differences)} differences from the plan, the "
+              f"first: {differences[0]}", file=sys.stderr)  # fmt: skip
+        return 1
     return 0

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..comm.dry import storage_key
 from .parts import geometry as geo
 from .parts.geometry import Geometry
 from .parts.sharded_grads import clip_grad_value_, grad_norms, held_runs
@@ -252,9 +253,12 @@ class Strategy:
         beside that (fp32 masters under mixed precision, which count as optimizer state, the
         ZeRO paper's K = 12 bytes per parameter, and are also reported on their own)."""
         params, grads = self.working_tensors()
-        working = {t.untyped_storage().data_ptr() for t in params if t is not None}
+        working = {storage_key(t) for t in params if t is not None}
         held = [p.value for p in self.geometry(optimizer).pieces]
-        masters = [t for t in held if t.untyped_storage().data_ptr() not in working]
+        # A shard holding only padding has no piece, yet its data is allocated (at 4,096 ranks
+        # the last ranks' shards of a small bucket: the dry run found it, docs/plan.md).
+        held += [h.shard.data for h in self.shard_holders() or () if h.shard is not None]
+        masters = [t for t in held if storage_key(t) not in working]
         state = optimizer_state_tensors(optimizer) if optimizer is not None else []
         return {
             "params": tensor_bytes(params),
@@ -282,11 +286,10 @@ def tensor_bytes(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
+        key = storage_key(t)
         if key not in seen:
             seen.add(key)
-            total += storage.nbytes()
+            total += t.untyped_storage().nbytes()
     return total
 
 

@@ -24,6 +24,7 @@ import torch
 from torch.autograd.variable import Variable
 
 from ...comm import Comm
+from ...comm.dry import to_host
 
 
 class BackwardRound:
@@ -56,7 +57,7 @@ class BackwardRound:
         flags = torch.tensor([*self.used, 0], dtype=torch.int32, device=self.comm.device)
         bad = [s.nonfinite() for s in shards or () if s.store is not None]
         if bad:  # computed where the gradients are: no host sync before the all-reduce
-            flags[n:] = torch.stack(bad).any().to(flags.device, torch.int32)
+            flags[n:] = to_host(torch.stack(bad).any(), flags.device, torch.int32)
         work = None
         if self.comm.world_size > 1:
             with self.comm.tracer.labelled(what="used flags"):
