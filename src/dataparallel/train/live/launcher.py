@@ -252,9 +252,7 @@ class LiveLauncher:
         # The wait starts at a member's report: replacements and joiners asking in alone (the
         # members evaluating, saving or still starting) wait for them, not against the clock;
         # unless no member is left to come.
-        member_spoke = any(
-            s in self.current.slots and r.where != JOIN for s, r in reports.items()
-        )
+        member_spoke = any(s in self.current.slots and r.where != JOIN for s, r in reports.items())
         if member_spoke or not alive:
             self.first_report_at = self.first_report_at or now
         arriving = sum(
