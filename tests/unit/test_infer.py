@@ -13,7 +13,7 @@ from dataparallel.infer.generate import GenerateJob, plan_batches
 from dataparallel.infer.loading import ModelSource
 from dataparallel.infer.ranks import contiguous_share, strided_share
 from dataparallel.infer.worker import decode_job, encode_job
-from dataparallel.launch.workers import torchrun_argv, worker_environment
+from dataparallel.launch.workers import shutdown_timeout, torchrun_argv, worker_environment
 from dataparallel.train.config import LaunchConfig
 
 
@@ -84,7 +84,7 @@ def test_one_torchrun_argv_for_every_command():
     assert argv == [
         "--nnodes=1", "--node-rank=0", "--nproc-per-node=3", "--master-addr=127.0.0.1",
         "--master-port=1234", "--max-restarts=1", "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",
-        "--shutdown-timeout=25", "script.py", "--lr", "1",
+        *shutdown_timeout(25), "script.py", "--lr", "1",
     ]  # fmt: skip
     nodes = LaunchConfig(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500")
     assert torchrun_argv(nodes, ["--module", "m"])[3:5] == [

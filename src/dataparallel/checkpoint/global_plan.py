@@ -39,10 +39,14 @@ def global_save_plan(
         for plan in reversed(global_plan):  # the lowest rank's wins, as in DCP's ChainMap
             nesting.update(plan.planner_data or {})
         metadata = dataclasses.replace(metadata, planner_data=nesting)
-        if not all(_tiled(entry) for entry in metadata.state_dict_metadata.values()):
+        entries = metadata.state_dict_metadata.items()
+        untiled = [name for name, entry in entries if not _tiled(entry)]
+        if untiled:
             errors = _validate_global_plan(global_plan, metadata)
-            if isinstance(errors, bool):  # torch before 2.10 (2.11 on the GPU check) says only
-                errors = [] if errors else ["the ranks' boxes overlap or leave part uncovered"]
+            if isinstance(errors, bool):  # torch 2.11's (the GPU check's) says only whether
+                errors = [] if errors else [
+                    f"key:{name} has overlapping chunks or leaves part uncovered" for name in untiled
+                ]  # fmt: skip
             if errors:
                 summary = "; ".join(errors)
                 summary = summary if len(summary) <= 500 else summary[:500] + "... (truncated)"
