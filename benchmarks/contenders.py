@@ -94,7 +94,7 @@ def adamw(params) -> torch.optim.Optimizer:
 # -- the models -------------------------------------------------------------------------------
 # dataparallel.models' GPTs, and one more: many small parameters and little arithmetic, so that
 # a step is mostly the engine's per-parameter Python work (hooks, bucket and shard bookkeeping,
-# the optimizer's loop over 292 tensors) rather than matrix products. Its step of 2 x 4 x 32
+# the optimizer's loop over 388 tensors) rather than matrix products. Its step of 2 x 4 x 32
 # tokens takes ~75 ms on one core of the 2-core VM, most of it per-operation overhead.
 EXTRA_MODELS = {
     "gpt-deep-narrow": GPTConfig(n_layer=24, n_head=4, n_embd=64, block_size=32),  # ~1.22M
