@@ -34,19 +34,16 @@ def _resume(run_dir: Path, *flags: str):
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory) -> Path:
-    """The uninterrupted run."""
-    out = tmp_path_factory.mktemp("whole") / "run"
-    ok(train(ARGS, out))
-    return out
+def whole(reference_run) -> Path:
+    """The uninterrupted run: test_train_cli's reference run, trained once (conftest.py)."""
+    return reference_run[0]
 
 
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory) -> Path:
-    """The same run under ZeRO-2, stopped at step 6 (its checkpoint), to resume from."""
-    out = tmp_path_factory.mktemp("stopped") / "run"
-    ok(train([*ARGS, "--strategy", "zero2", "--stop-after", "6"], out))
-    return out
+def stopped(six_steps) -> Path:
+    """The same run under ZeRO-2, stopped at step 6 (its checkpoint), to resume from (shared
+    with test_train_cli through conftest.py: tests here change copies only)."""
+    return six_steps("zero2")
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:

@@ -53,28 +53,8 @@ def _check_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 
 
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("reference") / "run"
-    result = train(REFERENCE_ARGS, out)
-    _check_ok(result)
-    return out, result
-
-
-@pytest.fixture(scope="module")
-def six_steps(tmp_path_factory):
-    """The reference run under a strategy, stopped after 6 steps: trained once per strategy and
-    shared (ZeRO-3's by the strategies' curve and by the int8 test's exact bytes)."""
-    runs: dict[str, Path] = {}
-
-    def run(strategy: str) -> Path:
-        if strategy not in runs:
-            out = tmp_path_factory.mktemp(f"six_steps_{strategy}") / "run"
-            _check_ok(train(_override(REFERENCE_ARGS, strategy=strategy, stop_after="6"), out))
-            runs[strategy] = out
-        return runs[strategy]
-
-    return run
+# reference_run and six_steps (the reference run stopped after 6 steps under a strategy) are
+# session fixtures in conftest.py: test_faults resumes and damages copies of the same runs.
 
 
 def test_reproduces_the_stored_loss_curve(reference_run):
