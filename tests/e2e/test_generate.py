@@ -28,8 +28,7 @@ from dataparallel.models import build_model
 
 from .helpers import CORPUS
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from hf_fixtures import make_tiny_llama  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1]))  # hf_fixtures
 
 PROMPTS = [
     "def wrap(text, width",
@@ -59,8 +58,8 @@ def _completions(path: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
+def llama(tiny_llama) -> Path:
+    return tiny_llama  # make_tiny_llama's defaults, built once a session (conftest.py)
 
 
 @pytest.fixture(scope="module")
