@@ -12,7 +12,6 @@ import os
 import pickle
 import random
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .helpers import CORPUS, REFERENCE_ARGS, ok, train
+from .helpers import CORPUS, REFERENCE_ARGS, cli, ok, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import kill_trials  # noqa: E402
@@ -29,8 +28,7 @@ ARGS = [a for a in REFERENCE_ARGS]  # 2 workers, gpt-tiny, 12 steps, a checkpoin
 
 
 def _resume(run_dir: Path, *flags: str):
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--resume", str(run_dir)]
-    return subprocess.run([*command, *flags], capture_output=True, text=True, timeout=300)
+    return cli(["train", "--resume", str(run_dir), *flags])
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from dataparallel.cli import main
 from dataparallel.models import build_model
 
-from .helpers import CORPUS
+from .helpers import CORPUS, cli
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # hf_fixtures
 
@@ -40,8 +40,7 @@ PROMPTS = [
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "dataparallel.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=180)
+    return cli(list(args), timeout=180)
 
 
 def _prompts_file(path: Path, prompts=PROMPTS) -> Path:

@@ -34,7 +34,7 @@ from dataparallel.data.corpus import TokenWindows, evenly_spaced, load_corpus
 from dataparallel.models import build_model
 from dataparallel.strategies import POLICIES
 
-from .helpers import CORPUS, REFERENCE, REFERENCE_ARGS, curve, train
+from .helpers import CORPUS, REFERENCE, REFERENCE_ARGS, cli, curve, train
 
 
 def _override(args: list[str], **changes: str) -> list[str]:
@@ -192,8 +192,7 @@ def test_resume_ends_where_the_uninterrupted_run_ends(reference_run, tmp_path):
     _check_ok(first)
     assert "stopped at step 6 of 12" in first.stdout
     assert not (out / "checkpoint" / "step-000012").exists()
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--resume", str(out)]
-    second = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    second = cli(["train", "--resume", str(out)])
     _check_ok(second)
     assert "resumed at step 6 of 12" in second.stdout
     reference, resumed = curve(run_dir), curve(out)

@@ -16,14 +16,13 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from .helpers import curve, train
+from .helpers import cli, curve, train
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 ARGS = [
@@ -53,8 +52,7 @@ def _close(a: dict, b: dict, rel: float) -> bool:
 
 
 def _resume(out: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--resume", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = cli(["train", "--resume", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

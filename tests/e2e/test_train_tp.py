@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from .helpers import CORPUS
+from .helpers import CORPUS, cli
 
 ARGS = [
     "--threads", "1",
@@ -38,8 +37,7 @@ ARGS = [
 
 
 def _train(args: list[str]) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "dataparallel.cli", "train", *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    result = cli(["train", *args], timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
