@@ -44,7 +44,8 @@ REFERENCE_ARGS = [
 ]  # fmt: skip
 
 sys.path.insert(0, str(HERE.resolve().parents[1] / "benchmarks"))
-from warm_processes import run_cli  # noqa: E402 - tests/ is on the path (hf_fixtures too)
+sys.path.insert(0, str(HERE.resolve().parent))  # tests/, also when make_reference_curve runs
+from warm_processes import run_cli  # noqa: E402
 from workers import live_workers  # noqa: E402
 
 
