@@ -37,6 +37,7 @@ from .launch.cluster_command import add_cluster_parser, cmd_cluster
 from .launch.environments import detect
 from .launch.flags import add_launcher_flags, launcher_config
 from .launch.topology import Topology
+from .launch.workers import freeze_imports
 from .plan.command import add_plan_parser, cmd_plan
 from .train.config import (
     SECTIONS,
@@ -357,6 +358,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a process of its own: [Note: frozen imports] in launch/workers.py
+        freeze_imports()
     args = build_parser().parse_args(argv)
     handler = {
         "train": cmd_train,

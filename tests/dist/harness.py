@@ -7,10 +7,11 @@ rank's traceback; a world that does not finish within `timeout` seconds is kille
 raises, so a hang in the code under test fails the test instead of stalling the suite.
 
 The ranks are forked from a server process that has imported torch and dataparallel once
-(multiprocessing's "forkserver", started on the first call): a world of fresh interpreters
-("spawn") took about 2 s to start, a forked one 0.1 s. The server has started no threads and
-run no collective, so each rank begins as a fresh one would; it keeps the environment of the
-suite at its start (a test that needs other variables in its ranks sets them in `fn`).
+(multiprocessing's "forkserver", started on the first call; the suite's one server, shared with
+the e2e tests' commands: tests/warm_processes.py): a world of fresh interpreters ("spawn") took
+about 2 s to start, a forked one 0.1 s. The server has started no threads and run no
+collective, so each rank begins as a fresh one would; it keeps the environment of the suite at
+its start (a test that needs other variables in its ranks sets them in `fn`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import socket
 import traceback
 
-import torch.multiprocessing as mp
+from warm_processes import CONTEXT
 
 
 def free_port() -> int:
@@ -51,12 +52,8 @@ def _entry(rank, world_size, port, fn, args, queue):
         dp.destroy()
 
 
-_CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "dataparallel"])
-
-
 def run_world(world_size: int, fn, *args, timeout: float = 180.0) -> list:
-    ctx = _CONTEXT
+    ctx = CONTEXT
     queue = ctx.Queue()
     port = free_port()
     procs = [

@@ -44,14 +44,21 @@ REFERENCE_ARGS = [
 ]  # fmt: skip
 
 sys.path.insert(0, str(HERE.resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(HERE.resolve().parent))  # tests/, also when make_reference_curve runs
+from warm_processes import run_cli  # noqa: E402
 from workers import live_workers  # noqa: E402
 
 
+def cli(args: list[str], *, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
+    """`dataparallel ARGS` in a process of its own, its output captured, without the
+    interpreter's start (tests/warm_processes.py run_cli)."""
+    return run_cli(args, timeout=timeout, env=env)
+
+
 def train(args: list[str], out: Path, *, data: Path = CORPUS) -> subprocess.CompletedProcess:
-    """Run `dataparallel train` in a subprocess (as a user would) and return the result."""
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(data)]
-    command += [*args, "--out", str(out)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    """Run `dataparallel train` in a process of its own (as a user would; forked warm, cli) and
+    return the result."""
+    return cli(["train", "--data", str(data), *args, "--out", str(out)])
 
 
 def curve(run_dir: Path) -> dict:

@@ -12,7 +12,6 @@ import os
 import pickle
 import random
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .helpers import CORPUS, REFERENCE_ARGS, ok, train
+from .helpers import CORPUS, REFERENCE_ARGS, cli, ok, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import kill_trials  # noqa: E402
@@ -29,24 +28,20 @@ ARGS = [a for a in REFERENCE_ARGS]  # 2 workers, gpt-tiny, 12 steps, a checkpoin
 
 
 def _resume(run_dir: Path, *flags: str):
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--resume", str(run_dir)]
-    return subprocess.run([*command, *flags], capture_output=True, text=True, timeout=300)
+    return cli(["train", "--resume", str(run_dir), *flags])
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory) -> Path:
-    """The uninterrupted run."""
-    out = tmp_path_factory.mktemp("whole") / "run"
-    ok(train(ARGS, out))
-    return out
+def whole(reference_run) -> Path:
+    """The uninterrupted run: test_train_cli's reference run, trained once (conftest.py)."""
+    return reference_run[0]
 
 
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory) -> Path:
-    """The same run under ZeRO-2, stopped at step 6 (its checkpoint), to resume from."""
-    out = tmp_path_factory.mktemp("stopped") / "run"
-    ok(train([*ARGS, "--strategy", "zero2", "--stop-after", "6"], out))
-    return out
+def stopped(six_steps) -> Path:
+    """The same run under ZeRO-2, stopped at step 6 (its checkpoint), to resume from (shared
+    with test_train_cli through conftest.py: tests here change copies only)."""
+    return six_steps("zero2")
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:

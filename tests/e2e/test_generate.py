@@ -26,10 +26,9 @@ from torch.nn import functional as F
 from dataparallel.cli import main
 from dataparallel.models import build_model
 
-from .helpers import CORPUS
+from .helpers import CORPUS, cli
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from hf_fixtures import make_tiny_llama  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1]))  # hf_fixtures
 
 PROMPTS = [
     "def wrap(text, width",
@@ -41,8 +40,7 @@ PROMPTS = [
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "dataparallel.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=180)
+    return cli(list(args), timeout=180)
 
 
 def _prompts_file(path: Path, prompts=PROMPTS) -> Path:
@@ -59,8 +57,8 @@ def _completions(path: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
+def llama(tiny_llama) -> Path:
+    return tiny_llama  # make_tiny_llama's defaults, built once a session (conftest.py)
 
 
 @pytest.fixture(scope="module")

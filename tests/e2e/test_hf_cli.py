@@ -14,7 +14,6 @@ import os
 
 import pytest
 import torch
-from hf_fixtures import make_tiny_llama
 from safetensors.torch import load_file
 
 from dataparallel.cli import main
@@ -37,8 +36,8 @@ ARGS = [
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return make_tiny_llama(tmp_path_factory.mktemp("hf") / "llama", layers=2, width=32)
+def llama(tiny_llama):
+    return tiny_llama  # make_tiny_llama(layers=2, width=32), built once a session (conftest.py)
 
 
 @pytest.fixture(scope="module")

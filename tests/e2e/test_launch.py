@@ -20,14 +20,15 @@ import torch
 
 from dataparallel.cli import main
 
+from .helpers import cli
+
 SCRIPT = Path(__file__).parent / "scripts" / "launched.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import launched  # noqa: E402  (the script's own batch and model, for the reference step)
 
 
 def _launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "dataparallel.cli", "launch", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    return cli(["launch", *args], timeout=timeout)
 
 
 def _ranks(out: Path, n: int) -> list[dict]:

@@ -46,11 +46,11 @@ def _ok(result, code: int = 0):
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory) -> Path:
-    """The uninterrupted run (started by `--resume auto` on an empty --out)."""
-    out = tmp_path_factory.mktemp("whole") / "run"
-    _ok(_run(_command(out)))
-    return out
+def whole(reference_run) -> Path:
+    """The uninterrupted run: REFERENCE_ARGS without --resume auto, trained once a session
+    (conftest.py). `--resume auto` on an empty --out starts the run in `preempted` below, and
+    every resumed session must end on this run's weights bit for bit."""
+    return reference_run[0]
 
 
 @pytest.fixture(scope="module")

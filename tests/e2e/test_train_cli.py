@@ -34,7 +34,7 @@ from dataparallel.data.corpus import TokenWindows, evenly_spaced, load_corpus
 from dataparallel.models import build_model
 from dataparallel.strategies import POLICIES
 
-from .helpers import CORPUS, REFERENCE, REFERENCE_ARGS, curve, train
+from .helpers import CORPUS, REFERENCE, REFERENCE_ARGS, cli, curve, train
 
 
 def _override(args: list[str], **changes: str) -> list[str]:
@@ -53,28 +53,8 @@ def _check_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 
 
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("reference") / "run"
-    result = train(REFERENCE_ARGS, out)
-    _check_ok(result)
-    return out, result
-
-
-@pytest.fixture(scope="module")
-def six_steps(tmp_path_factory):
-    """The reference run under a strategy, stopped after 6 steps: trained once per strategy and
-    shared (ZeRO-3's by the strategies' curve and by the int8 test's exact bytes)."""
-    runs: dict[str, Path] = {}
-
-    def run(strategy: str) -> Path:
-        if strategy not in runs:
-            out = tmp_path_factory.mktemp(f"six_steps_{strategy}") / "run"
-            _check_ok(train(_override(REFERENCE_ARGS, strategy=strategy, stop_after="6"), out))
-            runs[strategy] = out
-        return runs[strategy]
-
-    return run
+# reference_run and six_steps (the reference run stopped after 6 steps under a strategy) are
+# session fixtures in conftest.py: test_faults resumes and damages copies of the same runs.
 
 
 def test_reproduces_the_stored_loss_curve(reference_run):
@@ -212,8 +192,7 @@ def test_resume_ends_where_the_uninterrupted_run_ends(reference_run, tmp_path):
     _check_ok(first)
     assert "stopped at step 6 of 12" in first.stdout
     assert not (out / "checkpoint" / "step-000012").exists()
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--resume", str(out)]
-    second = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    second = cli(["train", "--resume", str(out)])
     _check_ok(second)
     assert "resumed at step 6 of 12" in second.stdout
     reference, resumed = curve(run_dir), curve(out)

@@ -76,12 +76,10 @@ def test_prompt_completion_jsonl_trains_on_completion_tokens_only(tmp_path):
     )
 
 
-def test_chat_jsonl_trains_an_hf_model_on_the_assistant_replies(tmp_path):
-    from hf_fixtures import make_tiny_llama
-
+def test_chat_jsonl_trains_an_hf_model_on_the_assistant_replies(tiny_llama, tmp_path):
     from dataparallel.data.tokenizer import HFTokenizer
 
-    model_dir = make_tiny_llama(tmp_path / "llama")
+    model_dir = tiny_llama  # make_tiny_llama's defaults, built once a session (conftest.py)
     data = tmp_path / "chat.jsonl"
     chats = [
         {

@@ -16,14 +16,13 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from .helpers import curve, train
+from .helpers import cli, curve, train
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 ARGS = [
@@ -53,8 +52,7 @@ def _close(a: dict, b: dict, rel: float) -> bool:
 
 
 def _resume(out: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--resume", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = cli(["train", "--resume", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -88,11 +86,8 @@ def test_a_resumed_muon_run_ends_where_the_uninterrupted_one_ends(tmp_path):
     assert all(torch.equal(weights[name], expected[name]) for name in expected)
 
 
-def test_an_hf_model_trains_with_muon(tmp_path):
-    pytest.importorskip("transformers")
-    from hf_fixtures import make_tiny_llama
-
-    llama = make_tiny_llama(tmp_path / "llama", layers=2, width=32)
+def test_an_hf_model_trains_with_muon(tiny_llama, tmp_path):
+    llama = tiny_llama  # make_tiny_llama(layers=2, width=32), built once a session (conftest.py)
     args = [*ARGS[:4], "--model", f"hf:{llama}", "--block-size", "32", "--batch", "4"]
     args += ["--steps", "4", "--lr", "1e-2", "--warmup-steps", "1", "--eval-every", "0"]
     result = _run([*args, "--optimizer", "muon", "--strategy", "zero3"], tmp_path / "run")

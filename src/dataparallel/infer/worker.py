@@ -19,6 +19,7 @@ from pathlib import Path
 import dataparallel as dp
 
 from ..launch.config import ConfigError
+from ..launch.workers import freeze_imports
 from .decoding import Sampling
 from .evaluate import EvalJob, evaluate
 from .generate import GenerateJob, generate
@@ -95,6 +96,7 @@ def _workers(world: dp.World) -> str:
 
 def main() -> int:
     """Entry point of a worker started by the launcher (`python -m dataparallel.infer.worker`)."""
+    freeze_imports()  # [Note: frozen imports] in launch/workers.py
     run_job(*decode_job(os.environ[ENV_JOB]))
     return 0
 

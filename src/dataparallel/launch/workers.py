@@ -15,6 +15,7 @@ busy). torchrun's own default is 1 thread, which wastes cores when workers are f
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import math
 import os
@@ -25,6 +26,21 @@ from .preemption import AGENT_SIGNALS, PREEMPT_SIGNALS, PREEMPTED, LauncherSigna
 from .stopped_workers import StoppedWorkers
 
 ENV_LAUNCHER = "DATAPARALLEL_LAUNCHER_PID"  # the launcher's pid, the workers' parent
+
+
+def freeze_imports() -> None:
+    """Called first by each process entry point (`dataparallel`, a train or inference worker).
+
+    [Note: frozen imports] torch, dataparallel and their imports leave some 250,000 objects that
+    live as long as the process, and each full collection walks them all (0.1-0.4 s on 2
+    cores). `gc.freeze()` moves them to the collector's permanent generation: no collection
+    walks them again, and the interpreter's exit, which collects several times while it
+    unloads modules, no longer takes 0.6-1 s per process (a 2-worker `dataparallel train` of
+    4 steps ended 3-8 s sooner, three processes each exiting faster). Objects made afterwards
+    are collected as usual. Not called when `cli.main` is handed its arguments (the tests call
+    it in their own process).
+    """
+    gc.freeze()
 
 
 def available_cores() -> int:

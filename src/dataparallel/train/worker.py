@@ -25,7 +25,7 @@ from ..comm.plain import all_gather_plain
 from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
 from ..launch.preemption import PREEMPTED, WorkerSignals, exit_now
-from ..launch.workers import ENV_LAUNCHER
+from ..launch.workers import ENV_LAUNCHER, freeze_imports
 from .callbacks import Callback
 from .checkpointing import CheckpointSaver, restore
 from .config import RunConfig, field_label
@@ -321,6 +321,7 @@ def die_with_launcher() -> None:
 
 def main() -> int:
     """Entry point of a worker started by the launcher (`python -m dataparallel.train.worker`)."""
+    freeze_imports()  # [Note: frozen imports] in launch/workers.py
     die_with_launcher()
     config, resume, checkpoint = decode_run(os.environ[ENV_RUN])
     run_worker(config, resume=resume, checkpoint=checkpoint)

@@ -1,0 +1,67 @@
+"""The suite's warm process server: processes forked from one that has imported torch and
+dataparallel once, for the dist tests' ranks (tests/dist/harness.py) and the e2e tests'
+`dataparallel` commands (`run_cli`).
+
+A fresh `python -m dataparallel.cli train ...` spends about 2 s importing torch and dataparallel
+and 0.5-1 s more in torch._dynamo (its preflight builds the model on the meta device) before it
+starts a worker; on 2 cores a 4-step run of 2 workers took 23-25 s fresh and 13-18 s forked
+from here (3 runs each, alternating, on a loaded machine). The command is the same `cli.main`
+with the same arguments, environment and working directory; its workers are fresh processes
+as always (torch.distributed.run starts them). Tests that signal or kill the launcher, or read
+its output while it runs, start `python -m dataparallel.cli` themselves.
+
+multiprocessing has one forkserver per process: its preload list is set here only, and the
+server starts on the first process asked of it. It has started no threads and run nothing
+else, so each process begins as a fresh one would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+CONTEXT = mp.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "dataparallel", "dataparallel.cli", "torch._dynamo"])
+
+
+def _cli_entry(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)  # what the workers inherit, as from subprocess.run(env=...)
+    for fd, path in ((1, out), (2, err)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(file, fd)
+        os.close(file)
+    sys.argv = ["dataparallel", *args]
+    from dataparallel.cli import main
+
+    sys.exit(main())  # argv None: as the `dataparallel` command runs it
+
+
+def run_cli(
+    args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`dataparallel ARGS` in a process of its own (forked from the warm server), its output
+    captured: like subprocess.run([python, -m, dataparallel.cli, *args], capture_output=True,
+    text=True, timeout=timeout, env=env) without the interpreter's start."""
+    env = dict(os.environ if env is None else env)
+    with tempfile.TemporaryDirectory(prefix="dataparallel-cli-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        process = CONTEXT.Process(
+            target=_cli_entry, args=(list(args), env, os.getcwd(), str(out), str(err))
+        )
+        process.start()
+        process.join(timeout)
+        if process.is_alive():  # its workers die with it (train/worker.py die_with_launcher)
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired(["dataparallel", *args], timeout)
+        text = lambda path: path.read_text() if path.exists() else ""  # noqa: E731
+        return subprocess.CompletedProcess(
+            ["dataparallel", *args], process.exitcode, text(out), text(err)
+        )
