@@ -199,6 +199,16 @@ class DDPStrategy(Strategy):
         self.comm.rebind(group)
         mean = self.policy.reduce_op == "mean"
         self.reducer.rebind(divisor=self.comm.world_size if mean else 1)
+        # [Note: arrival order] The new group may hold a process fresh from `parallelize` (a
+        # live run's replacement), whose buckets are still the planned ones: every member
+        # starts again from them and settles the arrival order with the others, at the same
+        # forward. Without this the survivors' re-laid buckets met the replacement's planned
+        # ones in one step's all-reduces (tests/e2e/test_live_recovery.py: 2.6e-3 off).
+        planned = list(reversed([p for p in self.model.parameters() if p.requires_grad]))
+        same = [id(p) for p in self.reducer.params] == [id(p) for p in planned]
+        if not same or self.reducer.arrival is None:
+            self.reducer.remove()
+            self.reducer = self._build_reducer(planned, record_arrival=True)
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         check_optimizer_params(self.model, optimizer.param_groups)
