@@ -134,6 +134,11 @@ OURS: dict[str, tuple[str, dict, dict]] = {
     "zero3-gloo": ("zero3", {}, {"pairwise": False}),
     # without the unit-order check ([Note: same units on every rank] in fsdp_order.py): its cost
     "zero3-nocheck": ("zero3", {"check_order": "off"}, {}),
+    # candidate defaults, measured in docs/zero3.md (#knobs-measured): every unit kept gathered
+    # from its forward to its backward (one all-gather less per unit), and no prefetch
+    "zero3-keep": ("zero3", {"reshard_after_forward": False}, {}),
+    "zero3-noprefetch": ("zero3", {"prefetch": False}, {}),
+    "zero3-prefetch2": ("zero3", {"prefetch": 2}, {}),
 }
 
 
@@ -325,6 +330,9 @@ CONTENDERS: dict[str, Callable] = {
     "zero3": ours("zero3"),
     "zero3-gloo": ours("zero3-gloo"),
     "zero3-nocheck": ours("zero3-nocheck"),
+    "zero3-keep": ours("zero3-keep"),
+    "zero3-noprefetch": ours("zero3-noprefetch"),
+    "zero3-prefetch2": ours("zero3-prefetch2"),
     "fsdp2": fsdp2,
     "deepspeed-zero3": deepspeed_zero(3),
     # torch.compile per block after wrapping, against the eager contender of the same name

@@ -96,6 +96,8 @@ def parity_grid(world) -> dict:
         ),
         # gloo's own all-gather, and all-reduce for the gradients ("auto" without pairwise)
         "gloo's collectives": ("transformer", dp.ZeRO3(), {"pairwise": False}),
+        # two units gathered ahead, in forward and in backward
+        "prefetch 2": ("transformer", dp.ZeRO3(prefetch=2), {}),
         "no_sync x3": ("transformer", dp.ZeRO3(), {"accum": 3}),
         "clip 0.05": ("transformer", dp.ZeRO3(), {"clip": 0.05}),
         "unused params": ("branchy", dp.ZeRO3(), {}),
@@ -297,8 +299,8 @@ def world_results(world_size: int) -> list[dict]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero3_equals_one_process_and_ddp(world_size):
     for results in world_results(world_size):
-        # 3 models x 2 optimizers; the 7 variants in the 2-rank world only
-        assert len(results["parity"]) == {2: 3 * 2 + 7, 3: 3 * 2}[world_size], results["parity"]
+        # 3 models x 2 optimizers; the 8 variants in the 2-rank world only
+        assert len(results["parity"]) == {2: 3 * 2 + 8, 3: 3 * 2}[world_size], results["parity"]
         for case, diffs in results["parity"].items():
             if case[-1] == "bf16 autocast":
                 # the one-process reference sums the chunks' bf16 weight gradients in bf16
@@ -385,6 +387,8 @@ def test_policy_errors_name_the_field():
     with pytest.raises(ValueError, match="precision="):
         dp.ZeRO3(precision=torch.float16)
     assert dp.ZeRO3(wrap=nn.Linear).wrap == (nn.Linear,)
+    with pytest.raises(ValueError, match="prefetch="):
+        dp.ZeRO3(prefetch=-1)
     with pytest.raises(ValueError, match="reduce="):
         dp.ZeRO3(reduce="ring")
     with pytest.raises(ValueError, match="param_dtype="):

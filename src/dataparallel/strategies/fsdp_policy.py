@@ -28,8 +28,9 @@ class ZeRO3:
         classes, a callable `module -> bool`, or None for every child of an nn.ModuleList
         (each `Block` of our GPT). Parameters outside every unit belong to the root unit (the
         model), which stays gathered from the start of forward to the end of backward.
-    prefetch: start the next unit's all-gather while the current unit computes, in forward
-        (in the previous step's order) and in backward (in reverse).
+    prefetch: how many units ahead to gather while the current unit computes, in forward
+        (in the previous step's order) and in backward (in reverse): True (1) the next one,
+        False (0) none, 2 the next two (one more unit gathered at the peak).
     reshard_after_forward: free each unit after its forward and gather it again for its
         backward (except the unit that ran last in the previous step's forward, whose backward
         comes right after); False keeps every unit gathered from its forward to its backward
@@ -61,7 +62,7 @@ class ZeRO3:
 
     name: ClassVar[str] = "zero3"
     wrap: Callable[[nn.Module], bool] | tuple[type, ...] | None = None
-    prefetch: bool = True
+    prefetch: bool | int = True
     reshard_after_forward: bool = True
     precision: MixedPrecision | None = None
     reduce: str = "auto"
@@ -81,6 +82,10 @@ class ZeRO3:
                     f"ZeRO3: wrap={self.wrap!r} must be None, a tuple of nn.Module classes, or "
                     "a callable module -> bool"
                 )
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(
+                f"ZeRO3: prefetch={self.prefetch!r} must be True, False or a number of units >= 0"
+            )
         object.__setattr__(self, "precision", check_precision(self.precision, "ZeRO3"))
         if self.reduce not in REDUCE_KINDS:
             raise ValueError(f"ZeRO3: reduce={self.reduce!r} must be one of {REDUCE_KINDS}")
@@ -98,6 +103,6 @@ class ZeRO3:
         return unitwise(
             shapes, self.precision, shards=shard_size,
             pairwise=pairwise and self.reduce != "all_reduce",
-            gathered_units=(2 if self.prefetch else 1) if self.reshard_after_forward else None,
+            gathered_units=1 + int(self.prefetch) if self.reshard_after_forward else None,
             **given,
         )  # fmt: skip

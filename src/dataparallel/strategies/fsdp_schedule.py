@@ -2,13 +2,14 @@
 
 [Note: schedule] A unit gathers just before its forward and its backward; the schedule adds
 what one unit cannot know:
-- forward prefetch: at the k-th pre-forward of a step, the unit that came (k+1)-th in the
-  previous step's forward starts gathering too, so its all-gather overlaps this unit's compute;
+- forward prefetch: at the k-th pre-forward of a step, the units that came (k+1)-th to
+  (k+depth)-th in the previous step's forward start gathering too (depth: ZeRO3's `prefetch`,
+  True is 1), so their all-gathers overlap this unit's compute;
 - resharding after forward: a unit is freed after its forward, except the root (gathered for
   the whole step) and the unit that ran last in the previous step's forward (its backward comes
   first, so a free would be followed by an exposed gather at once);
-- backward prefetch: the unit whose backward comes next (the reverse of this step's
-  post-forward order) starts gathering when a unit's backward starts;
+- backward prefetch: the `depth` units whose backwards come next (the reverse of this step's
+  post-forward order) start gathering when a unit's backward starts;
 - one reduction in flight: a unit's reduction starts when its backward is over and the previous
   unit's is finished first (it had this unit's backward to run in); at the end of backward the
   units autograd did not call back for (the root, whose inputs are token ids) are reduced in
@@ -28,7 +29,7 @@ class Schedule:
     """The order of one step across units ([Note: schedule]).
 
     units: the strategy's units, the root first.
-    prefetch: gather the next unit ahead, in forward and in backward.
+    prefetch: how many units to gather ahead, in forward and in backward (True is 1).
     reshard_after_forward: free units after their forward (but the root and the last).
     check: the shard group the unit order is checked over ([Note: same units on every rank]).
     check_mode: "auto", "always" or "off" (ZeRO3's `check_order`).
@@ -37,7 +38,7 @@ class Schedule:
     def __init__(self, units: list[FlatUnit], prefetch: bool, reshard_after_forward: bool,
                  check: Comm | None, check_mode: str):  # fmt: skip
         self.units = units
-        self.prefetch = prefetch
+        self.depth = int(prefetch)
         self.reshard_after_forward = reshard_after_forward
         self.order = UnitOrder(check, check_mode, [u.name for u in units])
         self.calls: list[int] = []  # the positions of the unit forwards in progress (nested)
@@ -77,8 +78,8 @@ class Schedule:
     def _gather_at(self, position: int, target: int | None) -> None:
         if target is not None:
             self.units[target].start_gather()  # then the next's, both under way while it waits
-        if self.prefetch and position + 1 < len(self.previous_forward):
-            self.units[self.previous_forward[position + 1]].start_gather(prefetch=True)
+        for ahead in self.previous_forward[position + 1 : position + 1 + self.depth]:
+            self.units[ahead].start_gather(prefetch=True)
 
     def after_forward(self, unit: FlatUnit, training: bool) -> bool:
         """Whether to free `unit` now that its forward is over."""
@@ -121,10 +122,10 @@ class Schedule:
     def before_backward(self, unit: FlatUnit) -> None:
         self.order.settle()
         unit.start_gather()
-        if self.prefetch and unit.index in self.backward_order:
+        if self.depth and unit.index in self.backward_order:
             position = self.backward_order.index(unit.index)
-            if position + 1 < len(self.backward_order):
-                self.units[self.backward_order[position + 1]].start_gather(prefetch=True)
+            for ahead in self.backward_order[position + 1 : position + 1 + self.depth]:
+                self.units[ahead].start_gather(prefetch=True)
 
     def reduce(self, unit: FlatUnit, hook, state) -> None:
         """Start `unit`'s reduction after finishing the one in flight."""
