@@ -45,7 +45,7 @@ DRY_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
 HELD = ("params", "grads", "optimizer_state", "master_params")
 GATHERED = "largest_gathered_unit"  # ZeRO-3: the largest buffer a gather allocated (in flight)
 # the engine's agreements (used parameters, ZeRO-3's unit order): small, and not planned
-CONTROL = ("used flags", "unit order", "gradient norm")
+CONTROL = ("used flags", "unit order", "gradient norm", "bucket order")
 TENSOR_PARALLEL = "activations"  # the plan's name for --tp's all-reduces (plan/tensor_parallel.py)
 
 

@@ -161,7 +161,8 @@ class DDPStrategy(Strategy):
         the new buckets."""
         if self.comm.world_size > 1:
             agreed = torch.tensor(order, dtype=torch.int64, device=self.comm.device)
-            self.comm.broadcast(agreed, src=0)
+            with self.comm.tracer.labelled(what="bucket order"):  # once: not the step's traffic
+                self.comm.broadcast(agreed, src=0)
             order = agreed.tolist()
         if order == list(range(len(order))):
             return
