@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from ..strategies.parts.sharded_grads import ShardedGrad
 from .dry_roles import chosen_roles, role_ranks
 from .errors import PlanError
 from .live_bytes import LiveBytes
@@ -70,6 +71,7 @@ class RoleRun:
     control: the engine's own agreements of the step (CONTROL), which the plan leaves out.
     peak: the most bytes of meta storages alive at once during the step ([Note: meta peak]);
         with the step's time the measuring costs.
+    peak_terms: what was alive at that peak, by term ([Note: peak terms]); sums to `peak`.
     """
 
     role: Role
@@ -80,6 +82,7 @@ class RoleRun:
     seconds: dict[str, float]
     control: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     peak: int = 0
+    peak_terms: dict[str, int] = field(default_factory=dict)
 
     def differences(self) -> list[str]:
         out = [
@@ -252,6 +255,7 @@ def run_role(model, role: Role, *, ranks, tp, shard_size, policy, optimizer, mic
             mesh = dp.init_mesh(shard_size, group) if 1 < shard_size < data else None
             tracer = Tracer(enabled=False)
             start = time.perf_counter()
+            live.tag = "engine buffers"
             net = dp.parallelize(net, policy, group=None if mesh else group, mesh=mesh,
                                  tracer=tracer)  # fmt: skip
             seconds["parallelize"] = time.perf_counter() - start
@@ -263,15 +267,23 @@ def run_role(model, role: Role, *, ranks, tp, shard_size, policy, optimizer, mic
             tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
             for phase in ("first step", "step"):  # the plan is the steady state: the second
                 tracer.enabled = phase == "step"
+                if phase == "step":
+                    label_held(live, net, opt)
                 live.measuring = peak and phase == "step"
                 start = time.perf_counter()
+                live.tag = "forward"
                 with _FlashAttention():  # as a GPU runs it: no s x s scores ([Note: activations])
                     logits = net(tokens)
-                F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+                live.tag = "loss"
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+                live.tag = "backward"
+                loss.backward()
+                label_grads(live, opt)
+                live.tag = "optimizer step"
                 opt.step()
                 opt.zero_grad()
                 seconds[phase] = time.perf_counter() - start
-                del logits
+                del logits, loss
             tracer.enabled = live.measuring = False
         report = dp.memory_report(net, opt)
         steps = sum(s["step"].untyped_storage().nbytes() for s in opt.state.values()
@@ -280,9 +292,36 @@ def run_role(model, role: Role, *, ranks, tp, shard_size, policy, optimizer, mic
         held["optimizer_state"] -= steps
         collectives, control = traced_collectives(tracer)
         del net, opt
-        return RoleRun(role, held, {}, collectives, {}, seconds, control, live.peak)
+        return RoleRun(role, held, {}, collectives, {}, seconds, control, live.peak,
+                       live.peak_terms())  # fmt: skip
     finally:
         dp.destroy()
+
+
+def label_held(live: LiveBytes, net, opt) -> None:
+    """Tag what a step starts with ([Note: peak terms]): the model's parameters, the
+    optimizer's own parameters (fp32 masters, ZeRO-3's shards) and state; the rest alive
+    (ZeRO-3's gathered buffers, flat gradient buckets) is the engine's buffers."""
+    live.tag_alive("engine buffers")
+    model = {id(p) for p in net.parameters()}
+    for p in net.parameters():
+        live.label(p, "parameters")
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if id(p) not in model:
+                live.label(p, "masters or shards")
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                live.label(value, "optimizer state")
+
+
+def label_grads(live: LiveBytes, opt) -> None:
+    """Tag the optimizer's gradients, made in backward, as gradients ([Note: peak terms])."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and not isinstance(p.grad, ShardedGrad):
+                live.label(p.grad, "gradients")
 
 
 def traced_collectives(tracer) -> dict[tuple[str, int], tuple[int, int]]:
@@ -323,6 +362,8 @@ def render(dry: DryRun) -> str:
         lines.append(f"rank {run.role.rank}: peak {run.peak / gb:.6f} GB (meta storages alive "
                      f"at once in the step), plan {dry.row.peak_bytes / gb:.6f} GB ({gap:+.1%}; "
                      "not compared: the plan's peak is a model, docs/plan.md)")  # fmt: skip
+        terms = ", ".join(f"{k} {b / gb:.6f}" for k, b in run.peak_terms.items())
+        lines.append(f"  alive at that peak, GB: {terms}")
     lines.append(f"{'collective':<16} {'ranks':>6} {'engine MB':>12} {'calls':>6} "
                  f"{'plan MB':>12} {'calls':>6}")  # fmt: skip
     first = dry.runs[0]
