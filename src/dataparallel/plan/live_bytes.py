@@ -10,18 +10,33 @@ until an operator fills it again). What it misses: memory no operator touches (n
 engine), and the allocator's rounding, caching and fragmentation. The sum costs one pass over
 the live storages per operator, so it is on for the measured step only.
 Each storage carries the `tag` that was current when it was first seen (the caller sets the
-phase: parallelize, forward, loss, backward, optimizer step) or one `label` gave it (the
-held state: parameters, gradients, optimizer state); at each new peak the alive storages are
+phase: parallelize, forward, loss, backward, optimizer step; "(engine)" added when the
+engine's own code made it, in its hooks) or one `label` gave it (the held state: parameters,
+gradients, optimizer state); at each new peak the alive storages are
 kept, so `peak_terms` says, by tag, what the peak was made of.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+ENGINE = ("dataparallel.strategies", "dataparallel.comm")
+
+
+def engine_made() -> bool:
+    """Whether the engine's code (a strategy, the comm layer) is on the stack: a storage made
+    in its hooks (ZeRO-3's gathered units and full gradients, a bucket's reduction)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(ENGINE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class LiveBytes(TorchDispatchMode):
@@ -45,7 +60,7 @@ class LiveBytes(TorchDispatchMode):
             known = self.storages.get(storage._cdata)
             if known is None or known() is None:  # new, or a freed one's address reused
                 self.storages[storage._cdata] = weakref.ref(storage)
-                self.tags[storage._cdata] = self.tag
+                self.tags[storage._cdata] = self.tag + (" (engine)" if engine_made() else "")
 
     def label(self, tensor: torch.Tensor | None, tag: str) -> None:
         """Tag `tensor`'s storage `tag`, at the peak already recorded too if it was alive
