@@ -8,6 +8,11 @@ of meta storages alive at once in the step beside the plan's peak (not compared)
 parallelize, build_optimizer, two steps).
 
     PYTHONPATH=src python benchmarks/dry_run_grid.py [--models gpt-small,llama-8b] [--seq-len 256]
+    PYTHONPATH=src python benchmarks/dry_run_grid.py --terms   # the peak, term by term
+
+With --terms, only the cases of TERM_CASES, rank 0, and per case the peak's terms
+([Note: peak terms] in src/dataparallel/plan/peak_terms.py): MB alive at the dry run's peak,
+MB in the plan's model, and the gap; the table is in docs/plan.md.
 
 Exit status 1 if any case differs. The table is in BENCHMARKS.md.
 """
@@ -19,6 +24,7 @@ import sys
 import time
 
 from dataparallel.plan.dry_run import dry_run
+from dataparallel.plan.peak_terms import peak_terms
 
 WORLDS = (2, 8, 64, 1024, 4096)
 LAYOUTS = {
@@ -29,6 +35,31 @@ LAYOUTS = {
     "zero2 S=8 (2-D)": ("zero2", 8, 1),
     "zero3 tp=2": ("zero3", None, 2),
 }
+# (model, strategy, ranks, tokens): the cases docs/plan.md breaks down
+TERM_CASES = (
+    ("gpt-small", "ddp", 2, 256), ("gpt-small", "ddp", 64, 256),
+    ("gpt-small", "zero1", 2, 256), ("gpt-small", "zero1", 64, 256),
+    ("gpt-small", "zero2", 2, 256), ("gpt-small", "zero3", 2, 256),
+    ("gpt-small", "zero3", 64, 256), ("llama-8b", "zero3", 4096, 256),
+    ("llama-8b", "zero3", 4096, 8192),
+)  # fmt: skip
+
+
+def terms() -> int:
+    """Per case of TERM_CASES, rank 0's peak term by term ([Note: peak terms])."""
+    print("| model | strategy | ranks | tokens | term | MB at the peak | MB planned | gap MB |")
+    print("|---|---|---:|---:|---|---:|---:|---:|")
+    for model, strategy, n, tokens in TERM_CASES:
+        result = dry_run(model, ranks=n, strategy=strategy, precision="bf16-params",
+                         seq_len=tokens, roles=[0])  # fmt: skip
+        run, row = result.runs[0], result.row
+        gap = run.peak / row.peak_bytes - 1
+        for term in peak_terms(run.peak_terms, row):
+            print(f"| {model} | {strategy} | {n} | {tokens} | {term.name} | "
+                  f"{term.engine / 1e6:.3f} | {term.plan / 1e6:.3f} | {term.gap / 1e6:+.3f} |")  # fmt: skip
+        print(f"| {model} | {strategy} | {n} | {tokens} | **peak** | {run.peak / 1e6:.3f} | "
+              f"{row.peak_bytes / 1e6:.3f} | {gap:+.1%} |", flush=True)  # fmt: skip
+    return 0
 
 
 def main() -> int:
@@ -36,7 +67,10 @@ def main() -> int:
     parser.add_argument("--models", default="gpt-small,gpt-medium,llama-8b")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)))
+    parser.add_argument("--terms", action="store_true", help="the peak term by term instead")
     args = parser.parse_args()
+    if args.terms:
+        return terms()
     worlds = [int(n) for n in args.worlds.split(",")]
     print(
         "| model | layout | ranks | roles | held GB engine / plan (rank 0) | collectives "

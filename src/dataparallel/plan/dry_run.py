@@ -39,6 +39,7 @@ from .dry_roles import chosen_roles, role_ranks
 from .errors import PlanError
 from .live_bytes import LiveBytes
 from .model import _FlashAttention
+from .peak_terms import peak_terms
 from .strategies import policy_of
 
 DRY_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -362,8 +363,11 @@ def render(dry: DryRun) -> str:
         lines.append(f"rank {run.role.rank}: peak {run.peak / gb:.6f} GB (meta storages alive "
                      f"at once in the step), plan {dry.row.peak_bytes / gb:.6f} GB ({gap:+.1%}; "
                      "not compared: the plan's peak is a model, docs/plan.md)")  # fmt: skip
-        terms = ", ".join(f"{k} {b / gb:.6f}" for k, b in run.peak_terms.items())
-        lines.append(f"  alive at that peak, GB: {terms}")
+        lines.append(f"  {'peak term ([Note: peak terms])':<34} {'engine GB':>12} {'plan GB':>12} "
+                     f"{'gap':>12}")  # fmt: skip
+        for term in peak_terms(run.peak_terms, dry.row):
+            lines.append(f"  {term.name:<34} {term.engine / gb:>12.6f} {term.plan / gb:>12.6f} "
+                         f"{term.gap / gb:>+12.6f} GB")  # fmt: skip
     lines.append(f"{'collective':<16} {'ranks':>6} {'engine MB':>12} {'calls':>6} "
                  f"{'plan MB':>12} {'calls':>6}")  # fmt: skip
     first = dry.runs[0]
