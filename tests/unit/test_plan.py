@@ -365,3 +365,21 @@ def test_tensor_parallel_traffic_is_two_all_reduces_per_block_and_direction():
         dp.plan("gpt-small", ranks=8, tp=1, strategies=["ddp"]).rows[0].memory.collectives[0].what
         == "gradients"
     )
+
+
+def test_the_peak_counts_the_traced_transient_peak():
+    """[Note: transient peak]: gpt-small's activations and backward's temporaries at the peak
+    of a meta step, per sample, above activations + the widest tensor (8,951,812 + 524,288),
+    times the micro-batches in the plan's peak."""
+    import dataparallel as dp
+
+    result = dp.plan("gpt-small", ranks=2, strategies=["ddp"], precision="bf16-params",
+                     micro_batch=3)  # fmt: skip
+    m, row = result.model, result.rows[0]
+    assert (m.transient_bytes, m.activation_bytes, m.largest_activation) == (
+        9_736_712,
+        8_951_812,
+        524_288,
+    )
+    assert row.transient == 3 * 9_736_712
+    assert row.peak_bytes == row.held_bytes + row.transient

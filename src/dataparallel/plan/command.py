@@ -108,7 +108,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _dry_run(args: argparse.Namespace) -> int:
     """[Note: dry run of a plan] in dry_run.py: one strategy and shard size, printed beside
-    the plan; 1 when they differ."""
+    the plan; 1 when they differ (held bytes, collectives, or the peak by more than
+    PEAK_TOLERANCE where it is compared)."""
     from .dry_run import dry_run, render
     from .errors import PlanError
 
@@ -125,7 +126,7 @@ def _dry_run(args: argparse.Namespace) -> int:
                      precision=args.precision, optimizer=args.optimizer,
                      micro_batch=args.micro_batch, seq_len=args.seq_len)  # fmt: skip
     print(render(result))
-    differences = result.differences()
+    differences = result.differences() + result.peak_differences()
     if differences:
         print(f"dataparallel plan --dry-run: {len(differences)} differences from the plan, the "
               f"first: {differences[0]}", file=sys.stderr)  # fmt: skip

@@ -51,6 +51,10 @@ class ModelShape:
         precision policy's compute dtype; 0 when the shape is unknown.
     largest_activation: bytes of the widest tensor one sample's backward works on (the
         gradient of the MLP's hidden layer or of the logits): the working set on top.
+    transient_bytes: the most bytes per sample alive at once in a traced forward, loss and
+        backward, parameters and gradients excepted ([Note: transient peak]): the activations
+        still kept and backward's temporaries at that moment; 0 when not traced (the planner
+        then counts activation_bytes + largest_activation).
     """
 
     name: str
@@ -65,6 +69,7 @@ class ModelShape:
     flops_per_token: float
     activation_bytes: float
     largest_activation: float
+    transient_bytes: float = 0.0
 
     @property
     def param_shapes(self) -> ParamShapes:
@@ -101,6 +106,39 @@ def saved_bytes(model: nn.Module, run: Callable[[nn.Module], torch.Tensor]) -> i
     with _FlashAttention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run(model)
     return sum(kept.values())
+
+
+def transient_bytes(model: nn.Module, run: Callable[[nn.Module], torch.Tensor]) -> int:
+    """[Note: transient peak] The most bytes alive at once in `run(model)` (a meta forward and
+    loss) and its backward, the model's parameters, buffers and gradients excepted: what a
+    step adds on top of the model states at its peak. Traced as the dry run measures its peak
+    ([Note: meta peak] in live_bytes.py), a parameter's gradient dropped once accumulated (the
+    strategies move it into their own buffers, which the footprint counts; until then autograd's
+    gradient is a temporary, in the engine as here); attention through the flash op ([Note:
+    activations]). The peak is usually early in backward: the activations of every block
+    minus the loss's and the head's, plus the block's backward temporaries (the gradients of
+    the MLP's hidden layer), or, with a large vocabulary and long sequences, at the loss
+    (the fp32 logits and their gradients)."""
+    from .live_bytes import LiveBytes
+
+    live = LiveBytes()
+    states = [*model.parameters(), *model.buffers()]
+    for t in states:
+        live.label(t, "model states")
+    params = [p for p in model.parameters() if p.requires_grad]
+    hooks = [p.register_post_accumulate_grad_hook(drop_grad) for p in params]
+    try:
+        with _FlashAttention(), live:
+            live.measuring = True
+            run(model).backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(b for tag, b in live.peak_terms().items() if tag != "model states")
+
+
+def drop_grad(param: torch.Tensor) -> None:
+    param.grad = None
 
 
 def lm_run(tokens: int, batch: int, vocab: int, autocast: torch.dtype | None):
@@ -176,7 +214,8 @@ def builtin_shape(
             model, name=name, seq_len=seq_len or config.seq_len, layers=config.n_layer,
             width=config.dim, vocab=config.vocab_size,
         )  # fmt: skip
-        return llama_activations(shape, config, compute, autocast, tp)
+        return traced_peak(llama_activations(shape, config, compute, autocast, tp), model,
+                           autocast)  # fmt: skip
     if name not in MODEL_CONFIGS or not hasattr(MODEL_CONFIGS[name], "n_layer"):
         gpts = [n for n, c in MODEL_CONFIGS.items() if hasattr(c, "n_layer")]
         known = ", ".join(sorted([*gpts, *LLAMA_CONFIGS]))
@@ -192,12 +231,21 @@ def builtin_shape(
         model = narrow(build_model(name).to(compute), tp, config.n_head)
     kept = saved_bytes(model, lm_run(seq_len, 1, config.vocab_size, autocast))
     itemsize = (autocast or compute).itemsize
-    return shape_of_module(
+    shape = shape_of_module(
         model, name=name, seq_len=seq_len, layers=config.n_layer, width=config.n_embd,
         vocab=config.vocab_size, activation_bytes=kept,
         largest_activation=widest(config.n_embd, 4 * config.n_embd // tp, config.vocab_size,
                                   seq_len, itemsize),
     )  # fmt: skip
+    return traced_peak(shape, model, autocast)
+
+
+def traced_peak(shape: ModelShape, model: nn.Module, autocast) -> ModelShape:
+    """`shape` with its transient peak traced on `model` ([Note: transient peak])."""
+    from dataclasses import replace
+
+    run = lm_run(shape.seq_len, 1, shape.vocab, autocast)
+    return replace(shape, transient_bytes=transient_bytes(model, run))
 
 
 def llama_activations(shape: ModelShape, config, compute, autocast, tp: int = 1) -> ModelShape:

@@ -33,9 +33,13 @@ class Row:
     activations: bytes kept for backward by one micro-batch.
     working: the widest tensor backward works on, for one micro-batch (on top at the peak).
     held_bytes: bytes held between steps (model states, residuals, DiLoCo's outer state).
-    peak_bytes: held + gathered parameters + the working tensor + the larger of the
-        activations and the gradient buffers in flight (backward frees the one as the other
-        fills: the peak is at the start of backward).
+    transient: activations and backward's temporaries alive at the step's peak: the traced
+        transient peak of one micro-batch times the micro-batches ([Note: transient peak] in
+        model.py), or, untraced (a bare count, activation checkpointing), activations +
+        working.
+    peak_bytes: held + gathered parameters + the larger of the transient bytes and the
+        working tensor with the gradient buffers in flight (backward frees the activations
+        as the buffers fill).
     sent_bytes: bytes one rank sends per step, all collectives.
     compute_s, comm_s, exposed_s, step_s: [Note: step time].
     tokens_per_s: tokens one rank trains per second.
@@ -46,6 +50,7 @@ class Row:
     memory: Footprint
     activations: float
     working: float
+    transient: float
     held_bytes: float
     peak_bytes: float
     sent_bytes: float
@@ -145,8 +150,11 @@ def plan_row(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) ->
         kept = m.layers * m.width * m.seq_len * itemsize * x.micro_batch
         activations = kept + activations / m.layers
     working = m.largest_activation * x.micro_batch
+    transient = activations + working  # [Note: transient peak] in model.py, when traced
+    if m.transient_bytes and not x.activation_checkpointing:
+        transient = m.transient_bytes * x.micro_batch
     held = f.model_state + f.residuals + f.outer
-    peak = held + f.gathered + working + max(activations, f.buckets - f.gathered)
+    peak = held + f.gathered + max(transient, working + f.buckets - f.gathered)
     tokens = x.micro_batch * x.accumulation * m.seq_len
     flops = tokens * m.flops_per_token * (4 / 3 if x.activation_checkpointing else 1)
     forward_backward = flops / hw.rate_for(m.name)
@@ -170,6 +178,7 @@ def plan_row(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) ->
         memory=f,
         activations=activations,
         working=working,
+        transient=transient,
         held_bytes=held,
         peak_bytes=peak,
         sent_bytes=sum(col.bytes_sent() for col in f.collectives),
