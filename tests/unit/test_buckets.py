@@ -63,6 +63,21 @@ def test_attached_views_let_autograd_add_and_divide_once_at_launch():
     assert b.grad.tolist() == [2.0] * 4 and bucket.detached is None
 
 
+def test_a_failed_round_leaves_its_partial_sums_behind():
+    """Live recovery drops a failed step's gradients, then regroups (reducer.rebind): the view
+    its last gradient took off `.grad` must not come back with the partial sum in it (it did,
+    and the next step added onto it: test_live_recovery 3.0e-3 off)."""
+    bucket, (w, b) = _attached_bucket()
+    assert bucket.attach_views() == [True, True]
+    (w.sum() * 2).backward()
+    bucket.take_last(1, torch.ones(4))  # launched; its collective then fails
+    w.grad = None  # the rewind's zero_grad(set_to_none=True)
+    bucket.drop_detached()
+    assert w.grad is None and b.grad is None and bucket.detached is None
+    assert bucket.attach_views() == [True, True]  # the next step starts from zeros
+    assert bucket.buffer.tolist() == [0.0] * 12
+
+
 def test_lazy_attached_bucket_allocates_zeroed_at_its_first_gradient():
     bucket, (w, b) = _attached_bucket(lazy=True)
     assert bucket.attach_views() == [True, True] and bucket.buffer is None

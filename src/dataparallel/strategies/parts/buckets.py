@@ -269,6 +269,14 @@ class Bucket:
         self.params[position].grad = None
         self.detached = position
 
+    def drop_detached(self) -> None:
+        """A round that failed (its collectives never completed): the view taken off by
+        `take_last` does not come back as `.grad`, so the caller's dropped gradients stay
+        dropped (reattached, it carried the failed step's partial sum into the next step)."""
+        if self.detached is not None:
+            self.params[self.detached].grad = None
+            self.detached = None
+
     def reattach(self) -> None:
         """After the round: the view taken off by `take_last` is `.grad` again (None when a
         lazy bucket was released)."""

@@ -266,7 +266,7 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.divisor = divisor
             bucket.held = [EMPTY] * len(bucket.params)
-            bucket.reattach()
+            bucket.drop_detached()  # live recovery: 3e-3 off when the failed step's came back
         self._reset()
 
     def _reset(self) -> None:
