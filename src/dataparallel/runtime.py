@@ -171,8 +171,14 @@ def init_fake(world_size: int, rank: int = 0) -> World:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     PROGRESS.reset()
     group = dist.group.WORLD
-    return World(rank=rank, world_size=world_size, local_rank=0, device=torch.device("meta"),
-                 backend="fake", group=group)  # fmt: skip
+    return World(
+        rank=rank,
+        world_size=world_size,
+        local_rank=0,
+        device=torch.device("meta"),
+        backend="fake",
+        group=group,
+    )
 
 
 def join_group(

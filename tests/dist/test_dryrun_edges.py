@@ -14,7 +14,8 @@ from dataparallel.cli import main
 from dataparallel.data.stream import SampleStream, split_evenly
 from dataparallel.models import build_model
 from dataparallel.plan.dry_roles import layouts_of
-from dataparallel.plan.dry_run import dry_run, render, traced_collectives
+from dataparallel.plan.dry_engine import traced_collectives
+from dataparallel.plan.dry_run import dry_run, render
 from dataparallel.plan.errors import PlanError
 
 

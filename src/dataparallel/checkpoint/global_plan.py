@@ -44,9 +44,14 @@ def global_save_plan(
         if untiled:
             errors = _validate_global_plan(global_plan, metadata)
             if isinstance(errors, bool):  # torch 2.11's (the GPU check's) says only whether
-                errors = [] if errors else [
-                    f"key:{name} has overlapping chunks or leaves part uncovered" for name in untiled
-                ]  # fmt: skip
+                errors = (
+                    []
+                    if errors
+                    else [
+                        f"key:{name} has overlapping chunks or leaves part uncovered"
+                        for name in untiled
+                    ]
+                )
             if errors:
                 summary = "; ".join(errors)
                 summary = summary if len(summary) <= 500 else summary[:500] + "... (truncated)"

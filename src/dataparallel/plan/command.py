@@ -114,21 +114,37 @@ def _dry_run(args: argparse.Namespace) -> int:
     from .errors import PlanError
 
     if args.params is not None:
-        raise PlanError("--params", "a bare parameter count names no architecture to run",
-                        "give --model NAME with --dry-run")  # fmt: skip
+        raise PlanError(
+            "--params",
+            "a bare parameter count names no architecture to run",
+            "give --model NAME with --dry-run",
+        )
     if args.model is None or args.ranks is None:
         raise PlanError("--dry-run", "needs --model and --ranks", "give both")
     if len(args.strategy or []) != 1 or len(args.shard_size or [None]) != 1:
-        raise PlanError("--strategy", "a dry run runs one strategy on one shard size",
-                        "give --strategy once (and --shard-size at most once)")  # fmt: skip
-    result = dry_run(args.model, ranks=args.ranks, strategy=args.strategy[0],
-                     shard_size=(args.shard_size or [None])[0], tp=args.tp,
-                     precision=args.precision, optimizer=args.optimizer,
-                     micro_batch=args.micro_batch, seq_len=args.seq_len)  # fmt: skip
+        raise PlanError(
+            "--strategy",
+            "a dry run runs one strategy on one shard size",
+            "give --strategy once (and --shard-size at most once)",
+        )
+    result = dry_run(
+        args.model,
+        ranks=args.ranks,
+        strategy=args.strategy[0],
+        shard_size=(args.shard_size or [None])[0],
+        tp=args.tp,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+    )
     print(render(result))
     differences = result.differences() + result.peak_differences()
     if differences:
-        print(f"dataparallel plan --dry-run: {len(differences)} differences from the plan, the "
-              f"first: {differences[0]}", file=sys.stderr)  # fmt: skip
+        print(
+            f"dataparallel plan --dry-run: {len(differences)} differences from the plan, the "
+            f"first: {differences[0]}",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -18,8 +18,9 @@ def layouts_of(policy, shapes, s: int) -> list:
         return [ShardLayout.pack(list(u), s) for u in (shapes.units or (shapes.numels,))]
     compute = dtypes(policy.precision, torch.float32)[0]
     mb = 1024 * 1024
-    return bucket_layouts(shapes.numels, compute, int(policy.bucket_mb * mb),
-                          int(policy.first_bucket_mb * mb), s)  # fmt: skip
+    return bucket_layouts(
+        shapes.numels, compute, int(policy.bucket_mb * mb), int(policy.first_bucket_mb * mb), s
+    )
 
 
 def role_ranks(policy, shapes, s: int) -> list[int]:
@@ -63,10 +64,15 @@ def chosen_roles(policy, shapes, s: int, ranks: list[int]):
             why.append("first")
         if r == s - 1:
             why.append("last")
-        if any(layout.numel > layout.end and (r + 1) * layout.shard_numel > layout.end
-               and r * layout.shard_numel < layout.numel for layout in layouts):  # fmt: skip
+        if any(
+            layout.numel > layout.end
+            and (r + 1) * layout.shard_numel > layout.end
+            and r * layout.shard_numel < layout.numel
+            for layout in layouts
+        ):
             why.append("padded")
-        if any(not layout.pieces(r) or len(layout.pieces(r)) < len(layout.sizes)
-               for layout in layouts):  # fmt: skip
+        if any(
+            not layout.pieces(r) or len(layout.pieces(r)) < len(layout.sizes) for layout in layouts
+        ):
             why.append("holds none of a parameter")
         yield r, tuple(why) or ("middle",)

@@ -29,83 +29,26 @@ model ZeRO-2's and ZeRO-3's gradient buffers in flight at backward's peak yet.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-import torch
-import torch.distributed as dist
-from torch.nn import functional as F
-
+from .dry_engine import (
+    DRY_OPTIMIZERS,
+    DRY_STRATEGIES,
+    GATHERED,
+    Role,
+    RoleRun,
+    run_role,
+)
 from .dry_roles import chosen_roles, role_ranks
 from .errors import PlanError
-from .live_bytes import LiveBytes
-from .model import _FlashAttention
-from .peak_terms import label_grads, label_held, peak_terms
+from .peak_terms import peak_terms
 from .strategies import policy_of
 
-DRY_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
-DRY_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
-HELD = ("params", "grads", "optimizer_state", "master_params")
-GATHERED = "largest_gathered_unit"  # ZeRO-3: the largest buffer a gather allocated (in flight)
-# the engine's agreements (used parameters, ZeRO-3's unit order): small, and not planned
-CONTROL = ("used flags", "unit order", "gradient norm", "bucket order")
 # the peak is compared where the plan models what is in flight at it ([Note: peak terms]):
 # ZeRO-2's buckets and ZeRO-3's full gradients at backward's peak are not modelled yet
 PEAK_COMPARED = ("ddp", "zero1")
 PEAK_TOLERANCE = 0.01
 TENSOR_PARALLEL = "activations"  # the plan's name for --tp's all-reduces (plan/tensor_parallel.py)
-
-
-@dataclass(frozen=True)
-class Role:
-    """A rank the dry run runs: `rank` in the world, `shard_rank` in its shard group, and why
-    it differs from the others (`why`: "first", "last", "padded", "holds none of a parameter")."""
-
-    rank: int
-    shard_rank: int
-    why: tuple[str, ...]
-
-
-@dataclass
-class RoleRun:
-    """What the engine did as one role.
-
-    held / planned: bytes per category (HELD), the engine's and the footprint's.
-    collectives / planned_collectives: (kind, group size) -> (bytes, calls) of one step; an
-        all-gather's bytes are the gathered buffer's, as the plan counts them.
-    seconds: Python time per phase (parallelize, build_optimizer, first step, step).
-    control: the engine's own agreements of the step (CONTROL), which the plan leaves out.
-    peak: the most bytes of meta storages alive at once during the step ([Note: meta peak]);
-        with the step's time the measuring costs.
-    peak_terms: what was alive at that peak, by term ([Note: peak terms]); sums to `peak`.
-    """
-
-    role: Role
-    held: dict[str, int]
-    planned: dict[str, int]
-    collectives: dict[tuple[str, int], tuple[int, int]]
-    planned_collectives: dict[tuple[str, int], tuple[int, int]]
-    seconds: dict[str, float]
-    control: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
-    peak: int = 0
-    peak_terms: dict[str, int] = field(default_factory=dict)
-
-    def differences(self) -> list[str]:
-        out = [
-            f"rank {self.role.rank}: {k} held {self.held[k]} B by the engine, "
-            f"{self.planned[k]} B planned"
-            for k in self.held
-            if self.held[k] != self.planned.get(k)
-        ]
-        for key in sorted(set(self.collectives) | set(self.planned_collectives)):
-            got = self.collectives.get(key, (0, 0))[0]
-            want = self.planned_collectives.get(key, (0, 0))[0]
-            if got != want:
-                out.append(
-                    f"rank {self.role.rank}: {key[0]} over {key[1]} ranks sends {got} B a "
-                    f"step in the engine, {want} B planned"
-                )
-        return out
 
 
 @dataclass
@@ -160,18 +103,29 @@ def dry_run(
     if not isinstance(model, str):
         raise PlanError("--model", "a dry run needs a built-in model", "give --model NAME")
     if strategy not in DRY_STRATEGIES:
-        raise PlanError("--strategy", f"{strategy!r} has no dry run",
-                        f"give one of {', '.join(DRY_STRATEGIES)}")  # fmt: skip
+        raise PlanError(
+            "--strategy", f"{strategy!r} has no dry run", f"give one of {', '.join(DRY_STRATEGIES)}"
+        )
     if str(optimizer) not in DRY_OPTIMIZERS:
         bare = str(optimizer).replace(".", "", 1).isdigit()
         why = "bytes per parameter name no optimizer to run" if bare else "has no dry run"
-        raise PlanError("--optimizer", f"{optimizer!r}: {why}",
-                        f"give one of {', '.join(DRY_OPTIMIZERS)}")  # fmt: skip
+        raise PlanError(
+            "--optimizer", f"{optimizer!r}: {why}", f"give one of {', '.join(DRY_OPTIMIZERS)}"
+        )
     data_ranks = ranks // tp if tp >= 1 else ranks
     s = 1 if strategy == "ddp" else (shard_size or data_ranks)
-    result = plan(model, ranks=ranks, strategies=[strategy], shard_sizes=[s], tp=tp,
-                  precision=precision, optimizer=optimizer, micro_batch=micro_batch,
-                  seq_len=seq_len, hardware="h100-node")  # fmt: skip
+    result = plan(
+        model,
+        ranks=ranks,
+        strategies=[strategy],
+        shard_sizes=[s],
+        tp=tp,
+        precision=precision,
+        optimizer=optimizer,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        hardware="h100-node",
+    )
     row = next(r for r in result.rows if r.candidate.shard_size == s or strategy == "ddp")
     out = DryRun(row.candidate.label + (f" tp={tp}" if tp > 1 else ""), ranks, row)
     x = result.inputs
@@ -182,9 +136,18 @@ def dry_run(
         rank = global_rank(shard_rank, s, tp)
         role = Role(rank, shard_rank, why)
         planned = footprint_of(policy, shapes, s, x.optimizer_bytes, shard_rank)
-        run = run_role(model, role, ranks=ranks, tp=tp, shard_size=s, policy=policy,
-                       optimizer=str(optimizer), micro_batch=micro_batch,
-                       seq_len=result.model.seq_len, peak=peak)  # fmt: skip
+        run = run_role(
+            model,
+            role,
+            ranks=ranks,
+            tp=tp,
+            shard_size=s,
+            policy=policy,
+            optimizer=str(optimizer),
+            micro_batch=micro_batch,
+            seq_len=result.model.seq_len,
+            peak=peak,
+        )
         run.planned = planned
         run.planned_collectives = planned_collectives(row)
         out.runs.append(run)
@@ -203,10 +166,15 @@ def footprint_of(policy, shapes, s: int, optimizer_bytes: float, rank: int) -> d
     if isinstance(policy, DDP):
         f = policy.footprint(shapes, optimizer_bytes=optimizer_bytes)
     else:
-        f = policy.footprint(shapes, shard_size=s, pairwise=False,
-                             optimizer_bytes=optimizer_bytes, rank=rank)  # fmt: skip
-    out = {"params": int(f.params), "grads": int(f.grads),
-           "optimizer_state": int(f.optimizer + f.masters), "master_params": int(f.masters)}  # fmt: skip
+        f = policy.footprint(
+            shapes, shard_size=s, pairwise=False, optimizer_bytes=optimizer_bytes, rank=rank
+        )
+    out = {
+        "params": int(f.params),
+        "grads": int(f.grads),
+        "optimizer_state": int(f.optimizer + f.masters),
+        "master_params": int(f.masters),
+    }
     if isinstance(policy, ZeRO3):
         out[GATHERED] = int(max(f.gathers))  # in flight: the largest unit gathered
     return out
@@ -233,124 +201,21 @@ def tensor_parallel_collectives(row) -> list:
     return [c for c in row.memory.collectives if c.what.startswith(TENSOR_PARALLEL)]
 
 
-def build_meta(model: str, tp: int):
-    """The built-in model on the meta device, fp32, narrowed to a rank's part under `tp`."""
-    from ..models import MODEL_CONFIGS, build_model
-    from .llama import LLAMA_CONFIGS, Llama
-    from .tensor_parallel import narrow
-
-    with torch.device("meta"):
-        if model in LLAMA_CONFIGS:
-            c = LLAMA_CONFIGS[model]
-            return narrow(Llama(c), tp, c.n_heads, c.n_kv_heads), c.vocab_size
-        c = MODEL_CONFIGS[model]
-        return narrow(build_model(model), tp, c.n_head), c.vocab_size
-
-
-def data_group(rank: int, ranks: int, tp: int):
-    """The data-parallel group of `rank` (ranks `tp` apart), or None without tensor
-    parallelism (every rank)."""
-    if tp == 1:
-        return None
-    members = list(range(rank % tp, ranks, tp))
-    return dist.new_group(members, use_local_synchronization=True)
-
-
-def run_role(model, role: Role, *, ranks, tp, shard_size, policy, optimizer, micro_batch,
-             seq_len, peak=True) -> RoleRun:  # fmt: skip
-    """One role's dry run on the fake process group ([Note: dry run of a plan])."""
-    import dataparallel as dp
-
-    from ..comm import Tracer
-
-    seconds: dict[str, float] = {}
-    dp.init_fake(ranks, role.rank)
-    live = LiveBytes()  # [Note: meta peak] in live_bytes.py
-    try:
-        net, vocab = build_meta(model, tp)
-        for p in net.parameters():
-            live.note(p)
-        with live:
-            group = data_group(role.rank, ranks, tp)
-            data = ranks // tp
-            mesh = dp.init_mesh(shard_size, group) if 1 < shard_size < data else None
-            tracer = Tracer(enabled=False)
-            start = time.perf_counter()
-            live.tag = "engine buffers"
-            net = dp.parallelize(net, policy, group=None if mesh else group, mesh=mesh,
-                                 tracer=tracer)  # fmt: skip
-            seconds["parallelize"] = time.perf_counter() - start
-            start = time.perf_counter()
-            kwargs = {"momentum": 0.9} if optimizer == "sgd" else {}
-            opt = dp.build_optimizer(net, getattr(torch.optim, DRY_OPTIMIZERS[optimizer]),
-                                     lr=1e-3, **kwargs)  # fmt: skip
-            seconds["build_optimizer"] = time.perf_counter() - start
-            tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
-            for phase in ("first step", "step"):  # the plan is the steady state: the second
-                tracer.enabled = phase == "step"
-                if phase == "step":
-                    label_held(live, net, opt)
-                live.measuring = peak and phase == "step"
-                start = time.perf_counter()
-                live.tag = "forward"
-                with _FlashAttention():  # as a GPU runs it: no s x s scores ([Note: activations])
-                    logits = net(tokens)
-                live.tag = "loss"
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-                live.tag = "backward"
-                loss.backward()
-                label_grads(live, opt)
-                live.tag = "optimizer step"
-                opt.step()
-                opt.zero_grad()
-                seconds[phase] = time.perf_counter() - start
-                del logits, loss
-            tracer.enabled = live.measuring = False
-        report = dp.memory_report(net, opt)
-        steps = sum(s["step"].untyped_storage().nbytes() for s in opt.state.values()
-                    if "step" in s)  # fmt: skip
-        held = {k: int(report.get(k, 0)) for k in HELD + (GATHERED,) if k in HELD or k in report}
-        held["optimizer_state"] -= steps
-        collectives, control = traced_collectives(tracer)
-        del net, opt
-        return RoleRun(role, held, {}, collectives, {}, seconds, control, live.peak,
-                       live.peak_terms())  # fmt: skip
-    finally:
-        dp.destroy()
-
-
-def traced_collectives(tracer) -> dict[tuple[str, int], tuple[int, int]]:
-    """(kind, group size) -> (bytes, calls) of the collectives the tracer saw, an all-gather
-    as its gathered buffer (the plan's X); and, apart, the engine's agreements (CONTROL)."""
-    out: dict[tuple[str, int], tuple[int, int]] = {}
-    control: dict[tuple[str, int], tuple[int, int]] = {}
-    for span in tracer.spans:
-        if span.track != "comm":
-            continue
-        if span.args.get("what") in CONTROL:
-            key = ("control: " + span.args["what"], span.args["ranks"])
-            b, n = control.get(key, (0, 0))
-            control[key] = (b + span.args["bytes"], n + 1)
-            continue
-        size, group = span.args["bytes"], span.args["ranks"]
-        if span.name == "all_gather":
-            size *= group
-        b, n = out.get((span.name, group), (0, 0))
-        out[(span.name, group)] = (b + size, n + 1)
-    return out, control
-
-
 def render(dry: DryRun) -> str:
     """The engine's numbers beside the plan's, per role, and the differences."""
     gb = 1e9
-    lines = [f"dry run: {dry.label} over {dry.ranks} ranks (fake process group, NCCL's code "
-             "paths; meta tensors)"]  # fmt: skip
+    lines = [
+        f"dry run: {dry.label} over {dry.ranks} ranks (fake process group, NCCL's code "
+        "paths; meta tensors)"
+    ]
     lines.append(f"{'rank':>6} {'role':<40} {'term':<21} {'engine GB':>12} {'plan GB':>12}")
     for run in dry.runs:
         why = ", ".join(run.role.why)
         for k in run.held:
-            lines.append(f"{run.role.rank:>6} {why:<40} {k:<21} {run.held[k] / gb:>12.6f} "
-                         f"{run.planned[k] / gb:>12.6f}")  # fmt: skip
+            lines.append(
+                f"{run.role.rank:>6} {why:<40} {k:<21} {run.held[k] / gb:>12.6f} "
+                f"{run.planned[k] / gb:>12.6f}"
+            )
             why = ""
     for run in (run for run in dry.runs if run.peak):
         gap = run.peak / dry.row.peak_bytes - 1 if dry.row.peak_bytes else 0.0
@@ -361,33 +226,47 @@ def render(dry: DryRun) -> str:
             else "not compared: the plan "
             "does not model the gradient buffers in flight at the peak yet, docs/plan.md"
         )
-        lines.append(f"rank {run.role.rank}: peak {run.peak / gb:.6f} GB (meta storages alive "
-                     f"at once in the step), plan {dry.row.peak_bytes / gb:.6f} GB ({gap:+.2%}; "
-                     f"{how})")  # fmt: skip
-        lines.append(f"  {'peak term ([Note: peak terms])':<34} {'engine GB':>12} {'plan GB':>12} "
-                     f"{'gap':>12}")  # fmt: skip
+        lines.append(
+            f"rank {run.role.rank}: peak {run.peak / gb:.6f} GB (meta storages alive "
+            f"at once in the step), plan {dry.row.peak_bytes / gb:.6f} GB ({gap:+.2%}; "
+            f"{how})"
+        )
+        lines.append(
+            f"  {'peak term ([Note: peak terms])':<34} {'engine GB':>12} {'plan GB':>12} "
+            f"{'gap':>12}"
+        )
         for term in peak_terms(run.peak_terms, dry.row):
-            lines.append(f"  {term.name:<34} {term.engine / gb:>12.6f} {term.plan / gb:>12.6f} "
-                         f"{term.gap / gb:>+12.6f} GB")  # fmt: skip
-    lines.append(f"{'collective':<16} {'ranks':>6} {'engine MB':>12} {'calls':>6} "
-                 f"{'plan MB':>12} {'calls':>6}")  # fmt: skip
+            lines.append(
+                f"  {term.name:<34} {term.engine / gb:>12.6f} {term.plan / gb:>12.6f} "
+                f"{term.gap / gb:>+12.6f} GB"
+            )
+    lines.append(
+        f"{'collective':<16} {'ranks':>6} {'engine MB':>12} {'calls':>6} "
+        f"{'plan MB':>12} {'calls':>6}"
+    )
     first = dry.runs[0]
     for key in sorted(set(first.collectives) | set(first.planned_collectives)):
         got = first.collectives.get(key, (0, 0))
         want = first.planned_collectives.get(key, (0, 0))
-        lines.append(f"{key[0]:<16} {key[1]:>6} {got[0] / 1e6:>12.3f} {got[1]:>6} "
-                     f"{want[0] / 1e6:>12.3f} {want[1]:>6}")  # fmt: skip
+        lines.append(
+            f"{key[0]:<16} {key[1]:>6} {got[0] / 1e6:>12.3f} {got[1]:>6} "
+            f"{want[0] / 1e6:>12.3f} {want[1]:>6}"
+        )
     for c in tensor_parallel_collectives(dry.row):
-        lines.append(f"{c.what} ({c.kind} over {c.group.size} ranks): {c.buffer_bytes / 1e6:.3f} "
-                     "MB planned, not run (DTensor's, not the data-parallel engine's)")  # fmt: skip
+        lines.append(
+            f"{c.what} ({c.kind} over {c.group.size} ranks): {c.buffer_bytes / 1e6:.3f} "
+            "MB planned, not run (DTensor's, not the data-parallel engine's)"
+        )
     for key, (b, n) in sorted(first.control.items()):
         lines.append(f"{key[0]:<28} over {key[1]} ranks: {b} B in {n} calls (not planned)")
     for run in dry.runs:
         t = run.seconds
-        lines.append(f"rank {run.role.rank}: engine Python time: parallelize "
-                     f"{t['parallelize']:.2f} s, build_optimizer {t['build_optimizer']:.2f} s, "
-                     f"first step {t['first step']:.2f} s, step {t['step']:.2f} s (meta forward "
-                     "and backward included)")  # fmt: skip
+        lines.append(
+            f"rank {run.role.rank}: engine Python time: parallelize "
+            f"{t['parallelize']:.2f} s, build_optimizer {t['build_optimizer']:.2f} s, "
+            f"first step {t['first step']:.2f} s, step {t['step']:.2f} s (meta forward "
+            "and backward included)"
+        )
     diffs = dry.differences() + dry.peak_differences()
     lines += [f"DIFFERS: {d}" for d in diffs] or [
         "agrees: held bytes and collectives equal the plan"

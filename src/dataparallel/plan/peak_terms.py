@@ -6,7 +6,7 @@ activations and backward's temporaries at the traced peak ([Note: transient peak
 and the widest tensor with the gradient buffers beyond the gathered ones (backward frees the
 activations as the buffers fill). The dry run's peak is the most meta bytes alive at
 once in the measured step ([Note: meta peak] in live_bytes.py); `label_held` and the phase tags
-of `run_role` (dry_run.py) say what each storage alive there is, and `peak_terms` maps the tags
+of `run_role` (dry_engine.py) say what each storage alive there is, and `peak_terms` maps the tags
 onto the plan's terms:
 - model states and gathered units: the model's parameters, the optimizer's (fp32 masters,
   ZeRO-3's shards), its gradients and state, and the engine's buffers made before the step
