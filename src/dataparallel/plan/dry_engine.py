@@ -102,12 +102,13 @@ def run_role(
     model, role: Role, *, ranks, tp, shard_size, policy, optimizer, micro_batch, seq_len, peak=True
 ) -> RoleRun:
     """One role's dry run on the fake process group ([Note: dry run of a plan])."""
-    import dataparallel as dp
-
+    from ..api import build_optimizer, memory_report, parallelize
     from ..comm import Tracer
+    from ..runtime import destroy, init_fake
+    from ..strategies import init_mesh
 
     seconds: dict[str, float] = {}
-    dp.init_fake(ranks, role.rank)
+    init_fake(ranks, role.rank)
     live = LiveBytes()  # [Note: meta peak] in live_bytes.py
     try:
         net, vocab = build_meta(model, tp)
@@ -116,17 +117,15 @@ def run_role(
         with live:
             group = data_group(role.rank, ranks, tp)
             data = ranks // tp
-            mesh = dp.init_mesh(shard_size, group) if 1 < shard_size < data else None
+            mesh = init_mesh(shard_size, group) if 1 < shard_size < data else None
             tracer = Tracer(enabled=False)
             start = time.perf_counter()
             live.tag = "engine buffers"
-            net = dp.parallelize(
-                net, policy, group=None if mesh else group, mesh=mesh, tracer=tracer
-            )
+            net = parallelize(net, policy, group=None if mesh else group, mesh=mesh, tracer=tracer)
             seconds["parallelize"] = time.perf_counter() - start
             start = time.perf_counter()
             kwargs = {"momentum": 0.9} if optimizer == "sgd" else {}
-            opt = dp.build_optimizer(
+            opt = build_optimizer(
                 net, getattr(torch.optim, DRY_OPTIMIZERS[optimizer]), lr=1e-3, **kwargs
             )
             seconds["build_optimizer"] = time.perf_counter() - start
@@ -151,7 +150,7 @@ def run_role(
                 seconds[phase] = time.perf_counter() - start
                 del logits, loss
             tracer.enabled = live.measuring = False
-        report = dp.memory_report(net, opt)
+        report = memory_report(net, opt)
         steps = sum(s["step"].untyped_storage().nbytes() for s in opt.state.values() if "step" in s)
         held = {k: int(report.get(k, 0)) for k in HELD + (GATHERED,) if k in HELD or k in report}
         held["optimizer_state"] -= steps
@@ -161,7 +160,7 @@ def run_role(
             role, held, {}, collectives, {}, seconds, control, live.peak, live.peak_terms()
         )
     finally:
-        dp.destroy()
+        destroy()
 
 
 def traced_collectives(tracer) -> dict[tuple[str, int], tuple[int, int]]:

@@ -214,8 +214,8 @@ def builtin_shape(
             model, name=name, seq_len=seq_len or config.seq_len, layers=config.n_layer,
             width=config.dim, vocab=config.vocab_size,
         )  # fmt: skip
-        return traced_peak(llama_activations(shape, config, compute, autocast, tp), model,
-                           autocast)  # fmt: skip
+        activations = llama_activations(shape, config, compute, autocast, tp)
+        return traced_peak(activations, model, autocast)
     if name not in MODEL_CONFIGS or not hasattr(MODEL_CONFIGS[name], "n_layer"):
         gpts = [n for n, c in MODEL_CONFIGS.items() if hasattr(c, "n_layer")]
         known = ", ".join(sorted([*gpts, *LLAMA_CONFIGS]))
