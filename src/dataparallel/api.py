@@ -29,6 +29,7 @@ from .strategies import (
     whole_parameters,
 )
 from .strategies.model_copy import PlainCopy, next_hook_id
+from .strategies.parts.flat_step import install_flat_step
 from .strategies.parts.grouped import GROUP_CLASS_KEY, Grouped, split_classes
 
 _ATTR = "_dataparallel_strategy"
@@ -168,7 +169,8 @@ def build_optimizer(
         whole = [whole_parameters(c, elementwise if c is optimizer else None) for c in classes]
         return strategy.build_optimizer(Grouped(classes, optimizer), groups, whole=whole, **kwargs)
     whole = whole_parameters(optimizer, elementwise)
-    return strategy.build_optimizer(optimizer, groups, whole=whole, **kwargs)
+    built = strategy.build_optimizer(optimizer, groups, whole=whole, **kwargs)
+    return built if whole else install_flat_step(built)  # [Note: flat step]
 
 
 def no_sync(model: nn.Module):

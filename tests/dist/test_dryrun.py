@@ -106,6 +106,7 @@ def real_reports(world) -> dict:
     less Adam's per-tensor `step`, on this rank. gloo's pairwise collectives hold receive
     buffers the fake group's NCCL paths do not, but only in flight: the held bytes agree."""
     from dataparallel.models import build_model
+    from dataparallel.strategies.base import tensor_bytes
 
     out = {}
     for strategy in STRATEGIES:
@@ -119,7 +120,7 @@ def real_reports(world) -> dict:
             opt.step()
             opt.zero_grad()
         report = dp.memory_report(model, opt)
-        steps = sum(s["step"].untyped_storage().nbytes() for s in opt.state.values() if "step" in s)
+        steps = tensor_bytes(s["step"] for s in opt.state.values() if "step" in s)  # shared
         held = {k: int(report.get(k, 0)) for k in ("params", "grads", "optimizer_state",
                                                     "master_params")}  # fmt: skip
         if "largest_gathered_unit" in report:  # ZeRO-3's buffer in flight

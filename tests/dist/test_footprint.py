@@ -5,8 +5,9 @@ Every strategy x {fp32, bf16 parameters with fp32 masters} x {1-D over 2 ranks, 
 2 x 2 mesh} on a GPT and on a model whose sizes divide by nothing (so every bucket and unit is
 padded and the ranks' pieces differ), small buckets (several per model) and the defaults:
 one AdamW step, then parameters, gradients, optimizer state and masters, on every rank, to
-the byte, and ZeRO-3's largest gathered unit. The one difference allowed is Adam's `step`, a 4-byte tensor per parameter piece
-the footprint does not count (it is not per element); the test reads it from the optimizer.
+the byte, and ZeRO-3's largest gathered unit. The one difference allowed is Adam's `step`, a 4-byte tensor per parameter piece (one per
+run of pieces stepped flat, [Note: flat step]) the footprint does not count (it is not per
+element); the test reads it from the optimizer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import dataparallel as dp
+from dataparallel.strategies.base import tensor_bytes
 from dataparallel.strategies.fsdp_plan import param_shapes
 
 from .harness import run_world
@@ -48,7 +50,7 @@ def measure(model_name: str, policy, mesh) -> tuple[dict, dict]:
     loss_fn(model_name, model, x, y, 0, 0).backward()
     opt.step()
     report = dp.memory_report(model, opt)
-    steps = sum(s["step"].untyped_storage().nbytes() for s in opt.state.values() if "step" in s)
+    steps = tensor_bytes(s["step"] for s in opt.state.values() if "step" in s)  # shared in a run
     if isinstance(policy, dp.DDP):
         f = policy.footprint(shapes, optimizer_bytes=8)  # ZeRO-1 on S = 1 under bf16
         shard_rank = 0

@@ -106,6 +106,7 @@ def run_role(
     from ..comm import Tracer
     from ..runtime import destroy, init_fake
     from ..strategies import init_mesh
+    from ..strategies.base import tensor_bytes
 
     seconds: dict[str, float] = {}
     init_fake(ranks, role.rank)
@@ -151,7 +152,7 @@ def run_role(
                 del logits, loss
             tracer.enabled = live.measuring = False
         report = memory_report(net, opt)
-        steps = sum(s["step"].untyped_storage().nbytes() for s in opt.state.values() if "step" in s)
+        steps = tensor_bytes(s["step"] for s in opt.state.values() if "step" in s)
         held = {k: int(report.get(k, 0)) for k in HELD + (GATHERED,) if k in HELD or k in report}
         held["optimizer_state"] -= steps
         collectives, control = traced_collectives(tracer)

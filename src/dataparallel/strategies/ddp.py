@@ -38,7 +38,7 @@ from .base import (
     normalize_param_groups,
     verify_same_model,
 )
-from .parts.buckets import MB, plan_buckets
+from .parts.buckets import MB, Bucket, plan_buckets
 from .parts.clip import clip_replicated_
 from .parts.footprint import Footprint, bucketed
 from .parts.geometry import Geometry, build_geometry, optimized_ids
@@ -47,6 +47,28 @@ from .parts.opaque import opaque
 from .parts.owners import check_not_tensor_parallel
 from .parts.precision import MixedPrecision, check_precision, install_casts
 from .parts.reducer import GradientReducer
+
+
+@torch.no_grad()
+def lay_like(bucket: Bucket) -> None:
+    """[Note: laid parameters] The bucket's parameters become views of one flat buffer laid out
+    as the bucket's gradients are: each run of them is then stepped as one tensor by an
+    elementwise optimizer ([Note: flat step] in parts/flat_step.py). Same bytes (each
+    parameter's own memory is freed), same values; only buckets whose gradients are views of
+    the bucket and whose parameters are plain contiguous tensors (a tensor-parallel DTensor
+    keeps its own). Re-laid buckets ([Note: arrival order] in parts/reducer.py) lay them
+    again."""
+    params = bucket.params
+    if not bucket.grad_views or not params:
+        return
+    if any(type(p) is not nn.Parameter or not p.is_contiguous() for p in params):
+        return
+    spec = bucket.spec
+    flat = torch.empty(spec.numel, dtype=spec.dtype, device=spec.device)
+    for param, offset in zip(params, spec.offsets, strict=True):
+        view = flat[offset : offset + param.numel()].view_as(param)
+        view.copy_(param)
+        param.data = view
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +174,8 @@ class DDPStrategy(Strategy):
             record_arrival=record_arrival,
         )
         reducer.sync_enabled = self.sync_enabled
+        for bucket in reducer.buckets:
+            lay_like(bucket)
         return reducer
 
     def _relay_buckets(self, order: list[int]) -> None:

@@ -20,7 +20,8 @@ and state alone (and of per-parameter scalars such as Adam's `step`)?
   (`Owners.send_values`) into the holders' flat shards, from where ZeRO-1/2's all-gather
   spreads them as today and ZeRO-3 keeps them in its shards. On a 2-D mesh ownership is within
   the shard group: every replica computes the same update. DDP is unchanged: every rank steps
-  whole parameters.
+  whole parameters. Either way an elementwise class steps each run of contiguous pieces (or
+  DDP's laid parameters) as one tensor ([Note: flat step] in flat_step.py).
 Only the parameters of non-elementwise groups are owned, so ZeRO-3's memory for elementwise
 groups scales as before; an owner's share of an owned group is whole matrices, so its memory
 can exceed the average by up to the largest matrix (docs/optimizers.md).
