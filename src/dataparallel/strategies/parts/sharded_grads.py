@@ -111,6 +111,9 @@ class ShardedGrads:
         self.params = params
         self.strategy = strategy
         self.grads: list[ShardedGrad | None] = [None] * len(params)
+        # (dtype, device) each was made for: read from the parameter, as a ShardedGrad's own
+        # attribute reads go through its __torch_function__ (two per parameter per step)
+        self.made_for: list[tuple | None] = [None] * len(params)
 
     def attach(self, used: list[bool]) -> None:
         """At the end of a synchronised round: the parameters some rank used get theirs (made
@@ -118,10 +121,11 @@ class ShardedGrads:
         for i, (param, was_used) in enumerate(zip(self.params, used, strict=True)):
             if not was_used or not param.requires_grad:
                 continue
-            grad = self.grads[i]
-            if grad is None or (grad.dtype, grad.device) != (param.dtype, param.device):
-                grad = self.grads[i] = sharded_grad(param, self.strategy)
-            param.grad = grad
+            key = (param.dtype, param.device)
+            if self.made_for[i] != key:
+                self.grads[i] = sharded_grad(param, self.strategy)
+                self.made_for[i] = key
+            param.grad = self.grads[i]
 
     def drop(self) -> None:
         """Before a training forward: autograd must find None (or a real gradient)."""
