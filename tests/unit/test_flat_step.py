@@ -173,3 +173,27 @@ def test_zero_grad_and_the_step_leave_the_param_groups_whole(set_to_none):
     assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in ours]
     optimizer.zero_grad(set_to_none=set_to_none)
     assert all((p.grad is None) == set_to_none for p in ours)
+
+
+def test_a_state_saved_while_flat_loads_with_a_step_count_per_parameter():
+    """Saved while a run shared one `step`, copied as a checkpoint would be, loaded, then a
+    step that skips one parameter: that parameter's count stays, the others' go on."""
+    ours, views = laid()
+    theirs = plain()
+    mine = install_flat_step(torch.optim.AdamW(ours, lr=1e-2))
+    ref = torch.optim.AdamW(theirs, lr=1e-2)
+    generator = torch.Generator().manual_seed(3)
+    for step in range(4):
+        if step == 2:
+            mine.load_state_dict(copy.deepcopy(mine.state_dict()))
+        for i, (p, q, view) in enumerate(zip(ours, theirs, views, strict=True)):
+            g = torch.randn(view.shape, generator=generator)
+            if step == 2 and i == 4:
+                p.grad = q.grad = None
+                continue
+            view.copy_(g)
+            p.grad, q.grad = view, g.clone()
+        mine.step()
+        ref.step()
+    assert [float(mine.state[p]["step"]) for p in ours] == [4.0, 4.0, 4.0, 4.0, 3.0, 4.0]
+    assert max_diff(ours, theirs) <= 1e-6

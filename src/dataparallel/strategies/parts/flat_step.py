@@ -310,7 +310,18 @@ class FlatStep:
         self.runs = None
 
     def _loaded(self, optimizer) -> None:
-        """`load_state_dict` replaced every parameter's state: adopt it again at the next step."""
+        """`load_state_dict` replaced every parameter's state: adopt it again at the next step.
+        A state saved while a run was adopted holds one scalar object for the whole run (a
+        copy, a `torch.save`, keeps that), and torch's load keeps `step` as it is: each
+        parameter gets its own again, so that a step per parameter counts each once."""
+        seen: set[int] = set()
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if torch.is_tensor(value) and not _elementwise(key, value, param):
+                    if id(value) in seen:
+                        state[key] = value.clone()
+                    else:
+                        seen.add(id(value))
         for run in self.runs or []:
             run.adopted = False
         if self.shadow is not None:
