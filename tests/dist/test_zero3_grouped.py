@@ -1,0 +1,164 @@
+"""ZeRO-3's grouped units across real ranks ([Note: grouped units] in strategies/fsdp_plan.py):
+parity with one process, the collectives of a step, the gathered memory, and one error for a
+forward that skips or reorders a module of a grouped unit.
+
+Everything multi-rank runs in one spawned world per world size, as a grid of sub-cases.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import dataparallel as dp
+from dataparallel.models import GPT, GPTConfig
+
+from .harness import RankError, run_world
+from .models import MODELS
+from .test_zero3 import TOL, train_case
+
+# Five blocks of 12,416 parameters (width 32, no biases): 20,000 groups them as 0-1, 2-3, 4
+MODELS["deep"] = (
+    lambda: GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=5, n_head=2, n_embd=32,
+                          tie_weights=False, bias=False)),
+    "tokens",
+)  # fmt: skip
+MODELS["deep tied"] = (
+    lambda: GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=32,
+                          tie_weights=True, bias=False)),
+    "tokens",
+)  # fmt: skip
+GROUPED = 20_000
+BLOCK = 12_416
+
+
+def parity_grid(world) -> dict:
+    out = {}
+    for model_name in ("deep", "deep tied"):
+        for opt_name in ("sgd", "adamw"):
+            policy = dp.ZeRO3(min_unit_params=GROUPED)
+            out[model_name, opt_name] = train_case(world, model_name, opt_name, policy)
+    if world.world_size > 2:
+        return out
+    variants = {
+        "no reshard": (dp.ZeRO3(min_unit_params=GROUPED, reshard_after_forward=False), {}),
+        "prefetch 2": (dp.ZeRO3(min_unit_params=GROUPED, prefetch=2), {}),
+        "check always": (dp.ZeRO3(min_unit_params=GROUPED, check_order="always"), {}),
+        "all_reduce": (dp.ZeRO3(min_unit_params=GROUPED, reduce="all_reduce"), {}),
+        "no_sync x3": (dp.ZeRO3(min_unit_params=GROUPED), {"accum": 3}),
+        "clip 0.05": (dp.ZeRO3(min_unit_params=GROUPED), {"clip": 0.05}),
+        "one unit": (dp.ZeRO3(min_unit_params=10**9), {}),
+    }
+    for name, (policy, extra) in variants.items():
+        out["deep", "adamw", name] = train_case(world, "deep", "adamw", policy, **extra)
+    return out
+
+
+def collectives_case(world, min_unit_params: int) -> dict:
+    """The unit collectives of the third step, by kind, and the largest gathered unit."""
+    tracer = dp.Tracer(enabled=True)
+    torch.manual_seed(0)
+    model = dp.parallelize(
+        MODELS["deep"][0](), dp.ZeRO3(min_unit_params=min_unit_params), tracer=tracer
+    )
+    x = torch.randint(0, 32, (4, 16))
+    for _ in range(3):
+        tracer.clear()
+        model(x).sum().backward()
+    events = tracer.events
+    return {
+        "gathers": sum(e.name == "gather_start" for e in events),
+        "reduces": sum(e.name == "reduce_start" for e in events),
+        "largest": dp.memory_report(model)["largest_gathered_unit"],
+        "block": sum(p.numel() for p in model.blocks[0].parameters()),
+    }
+
+
+def all_cases(world) -> dict:
+    out = {"parity": parity_grid(world)}
+    if world.world_size == 2:
+        out["collectives"] = {m: collectives_case(world, m) for m in (0, GROUPED)}
+    return out
+
+
+@functools.cache
+def world_results(world_size: int) -> list[dict]:
+    return run_world(world_size, all_cases, timeout=300)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_grouped_units_equal_one_process_and_ddp(world_size):
+    for results in world_results(world_size):
+        # 2 models x 2 optimizers; the 7 variants in the 2-rank world only (3 ranks: uneven)
+        assert len(results["parity"]) == {2: 2 * 2 + 7, 3: 2 * 2}[world_size], results
+        for case, diffs in results["parity"].items():
+            assert diffs["vs_reference"] < TOL and diffs["vs_ddp"] < TOL, (case, diffs)
+
+
+def test_grouped_units_make_fewer_collectives_and_gather_more():
+    for results in world_results(2):
+        one, grouped = results["collectives"][0], results["collectives"][GROUPED]
+        # forward: the root and every unit; backward: every unit but the one that ran last
+        assert (one["gathers"], one["reduces"]) == (1 + 5 + 4, 1 + 5), one
+        assert (grouped["gathers"], grouped["reduces"]) == (1 + 3 + 2, 1 + 3), grouped
+        assert one["block"] == BLOCK and one["largest"] == BLOCK * 4, one  # fp32, 12,416 divides by 2
+        assert grouped["largest"] == 2 * BLOCK * 4, grouped
+
+
+# -- a forward that does not run a grouped unit's modules once each, in order -----------------
+class Stack(nn.Module):
+    """Four layers in a ModuleList, run in the order `order` names (a module of 72 parameters:
+    min_unit_params=100 groups them as 0-1 and 2-3)."""
+
+    def __init__(self, order):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.order = order
+
+    def forward(self, x):
+        for i in self.order:
+            x = torch.tanh(self.layers[i](x))
+        return x
+
+
+def _run_stack(world, order):
+    torch.manual_seed(0)
+    model = dp.parallelize(Stack(order), dp.ZeRO3(min_unit_params=100))
+    model(torch.randn(2, 8)).sum().backward()
+    return True
+
+
+ORDERS = {
+    # the last module of unit 2-3 skipped: the forward ends with the unit open
+    (0, 1, 2): "ran 'layers.2' but not 'layers.3' before the end of the forward",
+    # the middle of unit 0-1 skipped: unit 2-3 starts while it is open
+    (0, 2, 3): "ran 'layers.0' but not 'layers.1' before unit 'layers.2-3' started",
+    # reordered inside a unit
+    (1, 0, 2, 3): "module 'layers.1' ran where 'layers.0' was due",
+    # a module run twice in a row
+    (0, 0, 1, 2, 3): "module 'layers.0' ran where 'layers.1' was due",
+}
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_a_grouped_unit_run_out_of_order_stops_with_one_error(order):
+    with pytest.raises(RankError) as raised:
+        run_world(2, _run_stack, order, timeout=60)
+    assert sorted(raised.value.errors) == [0, 1]
+    for text in raised.value.errors.values():
+        line = text.strip().splitlines()[-1]
+        assert ORDERS[order] in line and "min_unit_params=0" in line, line
+
+
+def test_the_stack_runs_in_order_and_twice():
+    assert len(ORDERS) == 4
+    assert run_world(2, _run_stack, (0, 1, 2, 3, 0, 1, 2, 3)) == [True, True]
+
+
+def test_min_unit_params_is_checked():
+    for bad in (-1, 1.5, "100", True):
+        with pytest.raises(ValueError, match="min_unit_params="):
+            dp.ZeRO3(min_unit_params=bad)
