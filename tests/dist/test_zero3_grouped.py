@@ -11,14 +11,16 @@ import functools
 
 import pytest
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
+from torch.nn import functional as F
 
 import dataparallel as dp
 from dataparallel.models import GPT, GPTConfig
 
 from .harness import RankError, run_world
-from .models import MODELS
-from .test_zero3 import TOL, train_case
+from .models import MODELS, OPTIMIZERS, batch, build, loss_fn, reference_loss
+from .test_zero3 import PER_RANK, TOL, train_case
 
 # Five blocks of 12,416 parameters (width 32, no biases): 20,000 groups them as 0-1, 2-3, 4
 MODELS["deep"] = (
@@ -77,11 +79,134 @@ def collectives_case(world, min_unit_params: int) -> dict:
     }
 
 
+def checkpointed(model, how: str):
+    """Each block recomputed in backward: `dp.checkpoint_activations`, or `checkpoint(block,
+    x)` in the model's forward as a user writes it (the block's hooks recomputed too)."""
+    if how == "transform":
+        dp.checkpoint_activations(model)
+        return model
+
+    def forward(idx):
+        x = model.drop(model.tok_emb(idx) + model.pos_emb(torch.arange(idx.shape[1])))
+        for block in model.blocks:
+            x = torch_checkpoint.checkpoint(block, x, use_reentrant=False)
+        return model.head(model.ln_f(x))
+
+    model.forward = forward
+    return model
+
+
+def on_meta(values: dict):
+    """gpt "deep" built on the meta device, and a `materialize` that fills it from `values`,
+    counting its calls."""
+    with torch.device("meta"):
+        model = MODELS["deep"][0]()
+    names = {id(p): name for name, p in model.named_parameters()}
+    calls = []
+
+    def fill(params):
+        calls.append(len(params))
+        for p in params:
+            value = values[names[id(p)]].clone()
+            torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+
+    return model, fill, calls
+
+
+def feature_case(world, how: str, mesh=None, steps: int = 4) -> dict:
+    """gpt "deep" in units of two blocks with one feature on, against one process (`how`:
+    "transform"/"whole" checkpointing, "compile" after parallelize, "meta" materialize, "mesh")."""
+    rank, n = world.rank, world.world_size
+    cls, kwargs = OPTIMIZERS["adamw"]
+    reference = build("deep", seed=100)
+    start = {k: v.clone() for k, v in reference.state_dict().items()}
+    policy, calls = dp.ZeRO3(min_unit_params=GROUPED), None
+    if how == "meta":
+        model, fill, calls = on_meta(reference.state_dict())
+        policy = dp.ZeRO3(min_unit_params=GROUPED, materialize=fill)
+    else:
+        model = build("deep", seed=100 + rank)  # rank 0's weights win
+    if how in ("transform", "whole"):
+        checkpointed(model, how)
+    dp.parallelize(model, policy, mesh=mesh)
+    run = torch.compile(model) if how == "compile" else model
+    opt = dp.build_optimizer(model, cls, **kwargs)
+    ref_opt = cls(reference.parameters(), **kwargs)
+    for step in range(steps):
+        x, y = batch("deep", step, PER_RANK * n)
+        reference_loss("deep", reference, x, y, step, n).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_fn("deep", run, x.chunk(n)[rank], y.chunk(n)[rank], step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+    state = dp.full_state_dict(model)
+    diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    moved = max((state[k] - v).abs().max().item() for k, v in start.items())
+    return {"diff": diff, "moved": moved, "materialize_calls": calls}
+
+
+def bf16_case(world) -> float:
+    """bf16 parameters: units of two blocks against one block per unit, max |difference|."""
+    states = []
+    for min_unit_params in (GROUPED, 0):
+        precision = dp.MixedPrecision(param_dtype=torch.bfloat16)
+        model = build("deep", seed=100)
+        dp.parallelize(model, dp.ZeRO3(min_unit_params=min_unit_params, precision=precision))
+        opt = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-3)
+        for step in range(4):
+            x, y = batch("deep", step, PER_RANK * world.world_size)
+            chunk = slice(PER_RANK * world.rank, PER_RANK * (world.rank + 1))
+            out = model(x[chunk]).float()
+            F.cross_entropy(out.flatten(0, 1), y[chunk].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+        states.append(dp.full_state_dict(model))
+    return max((states[0][k] - v).abs().max().item() for k, v in states[1].items())
+
+
+def checkpoint_case(world) -> dict:
+    """Weights and optimizer state out of grouped units in plain form, and back into units of
+    one block, trained on: against one process."""
+    rank, n = world.rank, world.world_size
+    cls, kwargs = OPTIMIZERS["adamw"]
+    reference = build("deep", seed=5)
+    ref_opt = cls(reference.parameters(), **kwargs)
+    first = dp.parallelize(build("deep", seed=5), dp.ZeRO3(min_unit_params=GROUPED))
+    second = dp.parallelize(build("deep", seed=9), dp.ZeRO3(min_unit_params=0))
+    first_opt, second_opt = (dp.build_optimizer(m, cls, **kwargs) for m in (first, second))
+    for step in range(6):
+        model, opt = (first, first_opt) if step < 3 else (second, second_opt)
+        if step == 3:
+            dp.load_full_state_dict(second, dp.full_state_dict(first))
+            plain = dp.optimizer_state_dict(first, first_opt)
+            dp.load_optimizer_state_dict(second, second_opt, plain)
+        x, y = batch("deep", step, PER_RANK * n)
+        reference_loss("deep", reference, x, y, step, n).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_fn("deep", model, x.chunk(n)[rank], y.chunk(n)[rank], step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+    state = dp.full_state_dict(second)
+    return max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+FEATURES = ("transform", "whole", "compile", "meta")
+
+
 def all_cases(world) -> dict:
     out = {"parity": parity_grid(world)}
     if world.world_size == 2:
         out["collectives"] = {m: collectives_case(world, m) for m in (0, GROUPED)}
+        out["features"] = {how: feature_case(world, how) for how in FEATURES}
+        out["bf16"] = bf16_case(world)
+        out["checkpoint"] = checkpoint_case(world)
     return out
+
+
+def mesh_case(world) -> dict:
+    return feature_case(world, "mesh", mesh=dp.init_mesh(2))  # 2 replicas x 2 shards
 
 
 @functools.cache
@@ -106,6 +231,24 @@ def test_grouped_units_make_fewer_collectives_and_gather_more():
         assert (grouped["gathers"], grouped["reduces"]) == (1 + 3 + 2, 1 + 3), grouped
         assert one["block"] == BLOCK and one["largest"] == BLOCK * 4, one  # fp32, 12,416 divides by 2
         assert grouped["largest"] == 2 * BLOCK * 4, grouped
+
+
+def test_grouped_units_with_checkpointing_compile_meta_bf16_and_checkpoints():
+    for results in world_results(2):
+        features = results["features"]
+        assert len(features) == 4, features
+        for how, case in features.items():
+            assert case["diff"] < TOL and case["moved"] > 1e-3, (how, case)
+        # the root and the three units, each materialized just before it is sharded
+        assert features["meta"]["materialize_calls"] == [5, 2 * 10, 2 * 10, 10], features
+        # the same bf16 arithmetic, gathered and reduced in other units
+        assert results["bf16"] < 1e-6, results["bf16"]
+        assert results["checkpoint"] < TOL, results["checkpoint"]
+
+
+def test_grouped_units_on_a_two_by_two_mesh():
+    for result in run_world(4, mesh_case, timeout=300):
+        assert result["diff"] < TOL, result
 
 
 # -- a forward that does not run a grouped unit's modules once each, in order -----------------
