@@ -35,7 +35,7 @@ from .parts.footprint import ParamShapes
 Wrap = Callable[[nn.Module], bool] | tuple[type, ...] | None
 
 # ZeRO3's `min_unit_params` by default, and what the planner assumes ([Note: grouped units])
-MIN_UNIT_PARAMS = 0
+MIN_UNIT_PARAMS = 400_000
 
 
 @dataclass(frozen=True)
