@@ -4,11 +4,18 @@ grouped units] in strategies/fsdp_plan.py), no process group."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
+import dataparallel as dp
 from dataparallel.models import GPT, GPTConfig
 from dataparallel.strategies.fsdp_group import GroupedUnits
-from dataparallel.strategies.fsdp_plan import group_consecutive, param_shapes, plan_units
+from dataparallel.strategies.fsdp_plan import (
+    MIN_UNIT_PARAMS,
+    group_consecutive,
+    param_shapes,
+    plan_units,
+)
 
 # (sizes, min_params) -> the groups, as lists of positions
 CASES = {
@@ -160,3 +167,18 @@ def test_open_groups_must_enclose_the_unit_that_starts():
         grouped.ending()
     grouped.opening(0, "<root>")  # a new forward: nothing open
     assert grouped.open == [] and not run.open
+
+
+def test_the_default_groups_only_blocks_under_400k_parameters():
+    from dataparallel.models import build_model
+
+    names = {}
+    for model_name in ("gpt-small", "gpt-tiny"):
+        with torch.device("meta"):
+            model = build_model(model_name)
+        names[model_name] = [p.name for p in plan_units(model, None, MIN_UNIT_PARAMS)]
+        assert names[model_name][0] == ""
+    # gpt-small's blocks (789,760 parameters) stay one unit each: its step and memory as before
+    assert names["gpt-small"][1:] == [f"blocks.{i}" for i in range(4)]
+    assert names["gpt-tiny"][1:] == ["blocks.0-1", "blocks.2-3"]  # 250,704 each
+    assert MIN_UNIT_PARAMS == 400_000 and dp.ZeRO3().min_unit_params == MIN_UNIT_PARAMS

@@ -6,7 +6,9 @@ The contract (what `parallelize(model, ZeRO3(...))` guarantees):
   fsdp_unit.py), padded so any size works. Between steps a rank holds only its shards.
 - A unit's parameters are all-gathered just before its forward and freed after it, gathered
   again before its backward, and its gradients are averaged across ranks right after its
-  backward, one collective per unit ([Note: schedule] in fsdp_schedule.py).
+  backward, one collective per unit ([Note: schedule] in fsdp_schedule.py). A unit may be
+  several consecutive modules, each run once per forward, in order ([Note: grouped units] in
+  fsdp_plan.py).
 - After `loss.backward()` returns, the optimizer's parameters (shard pieces) hold the average
   gradient; an elementwise optimizer (SGD, Adam, AdamW, ...) then steps exactly as it would on
   the whole model in one process.
@@ -197,7 +199,7 @@ class ZeRO3Strategy(Strategy):
         if _recomputing(units[0]):
             return self._pre_forward_all(units, module, args, kwargs)
         if not run.enter(member):
-            return args, kwargs
+            return None  # a later module: the unit is gathered already
         result = self._pre_forward_all(units, module, args, kwargs)
         self.grouped.open.append(run)
         return result
