@@ -33,13 +33,25 @@ MODELS["deep tied"] = (
                           tie_weights=True, bias=False)),
     "tokens",
 )  # fmt: skip
+
+
+def shared_blocks():
+    """gpt "deep" with weights shared between blocks: block 1's query with block 0's (one
+    grouped unit owns it) and block 4's with block 3's (two units: the root owns it)."""
+    model = MODELS["deep"][0]()
+    model.blocks[1].attn.q.weight = model.blocks[0].attn.q.weight
+    model.blocks[4].attn.q.weight = model.blocks[3].attn.q.weight
+    return model
+
+
+MODELS["deep shared"] = (shared_blocks, "tokens")
 GROUPED = 20_000
 BLOCK = 12_416
 
 
 def parity_grid(world) -> dict:
     out = {}
-    for model_name in ("deep", "deep tied"):
+    for model_name in ("deep", "deep tied", "deep shared"):
         for opt_name in ("sgd", "adamw"):
             policy = dp.ZeRO3(min_unit_params=GROUPED)
             out[model_name, opt_name] = train_case(world, model_name, opt_name, policy)
@@ -217,8 +229,8 @@ def world_results(world_size: int) -> list[dict]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_grouped_units_equal_one_process_and_ddp(world_size):
     for results in world_results(world_size):
-        # 2 models x 2 optimizers; the 7 variants in the 2-rank world only (3 ranks: uneven)
-        assert len(results["parity"]) == {2: 2 * 2 + 7, 3: 2 * 2}[world_size], results
+        # 3 models x 2 optimizers; the 7 variants in the 2-rank world only (3 ranks: uneven)
+        assert len(results["parity"]) == {2: 3 * 2 + 7, 3: 3 * 2}[world_size], results
         for case, diffs in results["parity"].items():
             assert diffs["vs_reference"] < TOL and diffs["vs_ddp"] < TOL, (case, diffs)
 
