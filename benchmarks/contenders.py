@@ -140,7 +140,9 @@ OURS: dict[str, tuple[str, dict, dict]] = {
     "zero3-noprefetch": ("zero3", {"prefetch": False}, {}),
     "zero3-prefetch2": ("zero3", {"prefetch": 2}, {}),
     # consecutive blocks grouped into units of at least this many parameters ([Note: grouped
-    # units] in fsdp_plan.py); gpt-deep-narrow's blocks hold ~50k each: 2, 4 and 8 per unit
+    # units] in fsdp_plan.py); gpt-deep-narrow's blocks hold ~50k each: 1 (the plan before
+    # grouping), 2, 4 and 8 (the default) per unit
+    "zero3-units0": ("zero3", {"min_unit_params": 0}, {}),
     "zero3-units100k": ("zero3", {"min_unit_params": 100_000}, {}),
     "zero3-units200k": ("zero3", {"min_unit_params": 200_000}, {}),
     "zero3-units400k": ("zero3", {"min_unit_params": 400_000}, {}),
