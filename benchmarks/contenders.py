@@ -139,6 +139,18 @@ OURS: dict[str, tuple[str, dict, dict]] = {
     "zero3-keep": ("zero3", {"reshard_after_forward": False}, {}),
     "zero3-noprefetch": ("zero3", {"prefetch": False}, {}),
     "zero3-prefetch2": ("zero3", {"prefetch": 2}, {}),
+    # consecutive blocks grouped into units of at least this many parameters ([Note: grouped
+    # units] in fsdp_plan.py); gpt-deep-narrow's blocks hold ~50k each: 1 (the plan before
+    # grouping), 2, 4 and 8 (the default) per unit
+    "zero3-units0": ("zero3", {"min_unit_params": 0}, {}),
+    "zero3-units100k": ("zero3", {"min_unit_params": 100_000}, {}),
+    "zero3-units200k": ("zero3", {"min_unit_params": 200_000}, {}),
+    "zero3-units400k": ("zero3", {"min_unit_params": 400_000}, {}),
+    "zero3-units200k-keep": (
+        "zero3",
+        {"min_unit_params": 200_000, "reshard_after_forward": False},
+        {},
+    ),
 }
 
 
@@ -333,6 +345,7 @@ CONTENDERS: dict[str, Callable] = {
     "zero3-keep": ours("zero3-keep"),
     "zero3-noprefetch": ours("zero3-noprefetch"),
     "zero3-prefetch2": ours("zero3-prefetch2"),
+    **{name: ours(name) for name in OURS if name.startswith("zero3-units")},
     "fsdp2": fsdp2,
     "deepspeed-zero3": deepspeed_zero(3),
     # torch.compile per block after wrapping, against the eager contender of the same name

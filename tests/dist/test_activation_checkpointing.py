@@ -176,7 +176,8 @@ def test_reentrant_checkpointing_of_a_zero3_unit_is_refused_in_one_line():
     assert len(raised.value.errors) == 2
     for text in raised.value.errors.values():
         line = text.strip().splitlines()[-1]
-        assert "ZeRO3: unit 'blocks.1' was recomputed in backward" in line, line
+        # the two small blocks are one unit (min_unit_params' default)
+        assert "ZeRO3: unit 'blocks.0-1' was recomputed in backward" in line, line
         assert "pass use_reentrant=False" in line, line
 
 

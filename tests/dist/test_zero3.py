@@ -120,7 +120,9 @@ def memory_case(world, param_dtype) -> dict:
         torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x.flatten()).backward()
         opt.step()
     psi = model.num_parameters()  # the tied weight once
-    largest = sum(p.numel() for p in model.blocks[0].parameters())  # a block is the largest unit
+    # the largest unit: the three blocks of 50k parameters, one unit under min_unit_params'
+    # default (fsdp_plan.py [Note: grouped units]; bf16: without their norms, units of their own)
+    largest = sum(p.numel() for p in model.blocks.parameters())
     itemsize = (param_dtype or torch.float32).itemsize
     return {
         "report": dp.memory_report(model, opt),
@@ -135,7 +137,9 @@ def prefetch_case(world) -> dict:
     tracer = dp.Tracer(enabled=True)
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=64)
-    model = dp.parallelize(GPT(config), dp.ZeRO3(), tracer=tracer)
+    # each block its own unit (min_unit_params=0): the overlap of one unit's gather with the
+    # previous unit's compute is what is traced
+    model = dp.parallelize(GPT(config), dp.ZeRO3(min_unit_params=0), tracer=tracer)
     x = torch.randint(0, 64, (4, 16))
     for _ in range(2):
         tracer.clear()
@@ -401,7 +405,8 @@ def _moe_world(world, wrap_layer: bool, diverge_at: int = 0, both: bool = False)
     torch.manual_seed(0)
     model = WithMoE()
     reference = copy.deepcopy(model)
-    policy = dp.ZeRO3(wrap=(MoE,)) if wrap_layer else dp.ZeRO3()  # default: each expert a unit
+    # each expert its own unit (not grouped: min_unit_params=0), or the layer one unit
+    policy = dp.ZeRO3(wrap=(MoE,)) if wrap_layer else dp.ZeRO3(min_unit_params=0)
     dp.parallelize(model, policy)
     optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2)
     reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)

@@ -6,7 +6,9 @@ The contract (what `parallelize(model, ZeRO3(...))` guarantees):
   fsdp_unit.py), padded so any size works. Between steps a rank holds only its shards.
 - A unit's parameters are all-gathered just before its forward and freed after it, gathered
   again before its backward, and its gradients are averaged across ranks right after its
-  backward, one collective per unit ([Note: schedule] in fsdp_schedule.py).
+  backward, one collective per unit ([Note: schedule] in fsdp_schedule.py). A unit may be
+  several consecutive modules, each run once per forward, in order ([Note: grouped units] in
+  fsdp_plan.py).
 - After `loss.backward()` returns, the optimizer's parameters (shard pieces) hold the average
   gradient; an elementwise optimizer (SGD, Adam, AdamW, ...) then steps exactly as it would on
   the whole model in one process.
@@ -61,6 +63,7 @@ from .base import (
     normalize_param_groups,
     verify_same_model,
 )
+from .fsdp_group import GroupedUnits, MemberRun
 from .fsdp_plan import plan_units, select_units
 from .fsdp_schedule import Schedule
 from .fsdp_unit import FlatUnit, PostBackward, TrainingState
@@ -99,7 +102,7 @@ class ZeRO3Strategy(Strategy):
         self.reduce = reduce
         self.hook = policy.comm_hook or default_hook(reduce, precision.wire_dtype(self.compute))
         self.hook_state = policy.hook_state or HookState(groups.shard, groups.replicate)
-        plans = plan_units(model, self._wrap(model, model_dtype))
+        plans = plan_units(model, self._wrap(model, model_dtype), policy.min_unit_params)
         self.units = []
         for i, plan in enumerate(plans):
             norm = is_norm(plan.module) and precision.masters(model_dtype) is not None
@@ -129,16 +132,26 @@ class ZeRO3Strategy(Strategy):
         self.original_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.owners: list[Owners] = []  # [Note: optimizer layout] in parts/owners.py
         self.handles = []
+        self.grouped = GroupedUnits([plan.parent for plan in plans])  # [Note: members in order]
         of_module: dict[int, list[FlatUnit]] = {}  # a module's units ([Note: frozen parameters])
-        for unit in self.units:
-            of_module.setdefault(id(unit.module), []).append(unit)
+        for unit, plan in zip(self.units, plans, strict=True):
+            of_module.setdefault(id(plan.module), []).append(unit)
         for units in of_module.values():
-            pre, post = (
-                opaque(partial(self._pre_forward_all, units)),
-                opaque(partial(self._post_forward_all, units)),
-            )
-            self.handles.append(units[0].module.register_forward_pre_hook(pre, with_kwargs=True))
-            self.handles.append(units[0].module.register_forward_hook(post))
+            plan = plans[units[0].index]
+            if len(plan.modules) == 1:
+                pre, post = (
+                    opaque(partial(self._pre_forward_all, units)),
+                    opaque(partial(self._post_forward_all, units)),
+                )
+                self.handles.append(plan.module.register_forward_pre_hook(pre, with_kwargs=True))
+                self.handles.append(plan.module.register_forward_hook(post))
+                continue
+            run = self.grouped.add(plan.name, plan.member_names, units[-1].index)
+            for member, module in enumerate(plan.modules):
+                pre = opaque(partial(self._pre_forward_member, units, run, member))
+                post = opaque(partial(self._post_forward_member, units, run, member))
+                self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                self.handles.append(module.register_forward_hook(post))
         for unit in self.units:
             for position, p in enumerate(unit.params):
                 if unit.attached:  # [Note: attached views] in parts/reducer.py
@@ -169,13 +182,34 @@ class ZeRO3Strategy(Strategy):
 
     # -- forward ------------------------------------------------------------------------------
     def _pre_forward_all(self, units: list[FlatUnit], module, args, kwargs):
+        if self.grouped.runs:  # [Note: members in order] in fsdp_group.py
+            self.grouped.opening(units[0].index, units[0].name)
         for unit in units:  # nested: the first opens first and closes last
             args, kwargs = self._pre_forward(unit, module, args, kwargs)
         return args, kwargs
 
     def _post_forward_all(self, units: list[FlatUnit], module, args, output):
+        if self.grouped.open and units[0].index == 0:
+            self.grouped.ending()
         for unit in reversed(units):
             self._post_forward(unit, module, args, output)
+
+    def _pre_forward_member(self, units, run: MemberRun, member: int, module, args, kwargs):
+        """A module of a grouped unit: the first opens it ([Note: members in order])."""
+        if _recomputing(units[0]):
+            return self._pre_forward_all(units, module, args, kwargs)
+        if not run.enter(member):
+            return None  # a later module: the unit is gathered already
+        result = self._pre_forward_all(units, module, args, kwargs)
+        self.grouped.open.append(run)
+        return result
+
+    def _post_forward_member(self, units, run: MemberRun, member: int, module, args, output):
+        """A module of a grouped unit: the last closes it ([Note: members in order])."""
+        if _recomputing(units[0]) or not run.leave(member):
+            return
+        self.grouped.open.remove(run)
+        self._post_forward_all(units, module, args, output)
 
     def _pre_forward(self, unit: FlatUnit, module, args, kwargs):
         recompute = _recomputing(unit)  # [Note: recomputed forward]

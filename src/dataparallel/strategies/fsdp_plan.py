@@ -10,6 +10,17 @@ units' nearest common ancestor unit, whose gathered lifetime encloses both: an a
 forward runs around its descendants' forwards, and its backward is gathered from its output's
 gradient until its own post-backward, after theirs. The root, gathered for the whole step, is
 the ancestor of last resort, so a shared parameter is never refused.
+
+[Note: grouped units] A unit may be several consecutive modules: siblings in one nn.ModuleList
+that `wrap` selected, merged in order (`group_consecutive`) until the unit owns at least
+`min_unit_params` parameters (ZeRO3's field). One unit costs its collectives and hooks whatever
+its size (about 0.65 ms a unit per step on gpt-deep-narrow's 50k-parameter blocks, BENCHMARKS.md),
+so small blocks gain from sharing them, at the cost of a larger gathered unit (about the
+threshold). The unit is gathered before its first module's forward, freed after its last
+module's forward, gathered again before its last module's backward and reduced after its first
+module's backward, as FSDP2's `fully_shard([m1, m2])`; every module of it must run once, in
+order, in each forward of the unit (fsdp_group.py: one error otherwise). Ownership is decided
+on the grouped units, so a parameter tied between two modules of one unit stays in it.
 """
 
 from __future__ import annotations
@@ -23,21 +34,33 @@ from .parts.footprint import ParamShapes
 
 Wrap = Callable[[nn.Module], bool] | tuple[type, ...] | None
 
+# ZeRO3's `min_unit_params` by default, and what the planner assumes ([Note: grouped units])
+MIN_UNIT_PARAMS = 400_000
+
 
 @dataclass(frozen=True)
 class UnitPlan:
     """One unit of the plan.
 
-    name: the module's qualified name in the model ("" for the root, "blocks.0", ...).
-    module: the module whose forward gathers and frees the unit.
+    name: the module's qualified name in the model ("" for the root, "blocks.0", ...; a
+        grouped unit "blocks.0-3").
+    modules: the modules whose forwards gather and free the unit: one, or consecutive siblings
+        ([Note: grouped units]).
     params: the parameters this unit owns, in registration order.
     parent: index of the nearest enclosing unit in the plan (None for the root).
+    member_names: each module's qualified name.
     """
 
     name: str
-    module: nn.Module
+    modules: tuple[nn.Module, ...]
     params: tuple[nn.Parameter, ...]
     parent: int | None
+    member_names: tuple[str, ...] = ()
+
+    @property
+    def module(self) -> nn.Module:
+        """The first module (the only one unless grouped)."""
+        return self.modules[0]
 
 
 def select_units(model: nn.Module, wrap: Wrap) -> list[nn.Module]:
@@ -62,16 +85,77 @@ def select_units(model: nn.Module, wrap: Wrap) -> list[nn.Module]:
     return selected
 
 
-def plan_units(model: nn.Module, wrap: Wrap) -> list[UnitPlan]:
-    """Units of `model` (the root first, then in module order) and the parameters each owns.
+def plan_units(model: nn.Module, wrap: Wrap, min_unit_params: int = 0) -> list[UnitPlan]:
+    """Units of `model` (the root first, then in module order) and the parameters each owns;
+    siblings grouped up to `min_unit_params` parameters ([Note: grouped units]).
 
     Units that end up owning no parameter are left out (the root always stays).
     """
-    selected = {id(m) for m in select_units(model, wrap)}
-    names: list[str] = [""]
-    modules: list[nn.Module] = [model]
+    selected = select_units(model, wrap)
+    groups: dict[int, tuple[str, tuple[nn.Module, ...], tuple[str, ...]]] = {}
+    if min_unit_params > 0:
+        sizes: dict[int, int] = {}
+        for plan in _plan(model, selected, {}):
+            sizes[id(plan.module)] = sizes.get(id(plan.module), 0) + _numel(plan.params)
+        for group in sibling_groups(model, selected, sizes, min_unit_params):
+            for _, module in group:
+                groups[id(module)] = group_entry(group)
+    return split_frozen(_plan(model, selected, groups))
+
+
+def _numel(params) -> int:
+    return sum(p.numel() for p in params)
+
+
+def sibling_groups(
+    model: nn.Module, selected: list[nn.Module], sizes: dict[int, int], min_unit_params: int
+) -> list[list[tuple[str, nn.Module]]]:
+    """The groups of more than one module: runs of consecutive selected children of each
+    nn.ModuleList, merged by `group_consecutive` on the parameters each owns (`sizes`)."""
+    chosen = {id(m) for m in selected}
+    out = []
+    for prefix, holder in model.named_modules():
+        if not isinstance(holder, nn.ModuleList):
+            continue
+        run: list[tuple[str, nn.Module]] = []
+        for child_name, child in [*holder._modules.items(), ("", None)]:
+            if child is not None and id(child) in chosen:
+                run.append((f"{prefix}.{child_name}" if prefix else child_name, child))
+                continue
+            counts = [sizes.get(id(m), 0) for _, m in run]
+            out += [[run[i] for i in r] for r in group_consecutive(counts, min_unit_params)]
+            run = []
+    return [group for group in out if len(group) > 1]
+
+
+def group_consecutive(sizes: list[int], min_params: int) -> list[range]:
+    """[Note: grouped units] Consecutive units of `sizes` parameters merged, in order, until a
+    group holds at least `min_params`; a unit of `min_params` or more stays alone, and 0 leaves
+    every unit alone. Returns the groups as ranges of positions."""
+    groups, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and (total >= min_params or size >= min_params):
+            groups.append(range(start, i))
+            start, total = i, 0
+        total += size
+    if sizes:
+        groups.append(range(start, len(sizes)))
+    return groups
+
+
+def group_entry(group: list[tuple[str, nn.Module]]) -> tuple:
+    """(the unit's name, its modules, their names): "blocks.0-3" for blocks.0 ... blocks.3."""
+    names = tuple(name for name, _ in group)
+    return f"{names[0]}-{names[-1].rsplit('.', 1)[-1]}", tuple(m for _, m in group), names
+
+
+def _plan(model: nn.Module, selected: list[nn.Module], groups: dict[int, tuple]) -> list[UnitPlan]:
+    """`plan_units` before the frozen split, `groups` mapping a module to its group's entry."""
+    chosen = {id(m) for m in selected}
+    plans: list[tuple[str, tuple[nn.Module, ...], tuple[str, ...]]] = [("", (model,), ("",))]
     parents: list[int | None] = [None]
-    unit_of: dict[int, int] = {id(model): 0}
+    unit_of: dict[int, int] = {}  # id(first module of the unit) -> unit
+    walked: dict[int, int] = {id(model): 0}  # id(module) -> unit it was walked into
     reached: dict[int, list[int]] = {}  # id(param) -> units it is used from
     params: dict[int, nn.Parameter] = {}
 
@@ -84,27 +168,30 @@ def plan_units(model: nn.Module, wrap: Wrap) -> list[UnitPlan]:
             if child is None:
                 continue
             path = f"{prefix}{child_name}"
-            if id(child) not in selected:
+            if id(child) not in chosen:
                 walk(child, path + ".", unit)
                 continue
-            if id(child) in unit_of:
-                if parents[unit_of[id(child)]] != unit:
+            if id(child) in walked:
+                if parents[walked[id(child)]] != unit:
                     raise ValueError(
                         f"ZeRO3: module '{path}' is a unit reached from two different units; "
                         "wrap a module that encloses both places instead"
                     )
                 continue
-            unit_of[id(child)] = len(modules)
-            names.append(path)
-            modules.append(child)
-            parents.append(unit)
-            walk(child, path + ".", unit_of[id(child)])
+            entry = groups.get(id(child), (path, (child,), (path,)))
+            key = id(entry[1][0])
+            if key not in unit_of:
+                unit_of[key] = len(plans)
+                plans.append(entry)
+                parents.append(unit)
+            walked[id(child)] = unit_of[key]
+            walk(child, path + ".", unit_of[key])
 
     walk(model, "", 0)
-    owned: list[list[nn.Parameter]] = [[] for _ in modules]
+    owned: list[list[nn.Parameter]] = [[] for _ in plans]
     for key, units in reached.items():
         owned[common_ancestor(units, parents)].append(params[key])
-    keep = [i for i in range(len(modules)) if i == 0 or owned[i]]
+    keep = [i for i in range(len(plans)) if i == 0 or owned[i]]
     new_index = {old: new for new, old in enumerate(keep)}
 
     def kept_parent(i: int) -> int | None:
@@ -113,8 +200,10 @@ def plan_units(model: nn.Module, wrap: Wrap) -> list[UnitPlan]:
             parent = parents[parent]
         return None if parent is None else new_index[parent]
 
-    plans = [UnitPlan(names[i], modules[i], tuple(owned[i]), kept_parent(i)) for i in keep]
-    return split_frozen(plans)
+    return [
+        UnitPlan(plans[i][0], plans[i][1], tuple(owned[i]), kept_parent(i), plans[i][2])
+        for i in keep
+    ]
 
 
 def split_frozen(plans: list[UnitPlan]) -> list[UnitPlan]:
@@ -130,10 +219,11 @@ def split_frozen(plans: list[UnitPlan]) -> list[UnitPlan]:
         trainable = tuple(p for p in plan.params if p.requires_grad)
         parent = None if plan.parent is None else index[plan.parent]
         if i > 0 and frozen and trainable:
-            out.append(UnitPlan(f"{plan.name}[frozen]", plan.module, frozen, parent))
-            plan = UnitPlan(plan.name, plan.module, trainable, parent)
+            names = plan.member_names
+            out.append(UnitPlan(f"{plan.name}[frozen]", plan.modules, frozen, parent, names))
+            plan = UnitPlan(plan.name, plan.modules, trainable, parent, names)
         else:
-            plan = UnitPlan(plan.name, plan.module, plan.params, parent)
+            plan = UnitPlan(plan.name, plan.modules, plan.params, parent, plan.member_names)
         index[i] = len(out)
         out.append(plan)
     return out
@@ -155,11 +245,13 @@ def common_ancestor(units: list[int], parents: list[int | None]) -> int:
     return common[0]
 
 
-def param_shapes(model: nn.Module, wrap: Wrap = None) -> ParamShapes:
+def param_shapes(
+    model: nn.Module, wrap: Wrap = None, min_unit_params: int = MIN_UNIT_PARAMS
+) -> ParamShapes:
     """What a footprint needs of `model` ([Note: footprint] in parts/footprint.py): its
-    trainable parameters' numels, and ZeRO-3's units as `plan_units` makes them for `wrap`."""
-    units = tuple(
-        tuple(p.numel() for p in unit.params if p.requires_grad) for unit in plan_units(model, wrap)
-    )
+    trainable parameters' numels, and ZeRO-3's units as `plan_units` makes them for `wrap` and
+    `min_unit_params` (by default ZeRO3's)."""
+    plans = plan_units(model, wrap, min_unit_params)
+    units = tuple(tuple(p.numel() for p in unit.params if p.requires_grad) for unit in plans)
     numels = tuple(p.numel() for p in model.parameters() if p.requires_grad)
     return ParamShapes(numels, units)

@@ -13,6 +13,7 @@ from torch import nn
 
 from .fsdp import ZeRO3Strategy
 from .fsdp_order import CHECK_MODES
+from .fsdp_plan import MIN_UNIT_PARAMS
 from .parts.footprint import Footprint, unitwise
 from .parts.mesh import Groups
 from .parts.precision import MixedPrecision, check_precision
@@ -62,6 +63,7 @@ class ZeRO3:
 
     name: ClassVar[str] = "zero3"
     wrap: Callable[[nn.Module], bool] | tuple[type, ...] | None = None
+    min_unit_params: int = MIN_UNIT_PARAMS
     prefetch: bool | int = True
     reshard_after_forward: bool = True
     precision: MixedPrecision | None = None
@@ -82,6 +84,15 @@ class ZeRO3:
                     f"ZeRO3: wrap={self.wrap!r} must be None, a tuple of nn.Module classes, or "
                     "a callable module -> bool"
                 )
+        if (
+            not isinstance(self.min_unit_params, int)
+            or isinstance(self.min_unit_params, bool)
+            or self.min_unit_params < 0
+        ):
+            raise ValueError(
+                f"ZeRO3: min_unit_params={self.min_unit_params!r} must be a number of "
+                "parameters >= 0 (0: every module its own unit)"
+            )
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(
                 f"ZeRO3: prefetch={self.prefetch!r} must be True, False or a number of units >= 0"
