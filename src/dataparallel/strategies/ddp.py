@@ -5,7 +5,9 @@ The contract (what `parallelize(model, DDP(...))` guarantees):
   clear error on all ranks otherwise), then takes rank 0's parameters and buffers.
 - After `loss.backward()` returns, every `.grad` holds the mean (or sum) across ranks, reduced
   in buckets that overlap backward ([Note: overlap] in reducer.py); grads are views into the
-  flat buckets ([Note: gradient views] in buckets.py), so no copy is made per step.
+  flat buckets ([Note: gradient views] in buckets.py), so no copy is made per step. The
+  parameters are laid out the same way ([Note: laid parameters]), so that an elementwise
+  optimizer from `build_optimizer` steps each bucket's as one tensor ([Note: flat step]).
 - Inside `no_sync()` gradients accumulate locally; the first backward outside it reduces the
   accumulated sum, so k micro-steps equal one step on the k-times batch.
 - Unused parameters are detected automatically ([Note: unused parameters] in reducer.py).
