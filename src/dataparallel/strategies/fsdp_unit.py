@@ -109,6 +109,7 @@ class FlatUnit:
         self.sharded_grads = ShardedGrads(self.params, "zero3")  # [Note: sharded gradients]
         self._new_buffer()
         self.nan = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
+        self.at_rest = [self.nan.expand(p.shape) for p in self.params]  # made once, reused
         self._rest()
         spec = BucketSpec(
             index,
@@ -160,8 +161,8 @@ class FlatUnit:
         return not any(p.requires_grad for p in self.params)
 
     def _rest(self) -> None:
-        for p in self.params:
-            p.data = self.nan.expand(p.shape)  # [Note: parameters at rest]
+        for p, rest in zip(self.params, self.at_rest, strict=True):
+            p.data = rest  # [Note: parameters at rest]
 
     # -- parameters -------------------------------------------------------------------------
     def start_gather(self, prefetch: bool = False) -> None:
