@@ -18,6 +18,7 @@ from torch.nn import functional as F
 import dataparallel as dp
 from dataparallel.models.hf import HFSource
 from dataparallel.models.lora import LoraSpec, merged_state_dict
+from dataparallel.strategies.fsdp_plan import MIN_UNIT_PARAMS, plan_units
 
 from .harness import run_world
 
@@ -53,12 +54,15 @@ def _build(path, strategy, lora):
     fill = source.materializer(model)
     sizes = []
     if strategy == "zero3":
+        units = plan_units(model, None, MIN_UNIT_PARAMS)
+        planned = sorted(sum(p.numel() for p in u.params) for u in units)
 
         def counted(params):
             sizes.append(sum(p.numel() for p in params))
             fill(params)
 
         dp.parallelize(model, dp.ZeRO3(materialize=counted))
+        assert sorted(sizes) == planned, (sizes, planned)  # one call per unit, its parameters
     else:
         fill(list(model.parameters()))
         dp.parallelize(model, strategy)
@@ -135,8 +139,9 @@ def test_a_llama_from_its_directory_matches_one_process_under_every_strategy(lla
             assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-4
             assert min(ours) > CLIP  # the clipping bit at every step
     biggest, total = results[0]["zero3"]["sizes"]
-    # ZeRO-3 filled the model unit by unit: never more than one unit's parameters at once
-    # (the root, then the two small layers as one unit: min_unit_params' default groups them)
+    # ZeRO-3 filled the model unit by unit (each call one planned unit's parameters, checked
+    # in `_build`): the root, then the two small layers as one unit (min_unit_params' default
+    # groups them), each less than the whole model
     assert 0 < biggest < total, (biggest, total)
 
 
