@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import dataparallel as dp
 from dataparallel.models import GPT, GPTConfig
 
 
@@ -87,7 +88,13 @@ MODELS = {
     "transformer": (
         lambda: GPT(
             GPTConfig(
-                vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=False, bias=False
+                vocab_size=32,
+                block_size=16,
+                n_layer=2,
+                n_head=2,
+                n_embd=32,
+                tie_weights=False,
+                bias=False,
             )
         ),
         "tokens",
@@ -95,7 +102,13 @@ MODELS = {
     "tied": (
         lambda: GPT(
             GPTConfig(
-                vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32, tie_weights=True, bias=False
+                vocab_size=32,
+                block_size=16,
+                n_layer=1,
+                n_head=2,
+                n_embd=32,
+                tie_weights=True,
+                bias=False,
             )
         ),
         "tokens",
@@ -155,3 +168,23 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
         (pa.detach() - pb.detach()).abs().max().item()
         for pa, pb in zip(a.parameters(), b.parameters(), strict=True)
     )
+
+
+def train_chunks(model: nn.Module, name: str, world, steps: int, per_rank: int) -> dict:
+    """A parallelized token model trained with AdamW (lr 1e-3) on this rank's chunk of each
+    step's batch, the output cast to fp32 for the loss (it may compute in bf16); the
+    whole-model state dict after `steps` steps."""
+    opt = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-3)
+    for step in range(steps):
+        x, y = batch(name, step, per_rank * world.world_size)
+        chunk = slice(per_rank * world.rank, per_rank * (world.rank + 1))
+        out = model(x[chunk]).float()
+        F.cross_entropy(out.flatten(0, 1), y[chunk].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    return dp.full_state_dict(model)
+
+
+def max_state_diff(a: dict, b: dict) -> float:
+    """max |a - b| over every element of two state dicts with the same keys."""
+    return max((a[k] - v).abs().max().item() for k, v in b.items())

@@ -19,7 +19,15 @@ import dataparallel as dp
 from dataparallel.activation_checkpointing import is_checkpointed
 
 from .harness import RankError, run_world
-from .models import OPTIMIZERS, batch, build, loss_fn, reference_loss
+from .models import (
+    OPTIMIZERS,
+    batch,
+    build,
+    loss_fn,
+    max_state_diff,
+    reference_loss,
+    train_chunks,
+)
 
 STEPS, PER_RANK = 4, 2
 OPTIMIZERS = {**OPTIMIZERS, "adafactor": (torch.optim.Adafactor, {"lr": 1e-2})}
@@ -96,16 +104,8 @@ def bf16_case(world, how) -> float:
         elif variant == "whole":
             user_checkpointed(model)
         dp.parallelize(model, policy)
-        opt = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-3)
-        for step in range(STEPS):
-            x, y = batch("transformer", step, PER_RANK * world.world_size)
-            chunk = slice(PER_RANK * world.rank, PER_RANK * (world.rank + 1))
-            out = model(x[chunk]).float()
-            F.cross_entropy(out.flatten(0, 1), y[chunk].flatten()).backward()
-            opt.step()
-            opt.zero_grad()
-        states.append(dp.full_state_dict(model))
-    return max((states[0][k] - v).abs().max().item() for k, v in states[1].items())
+        states.append(train_chunks(model, "transformer", world, STEPS, PER_RANK))
+    return max_state_diff(states[0], states[1])
 
 
 def grid(world) -> dict:
@@ -153,7 +153,9 @@ def test_every_strategy_matches_one_process_with_blocks_recomputed(results):
 def hsdp_grid(world) -> dict:
     mesh = dp.init_mesh(2)  # 2 replicas x 2 shards
     cases = [("zero3", "transform"), ("zero3", "whole"), ("zero2", "transform"), ("ddp", "whole")]
-    return {(s, how): gpt_case(world, s, how, mesh=None if s == "ddp" else mesh) for s, how in cases}
+    return {
+        (s, how): gpt_case(world, s, how, mesh=None if s == "ddp" else mesh) for s, how in cases
+    }
 
 
 def test_hsdp_matches_one_process_with_blocks_recomputed():

@@ -19,7 +19,16 @@ import dataparallel as dp
 from dataparallel.models import GPT, GPTConfig
 
 from .harness import RankError, run_world
-from .models import MODELS, OPTIMIZERS, batch, build, loss_fn, reference_loss
+from .models import (
+    MODELS,
+    OPTIMIZERS,
+    batch,
+    build,
+    loss_fn,
+    max_state_diff,
+    reference_loss,
+    train_chunks,
+)
 from .test_zero3 import PER_RANK, TOL, train_case
 
 # Five blocks of 12,416 parameters (width 32, no biases): 20,000 groups them as 0-1, 2-3, 4
@@ -165,16 +174,8 @@ def bf16_case(world) -> float:
         precision = dp.MixedPrecision(param_dtype=torch.bfloat16)
         model = build("deep", seed=100)
         dp.parallelize(model, dp.ZeRO3(min_unit_params=min_unit_params, precision=precision))
-        opt = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-3)
-        for step in range(4):
-            x, y = batch("deep", step, PER_RANK * world.world_size)
-            chunk = slice(PER_RANK * world.rank, PER_RANK * (world.rank + 1))
-            out = model(x[chunk]).float()
-            F.cross_entropy(out.flatten(0, 1), y[chunk].flatten()).backward()
-            opt.step()
-            opt.zero_grad()
-        states.append(dp.full_state_dict(model))
-    return max((states[0][k] - v).abs().max().item() for k, v in states[1].items())
+        states.append(train_chunks(model, "deep", world, 4, PER_RANK))
+    return max_state_diff(states[0], states[1])
 
 
 def checkpoint_case(world) -> dict:
@@ -241,7 +242,9 @@ def test_grouped_units_make_fewer_collectives_and_gather_more():
         # forward: the root and every unit; backward: every unit but the one that ran last
         assert (one["gathers"], one["reduces"]) == (1 + 5 + 4, 1 + 5), one
         assert (grouped["gathers"], grouped["reduces"]) == (1 + 3 + 2, 1 + 3), grouped
-        assert one["block"] == BLOCK and one["largest"] == BLOCK * 4, one  # fp32, 12,416 divides by 2
+        assert one["block"] == BLOCK and one["largest"] == BLOCK * 4, (
+            one
+        )  # fp32, 12,416 divides by 2
         assert grouped["largest"] == 2 * BLOCK * 4, grouped
 
 
