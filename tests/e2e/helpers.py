@@ -8,6 +8,7 @@ live run with a worker killed and the readers of its records, and the warm joine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -116,17 +117,11 @@ def kill_during_a_live_run(out: Path, slot: int, args=LIVE_ARGS) -> tuple[dict, 
     command += ["--nproc", "3", "--batch", "4"]
     command += ["--recovery", "live", "--collective-timeout", "10", "--out", str(out)]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not any(step >= 3 for step in train_steps(out)):
-            assert launcher.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
+    with told_on_failure(launcher):
+        wait_for(lambda: any(step >= 3 for step in train_steps(out)), launcher, "step 3")
         first = live_workers(launcher.pid)
         os.kill(first[slot], signal.SIGKILL)
         stdout, stderr = launcher.communicate(timeout=240)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
     ok(subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr))
     return first, stdout, stderr
 
@@ -174,6 +169,27 @@ def ranks_per_step(run: Path) -> list[int]:
     """The number of ranks of every step in metrics.jsonl so far, in order (a line being
     written is not read)."""
     return [len(r["rank_step_s"]) for r in read_metrics(run) if r["kind"] == "train"]
+
+
+@contextlib.contextmanager
+def told_on_failure(launcher: subprocess.Popen):
+    """The block drives the running `launcher`; when it fails (a wait in vain, an assertion, a
+    timeout) the launcher is killed and the failure carries the end of what the run printed
+    on stderr, so that a CI log says where the run stood, not only that a wait ran out."""
+    try:
+        yield
+    except Exception as error:
+        if launcher.poll() is None:
+            launcher.kill()
+        try:
+            _, stderr = launcher.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # a worker still holds the pipe
+            stderr = "(not read: a worker still holds the pipe)"
+        tail = (stderr or "")[-4000:]
+        raise AssertionError(f"{error}\n--- the run's stderr, its end ---\n{tail}") from error
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
 
 
 def wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float = 120) -> None:

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from dataparallel.cli import main
 
-from .helpers import CORPUS, GENERATION, LIVE_ARGS, numbers, ok, train_steps
+from .helpers import CORPUS, GENERATION, LIVE_ARGS, numbers, ok, told_on_failure, train_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from workers import live_workers  # noqa: E402
@@ -62,11 +62,8 @@ def _paused(pids, action) -> None:
 
 
 def _finish(launcher: subprocess.Popen) -> tuple[str, str]:
-    try:
+    with told_on_failure(launcher):
         stdout, stderr = launcher.communicate(timeout=240)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
     ok(subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr))
     return stdout, stderr
 

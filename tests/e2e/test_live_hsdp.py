@@ -27,6 +27,7 @@ from .helpers import (
     numbers,
     ok,
     ranks_per_step,
+    told_on_failure,
     train_steps,
     wait_for,
 )
@@ -46,7 +47,7 @@ def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path
     launcher = subprocess.Popen(
         [*live, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    try:
+    with told_on_failure(launcher):
         wait_for(lambda: any(s >= 3 for s in train_steps(out)), launcher, "step 3", WAIT_S)
         before = live_ranks(launcher.pid)
         os.kill(before[1, 1], signal.SIGKILL)  # one rank of replica 1
@@ -67,9 +68,6 @@ def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path
         after = live_ranks(launcher.pid)
         assert main(["leave", str(out), "--replica", "0"]) == 0  # the writer's replica leaves
         stdout, stderr = launcher.communicate(timeout=240)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
     ok(subprocess.CompletedProcess(live, launcher.returncode, stdout, stderr))
     # Replica 0's two processes went on; replica 1 is two new ones (the sibling was killed too).
     assert {k: after[k] for k in [(0, 0), (0, 1)]} == {k: before[k] for k in [(0, 0), (0, 1)]}

@@ -23,15 +23,17 @@ from dataparallel.train.live.store import (
     run_store,
 )
 
-from .helpers import CORPUS, GENERATION, LIVE_ARGS, LIVE_STEPS, numbers, ok, train_steps
-
-
-def _wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert process.poll() is None, f"the launcher ended (status {process.returncode}) {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(0.02)
+from .helpers import (
+    CORPUS,
+    GENERATION,
+    LIVE_ARGS,
+    LIVE_STEPS,
+    numbers,
+    ok,
+    told_on_failure,
+    train_steps,
+    wait_for,
+)
 
 
 def _send(store, text: str) -> Answer:
@@ -53,8 +55,8 @@ def test_unauthenticated_forged_and_replayed_requests_are_refused(tmp_path, caps
     command += ["--nproc", "2", "--batch", "6", "--min-replicas", "2", "--max-replicas", "3"]
     command += ["--recovery", "live", "--collective-timeout", "10", "--out", str(out)]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(lambda: any(s >= 3 for s in train_steps(out)), launcher, "step 3")
+    with told_on_failure(launcher):
+        wait_for(lambda: any(s >= 3 for s in train_steps(out)), launcher, "step 3")
         address = read_run_file(out)
         assert address.startswith("127.0.0.1:")  # the run's address, not every interface
         store = run_store(client_store(address))
@@ -67,9 +69,6 @@ def test_unauthenticated_forged_and_replayed_requests_are_refused(tmp_path, caps
         recorded = RunKey.read(out / "live.secret").seal(Request(kind=LEAVE, replica=1).to_json())
         first, again = _send(store, recorded), _send(store, recorded)
         stdout, stderr = launcher.communicate(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
     ok(subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr))
     said = capsys.readouterr()
     assert (unsigned.ok, unsigned.message) == (False, "not authenticated (unsigned)")

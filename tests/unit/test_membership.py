@@ -111,12 +111,22 @@ def test_no_replacement_joins_members_that_are_evaluating():
     assert decided.members == (0, 2) and decided.healed == ()
 
 
-def test_replacements_alone_wait_for_the_members_then_fail():
+def test_replacements_alone_wait_for_the_members_alive_then_fail():
     current = Membership(generation=5, members=(0, 1))
     reports = _reports((1, 0, JOIN))
-    assert decide(current, reports, alive=set(), waited_s=1.0, policy=POLICY) is None
+    assert decide(current, reports, alive={0}, waited_s=1.0, policy=POLICY) is None
     with pytest.raises(QuorumError, match="no replica of generation 5 reported within 30 s"):
-        decide(current, reports, alive=set(), waited_s=30.0, policy=POLICY)
+        decide(current, reports, alive={0}, waited_s=30.0, policy=POLICY)
+
+
+def test_replacements_alone_with_no_member_alive_stop_the_run_at_once():
+    """Member 0 died while it healed member 1, a replacement that reports JOIN again: nobody
+    holds the state, and waiting the join timeout would only delay the error."""
+    current = Membership(generation=1, members=(0, 1), step=3, source=0, healed=(1,))
+    reports = _reports((0, 0, JOIN), (1, 0, JOIN))
+    for alive in (set(), {1}, {0, 1}):  # 3 cases: the replacements' processes count or not
+        with pytest.raises(QuorumError, match=r"every replica of generation 1 was lost \(members"):
+            decide(current, reports, alive=alive, waited_s=0.0, policy=POLICY)
 
 
 def test_reports_and_memberships_travel_as_json():

@@ -49,6 +49,7 @@ from ..checkpoint import (
     verify,
     write_safetensors,
 )
+from ..comm.groups import subgroup
 from ..comm.plain import broadcast_plain
 from .callbacks import Callback
 from .export_hf import HF_EXPORT, export_hf
@@ -158,7 +159,10 @@ class Checkpointer:
 
     @staticmethod
     def _new_group(world) -> dist.ProcessGroup | None:
-        return dist.new_group(backend="gloo") if world.world_size > 1 else None
+        if world.world_size == 1:
+            return None
+        # every rank calls it; the world's timeout ([Note: inherited timeout] in comm/groups.py)
+        return subgroup(None, world.group, local=False, backend="gloo")
 
     def _follow(self, state: TrainState) -> None:
         """The first save, or a live run regrouped since the last one ([Note: live recovery] in

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ...comm import Comm, Tracer
+from ...comm.groups import subgroup
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def as_layout(
     if len(ranks) == dist.get_world_size():
         whole = dist.group.WORLD
     else:
-        whole = dist.new_group(list(ranks), use_local_synchronization=True)
+        whole = subgroup(list(ranks))
     return None, Mesh(
         shard_size=int(shard),
         replicate_size=int(replicate),
@@ -140,8 +141,8 @@ def init_mesh(
         shard_size=shard_size,
         replicate_size=n // shard_size,
         group=group,
-        shard_group=dist.new_group(row, use_local_synchronization=True),
-        replicate_group=dist.new_group(column, use_local_synchronization=True),
+        shard_group=subgroup(row, group),  # with `group`'s timeout ([Note: inherited timeout])
+        replicate_group=subgroup(column, group),
         ranks=tuple(ranks),
         elastic=elastic,
     )

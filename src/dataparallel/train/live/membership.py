@@ -34,6 +34,10 @@ The rule:
   at the largest step a staying member reported; the *source* is the lowest slot of the last
   generation at that step, and every member below it, or new, is *healed*: it receives the
   source's parameters, optimizer state and data position over the network (recovery.py).
+- No member of the last generation reported, only replacements: the decider waits for the
+  members still alive up to `join_timeout_s`; with none alive (every replica holding the run's
+  state was lost, say a healed replica's source died during the heal) the run stops at once,
+  to be resumed from its last checkpoint (`QuorumError`).
 - Fewer than `min_replicas` members: no generation. While replicas are on their way (a
   replacement starting, a joiner let in at the door) the decider waits for them up to
   `join_timeout_s`; then, or at once when none is coming or none could enter (evaluating, or
@@ -216,8 +220,13 @@ def decide(
     old = [r for r in slots if r in members and reports[r].where in staying]
     new = [r for r in slots if reports[r].where == JOIN]
     if not old:
-        if waited_s < policy.join_timeout_s:
-            return None  # replacements alone: wait for the members
+        if not expected <= set(reports) and waited_s < policy.join_timeout_s:
+            return None  # replacements alone: wait for the members still alive
+        if expected <= set(reports):  # every live replica is new: nobody holds the state
+            raise QuorumError(
+                f"every replica of generation {previous.generation} was lost (members "
+                f"{list(previous.members)}); nothing is left to heal from"
+            )
         raise QuorumError(
             f"no replica of generation {previous.generation} reported within "
             f"{policy.join_timeout_s:g} s; nothing is left to heal from"
