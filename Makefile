@@ -21,8 +21,10 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
+# Two processes, a test file in one (tests/e2e/conftest.py `once`: their shared runs made once):
+# about 75% of 2 cores is busy in one process, the rest is waits on timeouts and start-ups.
 test: lint
-	$(VENV)/bin/python -m pytest -q --durations=15 tests
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/bench_step.py $(ARGS)
