@@ -248,3 +248,33 @@ def _wait(condition, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def test_a_process_paused_counts_its_waits_from_its_return():
+    """[Note: a paused watcher]: a wait already past the timeout when the process comes back
+    from a pause (a SIGSTOP, continued) is not reported at once, but a timeout after the return;
+    the same wait without a pause is reported at the first look."""
+    latencies = {}
+    for paused in (False, True):  # 2 cases
+        store, progress, lines = _Store(), Progress(), []
+        progress.members["0"] = (0, 1)
+        store.set("dataparallel/watchdog/1", '{"beat": 1, "launched": {"0": 0}, "waiting": null}')
+        token = progress.begin_wait(progress.launch("0", "all_reduce", {}))
+        dog = Watchdog(store, 0, 2, 0.3, interval_s=0.05, progress=progress, report=lines.append)
+        time.sleep(0.4)  # the wait is past the timeout
+        if paused:  # two ticks 10 s apart: the process did not run in between
+            now = time.monotonic()
+            dog.tick(now - 10.0)
+            dog.tick(now)
+            assert dog.resumed_at == now
+        back = time.monotonic()
+        dog.start()
+        try:
+            _wait(lambda lines=lines: lines, 5)
+        finally:
+            dog.stop()
+            progress.end_wait(token)
+        assert len(lines) == 1, lines
+        latencies[paused] = time.monotonic() - back
+    assert latencies[False] < 0.25, latencies  # at once: two looks an interval or two apart
+    assert 0.3 <= latencies[True] < 0.3 + 0.4, latencies  # a timeout after the return

@@ -23,6 +23,14 @@ run prints one line rather than one per rank, the lowest-numbered live rank repo
 the others wait `report_grace_s` first (normally ending, stopped by the launcher, before they
 print; if not, they print theirs).
 
+[Note: a paused watcher] A process stopped (SIGSTOP) and continued, or starved of the CPU for
+seconds, comes back to a wait that looks old by the time it did not run; its watchdog would
+blame the others for it (a stopped rank, continued by the launcher only to take its SIGTERM,
+printed "rank 0 stopped responding ... rank 1 waited 6.2 s" before it ended: a second, false
+line beside the true one, tests/e2e/test_hang.py under load). So the watchdog counts a wait
+only from the end of its own last pause: a tick later than `interval_s` + PAUSE_S means the
+process did not run in between. A starved process reports later by as long as it starved.
+
 The store: a clone of the process group's store, with its own connection and a short timeout,
 so that a rank hosting the store that is stopped cannot hold the watchdog for the process
 group's long one (under torchrun the agent hosts it, and nothing stalls).
@@ -41,6 +49,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .progress import PROGRESS, Collective, Progress, label_text, ranks_text
+
+PAUSE_S = 2.0  # a tick this much later than due: the process did not run ([Note: a paused watcher])
 
 
 @dataclass(frozen=True)
@@ -180,6 +190,8 @@ class Watchdog:
         self.beat = 0
         self.fired: str | None = None  # the line, once reported
         self._first_look: tuple | None = None  # (collective, when, records) of a long wait
+        self._last_tick: float | None = None
+        self.resumed_at = float("-inf")  # the end of this process's last pause
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -197,13 +209,22 @@ class Watchdog:
         self._thread = None
 
     def _loop(self) -> None:
+        self._last_tick = time.monotonic()
         while not self._stop.wait(self.interval_s):
+            self.tick(time.monotonic())
             self.publish()
             message = self.check()
             if message is not None and not self._stop.is_set():
                 self.fired = message
                 self.report(message)
                 return
+
+    def tick(self, now: float) -> None:
+        """Note the time of a tick; one much later than due ends a pause of this process: its
+        waits count from now ([Note: a paused watcher])."""
+        if self._last_tick is not None and now - self._last_tick > self.interval_s + PAUSE_S:
+            self.resumed_at, self._first_look = now, None
+        self._last_tick = now
 
     def publish(self) -> None:
         self.beat += 1
@@ -221,10 +242,12 @@ class Watchdog:
         beats, is ready at the timeout itself."""
         oldest = self.progress.oldest_wait()
         now = time.monotonic()
-        if oldest is None or now - oldest[1] < self.timeout_s - 3 * self.interval_s:
+        # A wait counts from its start, or from the end of this process's last pause.
+        collective, since = oldest if oldest is not None else (None, now)
+        since = max(since, self.resumed_at)
+        if collective is None or now - since < self.timeout_s - 3 * self.interval_s:
             self._first_look = None
             return None
-        collective, since = oldest
         members = self.progress.members.get(collective.group, tuple(range(self.world_size)))
         if self._first_look is None or self._first_look[0] is not collective:
             self._first_look = (collective, now, self.read(members))
