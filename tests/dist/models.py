@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
 from torch.nn import functional as F
 
 import dataparallel as dp
@@ -188,3 +189,17 @@ def train_chunks(model: nn.Module, name: str, world, steps: int, per_rank: int) 
 def max_state_diff(a: dict, b: dict) -> float:
     """max |a - b| over every element of two state dicts with the same keys."""
     return max((a[k] - v).abs().max().item() for k, v in b.items())
+
+
+def user_checkpointed(model, reentrant: bool = False):
+    """The model's forward as a user writes it with `checkpoint(block, x)`: each block's
+    `__call__`, its module hooks included, recomputed in backward."""
+
+    def forward(idx):
+        x = model.drop(model.tok_emb(idx) + model.pos_emb(torch.arange(idx.shape[1])))
+        for block in model.blocks:
+            x = torch_checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+        return model.head(model.ln_f(x))
+
+    model.forward = forward
+    return model

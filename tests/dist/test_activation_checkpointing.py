@@ -27,24 +27,11 @@ from .models import (
     max_state_diff,
     reference_loss,
     train_chunks,
+    user_checkpointed,
 )
 
 STEPS, PER_RANK = 4, 2
 OPTIMIZERS = {**OPTIMIZERS, "adafactor": (torch.optim.Adafactor, {"lr": 1e-2})}
-
-
-def user_checkpointed(model, reentrant: bool = False):
-    """The model's forward as a user writes it with `checkpoint(block, x)`: each block's
-    `__call__`, its module hooks included, recomputed in backward."""
-
-    def forward(idx):
-        x = model.drop(model.tok_emb(idx) + model.pos_emb(torch.arange(idx.shape[1])))
-        for block in model.blocks:
-            x = torch_checkpoint.checkpoint(block, x, use_reentrant=reentrant)
-        return model.head(model.ln_f(x))
-
-    model.forward = forward
-    return model
 
 
 def count_block_forwards(model) -> list[int]:

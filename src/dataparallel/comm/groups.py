@@ -8,11 +8,11 @@ default (30 minutes for gloo), whatever the group it was split from waits. A liv
 to turn a stalled peer into an error (`--collective-timeout`, [Note: live recovery] in
 train/live/recovery.py): an HSDP replica's rank blocked in a shard-group collective on a
 sibling that had already failed waited 30 minutes instead of 10 s, its sibling gave it up as
-hung ([Note: HSDP replicas]), and with both of a replica's ranks gone nothing was left to heal
-from (1 trial in 4 of tests/e2e/test_live_hsdp.py). So every group the engine splits from
-another (`init_mesh`'s shard and replicate groups, the checkpoint group) is made with the
-timeout its parent's backend was made with, read from the backend's options; a backend with
-none to read (the fake one of a dry run) gives torch's default.
+hung ([Note: HSDP replicas]), and with both of a replica's ranks gone nothing was left to
+heal from (tests/e2e/test_live_hsdp.py's scenario: 2 trials in about 30 hung). So every group
+the engine splits from another (`init_mesh`'s shard and replicate groups, the checkpoint
+group) is made with the timeout its parent's backend was made with, read from the backend's
+options; a backend with none to read (the fake one of a dry run) gives torch's default.
 """
 
 from __future__ import annotations

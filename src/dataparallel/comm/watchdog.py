@@ -243,11 +243,11 @@ class Watchdog:
         oldest = self.progress.oldest_wait()
         now = time.monotonic()
         # A wait counts from its start, or from the end of this process's last pause.
-        collective, since = oldest if oldest is not None else (None, now)
-        since = max(since, self.resumed_at)
-        if collective is None or now - since < self.timeout_s - 3 * self.interval_s:
+        since = max(oldest[1], self.resumed_at) if oldest is not None else now
+        if oldest is None or now - since < self.timeout_s - 3 * self.interval_s:
             self._first_look = None
             return None
+        collective = oldest[0]
         members = self.progress.members.get(collective.group, tuple(range(self.world_size)))
         if self._first_look is None or self._first_look[0] is not collective:
             self._first_look = (collective, now, self.read(members))

@@ -210,9 +210,10 @@ def decide(
     if not reports:
         return None
     expected = {r for r in previous.members if r in alive} | set(reports)
+    all_in = expected <= set(reports)  # every live replica it waits for has reported
     members = previous.slots
     stalled = timed_out_s is not None and timed_out_s >= policy.grace_s
-    if not expected <= set(reports) and waited_s < policy.join_timeout_s and not stalled:
+    if not all_in and waited_s < policy.join_timeout_s and not stalled:
         return None
     # A replacement takes a lost replica's slot: it is new by what it says, not by its slot.
     staying = (STEP, EVAL)
@@ -220,13 +221,13 @@ def decide(
     old = [r for r in slots if r in members and reports[r].where in staying]
     new = [r for r in slots if reports[r].where == JOIN]
     if not old:
-        if not expected <= set(reports) and waited_s < policy.join_timeout_s:
-            return None  # replacements alone: wait for the members still alive
-        if expected <= set(reports):  # every live replica is new: nobody holds the state
+        if all_in:  # every live replica is new: nobody holds the state
             raise QuorumError(
                 f"every replica of generation {previous.generation} was lost (members "
                 f"{list(previous.members)}); nothing is left to heal from"
             )
+        if waited_s < policy.join_timeout_s:
+            return None  # replacements alone: wait for the members still alive
         raise QuorumError(
             f"no replica of generation {previous.generation} reported within "
             f"{policy.join_timeout_s:g} s; nothing is left to heal from"
