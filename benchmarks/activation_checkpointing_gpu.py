@@ -13,7 +13,7 @@ One rank (NCCL on CUDA), per model and strategy, without and with `dp.checkpoint
 Then a tiny Llama (built here, nothing downloaded) under ZeRO-3 for 3 AdamW steps with and
 without transformers' checkpointing: the largest weight difference, the transformers version,
 and whether its layers checkpoint `forward` (transformers 5) or `__call__` (4: whole units,
-[Note: recomputed forward] in strategies/fsdp.py).
+[Note: recomputed forward] in strategies/zero3/strategy.py).
 """
 
 from __future__ import annotations

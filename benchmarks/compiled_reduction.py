@@ -6,7 +6,7 @@
 Contenders, each on a fresh copy of the same model, fp32 AdamW, one world of `--nproc` ranks:
 - `ddp`: our DDP, eager (the reducer of [Note: attached views] in strategies/parts/reducer.py);
 - `ddp+compile`: our DDP over the model compiled by `torch.compile` (forward and its AOT
-  backward compiled, the reducer's hooks outside the graphs: [Note: compile] in fsdp.py);
+  backward compiled, the reducer's hooks outside the graphs: [Note: compile] in zero3/strategy.py);
 - `compiled-autograd`: no engine; each parameter's post-accumulate-grad hook all-reduces its
   gradient with a functional collective (`_functional_collectives.all_reduce`), the model is
   compiled and `loss.backward()` runs under compiled autograd, so the hooks are traced into the

@@ -132,7 +132,7 @@ OURS: dict[str, tuple[str, dict, dict]] = {
     "zero2-gloo": ("zero2", {}, {"pairwise": False}),
     "zero3": ("zero3", {}, {}),
     "zero3-gloo": ("zero3", {}, {"pairwise": False}),
-    # without the unit-order check ([Note: same units on every rank] in fsdp_order.py): its cost
+    # without the unit-order check ([Note: same units on every rank] in zero3/order.py): its cost
     "zero3-nocheck": ("zero3", {"check_order": "off"}, {}),
     # candidate defaults, measured in docs/zero3.md (#knobs-measured): every unit kept gathered
     # from its forward to its backward (one all-gather less per unit), and no prefetch
@@ -140,7 +140,7 @@ OURS: dict[str, tuple[str, dict, dict]] = {
     "zero3-noprefetch": ("zero3", {"prefetch": False}, {}),
     "zero3-prefetch2": ("zero3", {"prefetch": 2}, {}),
     # consecutive blocks grouped into units of at least this many parameters ([Note: grouped
-    # units] in fsdp_plan.py); gpt-deep-narrow's blocks hold ~50k each: 1 (the plan before
+    # units] in zero3/plan.py); gpt-deep-narrow's blocks hold ~50k each: 1 (the plan before
     # grouping), 2, 4 and 8 (the default) per unit
     "zero3-units0": ("zero3", {"min_unit_params": 0}, {}),
     "zero3-units100k": ("zero3", {"min_unit_params": 100_000}, {}),
@@ -156,9 +156,10 @@ OURS: dict[str, tuple[str, dict, dict]] = {
 
 def compile_blocks(model) -> None:
     """Compile each transformer block in place (`Module.compile`): the form [Note: compile] in
-    strategies/fsdp.py recommends; a whole-model compile measures the same here. Every round
-    builds fresh models, each a recompile of the same code: dynamo's cache limit (8 entries per
-    code object, then it silently runs eagerly) is raised so that every round is compiled."""
+    strategies/zero3/strategy.py recommends; a whole-model compile measures the same here.
+    Every round builds fresh models, each a recompile of the same code: dynamo's cache limit (8
+    entries per code object, then it silently runs eagerly) is raised so that every round is
+    compiled."""
     torch._dynamo.config.cache_size_limit = 256
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     for block in model.blocks:

@@ -89,7 +89,7 @@ def reference_run(device, precision, steps: int, size: int, n: int, build=small_
 def ours_run(world, name, precision, steps: int, size: int, build=small_gpt, compile=False):
     torch.manual_seed(0)
     model = dp.parallelize(build().to(world.device), policy(name, precision))
-    if compile:  # each block after wrapping ([Note: compile] in strategies/fsdp.py)
+    if compile:  # each block after wrapping ([Note: compile] in strategies/zero3/strategy.py)
         for block in model.blocks:
             block.compile()
     opt = dp.build_optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)

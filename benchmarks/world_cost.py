@@ -15,7 +15,7 @@ repeats. Nothing starts more than this one process:
   flat-shard geometry of one rank (parts/layout.py `ShardLayout` and parts/flat_shard.py
   `FlatShard` on every bucket), the whole-parameter owners (parts/owners.py `assign_owners`)
   and the holders each owner sends to (`ShardLayout.local_slice` over the ranks), ZeRO-3's
-  unit plan (strategies/fsdp_plan.py `plan_units`) and the planner (`dp.plan`, every strategy).
+  unit plan (strategies/zero3/plan.py `plan_units`) and the planner (`dp.plan`, every strategy).
 - checkpoint: ZeRO-1's sharded checkpoint of gpt-small under AdamW (each parameter's pieces,
   both moments, the `step` scalars) as checkpoint/dcp.py's `ChunkSavePlanner` builds it: one
   rank's local plan from its layout, and DCP's `create_global_plan` over every rank's plan
@@ -45,12 +45,12 @@ import torch.distributed as dist
 import dataparallel as dp
 from dataparallel.checkpoint.dcp import Chunk, ChunkSavePlanner
 from dataparallel.models import build_model
-from dataparallel.strategies.fsdp_plan import plan_units
 from dataparallel.strategies.parts.buckets import MB, plan_buckets
 from dataparallel.strategies.parts.flat_shard import FlatShard
 from dataparallel.strategies.parts.geometry import build_geometry
 from dataparallel.strategies.parts.layout import ShardLayout
 from dataparallel.strategies.parts.owners import assign_owners
+from dataparallel.strategies.zero3.plan import plan_units
 from dataparallel.train.live.membership import JOIN, Membership, QuorumPolicy, Report, decide
 
 WORLDS = (2, 8, 64, 512, 1024, 4096)

@@ -2,7 +2,7 @@
 it: `dp.checkpoint_activations` (each block's forward recomputed, [Note: checkpoint inside the
 unit]) and a user's own `checkpoint(block, x, use_reentrant=False)` around whole blocks, which
 under ZeRO-3 recomputes whole units, hooks included ([Note: recomputed forward] in
-strategies/fsdp.py). 4 steps, 2 ranks (4 for HSDP), AdamW, SGD and Adafactor; a tiny Llama
+strategies/zero3/strategy.py). 4 steps, 2 ranks (4 for HSDP), AdamW, SGD and Adafactor; a tiny Llama
 and LoRA through transformers' own switch. Reentrant checkpointing of a ZeRO-3 unit is refused
 in one line.
 """

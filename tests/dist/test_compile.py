@@ -3,7 +3,8 @@
 Each sub-case trains a small GPT for a few AdamW steps on 2 ranks and compares with one process
 on the global batch (eager): the compiler reorders arithmetic, so the bound is 1e-4 (eager runs
 agree to ~1e-7). Also counted: the graphs the compiler made and its graph breaks, so a hook of
-ours that starts breaking a block's graph shows up here ([Note: compile] in strategies/fsdp.py).
+ours that starts breaking a block's graph shows up here ([Note: compile] in
+strategies/zero3/strategy.py).
 """
 
 from __future__ import annotations

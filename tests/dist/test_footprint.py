@@ -19,7 +19,7 @@ import torch
 
 import dataparallel as dp
 from dataparallel.strategies.base import tensor_bytes
-from dataparallel.strategies.fsdp_plan import param_shapes
+from dataparallel.strategies.zero3.plan import param_shapes
 
 from .harness import run_world
 from .models import batch, build, loss_fn

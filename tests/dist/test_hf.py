@@ -18,7 +18,7 @@ from torch.nn import functional as F
 import dataparallel as dp
 from dataparallel.models.hf import HFSource
 from dataparallel.models.lora import LoraSpec, merged_state_dict
-from dataparallel.strategies.fsdp_plan import MIN_UNIT_PARAMS, plan_units
+from dataparallel.strategies.zero3.plan import MIN_UNIT_PARAMS, plan_units
 
 from .harness import run_world
 

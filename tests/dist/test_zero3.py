@@ -18,7 +18,7 @@ from torch import nn
 import dataparallel as dp
 from dataparallel.models import GPT, GPTConfig
 from dataparallel.models.gpt import Block
-from dataparallel.strategies.fsdp_plan import plan_units
+from dataparallel.strategies.zero3.plan import plan_units
 from dataparallel.strategies.parts.layout import ShardLayout
 
 from .harness import RankError, run_world
@@ -121,7 +121,7 @@ def memory_case(world, param_dtype) -> dict:
         opt.step()
     psi = model.num_parameters()  # the tied weight once
     # the largest unit: the three blocks of 50k parameters, one unit under min_unit_params'
-    # default (fsdp_plan.py [Note: grouped units]; bf16: without their norms, units of their own)
+    # default (zero3/plan.py [Note: grouped units]; bf16: without their norms, units of their own)
     largest = sum(p.numel() for p in model.blocks.parameters())
     itemsize = (param_dtype or torch.float32).itemsize
     return {

@@ -1,4 +1,4 @@
-"""ZeRO-3's grouped units across real ranks ([Note: grouped units] in strategies/fsdp_plan.py):
+"""ZeRO-3's grouped units across real ranks ([Note: grouped units] in strategies/zero3/plan.py):
 parity with one process, the collectives of a step, the gathered memory, and one error for a
 forward that skips or reorders a module of a grouped unit.
 

@@ -1,5 +1,5 @@
 """ZeRO-3's grouped units as pure logic: the grouping rule and the plans it makes ([Note:
-grouped units] in strategies/fsdp_plan.py), no process group."""
+grouped units] in strategies/zero3/plan.py), no process group."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from torch import nn
 
 import dataparallel as dp
 from dataparallel.models import GPT, GPTConfig
-from dataparallel.strategies.fsdp_group import GroupedUnits
-from dataparallel.strategies.fsdp_plan import (
+from dataparallel.strategies.zero3.group import GroupedUnits
+from dataparallel.strategies.zero3.plan import (
     MIN_UNIT_PARAMS,
     group_consecutive,
     param_shapes,

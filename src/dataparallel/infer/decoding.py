@@ -2,7 +2,7 @@
 
 [Note: forwards in step] Under ZeRO-3 every forward gathers each unit's parameters with a
 collective, so every rank must run the same number of forwards through the same units, in the
-same order ([Note: same units on every rank] in strategies/fsdp_order.py). Decoding therefore
+same order ([Note: same units on every rank] in strategies/zero3/order.py). Decoding therefore
 never stops early: a batch always runs `tokens` forwards (a row that reached its stop token
 goes on, and its completion is cut at the stop token afterwards; rows are independent, so that
 changes no other row), and a rank with fewer batches runs stand-in batches (generate.py).

@@ -24,8 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..strategies.fsdp_plan import param_shapes
 from ..strategies.parts.footprint import ParamShapes
+from ..strategies.zero3.plan import param_shapes
 from .errors import PlanError
 
 

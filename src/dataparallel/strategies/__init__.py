@@ -6,7 +6,6 @@ job, checkpoints and inference use the public API, never these names or `parts/`
 
 from .base import Strategy
 from .ddp import DDP
-from .fsdp_policy import ZeRO3
 from .parts.geometry import SCALAR_STATE_KEYS, Geometry, elementwise
 from .parts.mesh import Groups, Mesh, as_layout, init_mesh
 from .parts.owners import ELEMENTWISE, assign_owners, whole_parameters
@@ -20,6 +19,7 @@ from .parts.tensor_parallel import (
 )
 from .resolve import POLICIES, apply_policy, resolve_policy
 from .zero import ZeRO1, ZeRO2
+from .zero3 import ZeRO3
 
 __all__ = [
     "DDP",

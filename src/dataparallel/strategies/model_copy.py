@@ -14,7 +14,7 @@ copy is a plain module, as a copy of the module inside PyTorch's DDP is:
   it: handles are numbered in registration order); hooks the model had before are copied as
   `copy.deepcopy` copies them (a model's own `load_state_dict` pre-hook keeps working).
 Not collective: one rank may copy alone. Under ZeRO-3 a parameter at rest is a one-element
-NaN placeholder ([Note: parameters at rest] in fsdp_unit.py), so a copy would be a model of
+NaN placeholder ([Note: parameters at rest] in zero3/unit.py), so a copy would be a model of
 NaNs, and an EMA built on it would average NaNs without a word: the copy is refused in one
 line that names the sharded EMA (`dataparallel.EMA`, exact since an EMA is elementwise) and
 `dataparallel.full_state_dict` for the weights.

@@ -16,9 +16,9 @@ from torch import nn
 
 from .base import Strategy
 from .ddp import DDP
-from .fsdp_policy import ZeRO3
 from .parts.mesh import Groups, init_mesh
 from .zero import ZeRO1, ZeRO2, ZeROStrategy
+from .zero3 import ZeRO3
 
 # Registry: strategy name -> policy class (called with no arguments for the defaults).
 POLICIES: dict[str, type] = {"ddp": DDP, "zero1": ZeRO1, "zero2": ZeRO2, "zero3": ZeRO3}

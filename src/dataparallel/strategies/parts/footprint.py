@@ -34,7 +34,7 @@ class ParamShapes:
 
     numels: each trainable parameter's number of elements, in registration order (buckets are
         planned over them in reverse, [Note: bucket order] in buckets.py).
-    units: ZeRO-3's units, the root first (`plan_units` in fsdp_plan.py): the numels of the
+    units: ZeRO-3's units, the root first (`plan_units` in zero3/plan.py): the numels of the
         parameters each unit owns, in its flat order. Empty: one root unit owning everything.
     """
 
@@ -165,7 +165,7 @@ def unitwise(
     """ZeRO-3: per unit, a flat shard in the model's dtype and a gradient store of the same;
     at the peak the root and `gathered_units` more units gathered (None: all), the unit whose
     backward fills its gradients and the one reducing (one at a time, [Note: schedule] in
-    fsdp.py)."""
+    zero3/strategy.py)."""
     compute, _, bucket, wire = dtypes(precision, model_dtype)
     held = model_dtype
     units = shapes.units or (shapes.numels,)

@@ -1,4 +1,4 @@
-"""Hooks the compiler does not trace ([Note: compile] in strategies/fsdp.py).
+"""Hooks the compiler does not trace ([Note: compile] in strategies/zero3/strategy.py).
 
 Every hook a strategy registers on a module (the start of a round, ZeRO-3's gathers and frees,
 ZeRO-1/2's wait for an overlapped parameter gather) calls collectives and changes the

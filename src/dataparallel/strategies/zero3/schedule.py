@@ -15,14 +15,14 @@ what one unit cannot know:
   units autograd did not call back for (the root, whose inputs are token ids) are reduced in
   backward order, then the rest;
 - the order of the gathers, the same on every rank ([Note: same units on every rank] in
-  fsdp_order.py): checked unit by unit until it is steady, then followed by position.
+  order.py): checked unit by unit until it is steady, then followed by position.
 """
 
 from __future__ import annotations
 
-from ..comm import Comm
-from .fsdp_order import UnitOrder
-from .fsdp_unit import FlatUnit, ShardedState
+from ...comm import Comm
+from .order import UnitOrder
+from .unit import FlatUnit, ShardedState
 
 
 class Schedule:

@@ -14,7 +14,7 @@ in between. At rest `.data` is a one-element NaN expanded to the parameter's sha
 parameter outside its unit's forward gives NaN (not a crash: a view of the freed storage would
 read freed memory and crash the process), writing to it raises. Use `dp.full_state_dict(model)`
 to read weights. Code that is compiled (`torch.compile`) only ever runs on gathered parameters:
-the unit's hooks are opaque to the compiler ([Note: compile] in fsdp.py), so a compiled region
+the unit's hooks are opaque to the compiler ([Note: compile] in strategy.py), so a compiled region
 starts after the pre-forward hook and ends before the post-forward hook, and its guards see
 the gathered views, the same shape and strides every step.
 
@@ -41,12 +41,12 @@ import enum
 
 import torch
 
-from ..comm import Comm, HookState
-from .fsdp_plan import UnitPlan
-from .parts.buckets import Bucket, BucketSpec
-from .parts.flat_shard import FlatShard, shard_values
-from .parts.layout import ShardLayout
-from .parts.sharded_grads import ShardedGrads, is_sharded_grad
+from ...comm import Comm, HookState
+from ..parts.buckets import Bucket, BucketSpec
+from ..parts.flat_shard import FlatShard, shard_values
+from ..parts.layout import ShardLayout
+from ..parts.sharded_grads import ShardedGrads, is_sharded_grad
+from .plan import UnitPlan
 
 
 class ShardedState(enum.Enum):
@@ -71,7 +71,7 @@ class FlatUnit:
     """The parameters of one module, flattened and sharded across the shard group.
 
     index: the unit's position in the strategy's plan (the root is 0).
-    plan: which module and parameters (fsdp_plan.py).
+    plan: which module and parameters (plan.py).
     comm: the shard group.
     compute_dtype: the dtype gathered parameters and their gradients are in.
     bucket_dtype: the dtype gradients are accumulated and reduced in.

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
+from ...comm import Comm
 
 END_OF_FORWARD = -1
 CHECK_MODES = ("auto", "always", "off")

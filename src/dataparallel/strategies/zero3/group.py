@@ -1,16 +1,16 @@
 """The modules of a grouped ZeRO-3 unit, run once each and in order ([Note: grouped units] in
-fsdp_plan.py).
+plan.py).
 
 [Note: members in order] A grouped unit's hooks sit on every one of its modules, but only the
 first module's pre-forward opens the unit (gathers it, wraps its inputs for the post-backward)
 and only the last module's post-forward closes it (frees it, hooks its outputs for the
 pre-backward). A forward that skipped or reordered a module would leave the unit open, with no
 pre-backward to gather it again for its gradients, or compute a module before its parameters
-were gathered (on NaN, [Note: parameters at rest] in fsdp_unit.py). `MemberRun` refuses both
+were gathered (on NaN, [Note: parameters at rest] in unit.py). `MemberRun` refuses both
 with one error on the rank that does it: a module that is not the next one to run, a unit that
 opens while an earlier group is still open (not around it), and a forward that ends with a
 group open. The recomputed forward of activation checkpointing ([Note: recomputed forward] in
-fsdp.py) runs in backward, in any order, and is not counted.
+strategy.py) runs in backward, in any order, and is not counted.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ so small blocks gain from sharing them, at the cost of a larger gathered unit (a
 threshold). The unit is gathered before its first module's forward, freed after its last
 module's forward, gathered again before its last module's backward and reduced after its first
 module's backward, as FSDP2's `fully_shard([m1, m2])`; every module of it must run once, in
-order, in each forward of the unit (fsdp_group.py: one error otherwise). Ownership is decided
+order, in each forward of the unit (group.py: one error otherwise). Ownership is decided
 on the grouped units, so a parameter tied between two modules of one unit stays in it.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .parts.footprint import ParamShapes
+from ..parts.footprint import ParamShapes
 
 Wrap = Callable[[nn.Module], bool] | tuple[type, ...] | None
 

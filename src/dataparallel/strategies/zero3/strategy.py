@@ -3,12 +3,12 @@
 The contract (what `parallelize(model, ZeRO3(...))` guarantees):
 - At wrap time every rank checks it holds the same model and takes rank 0's weights; each
   wrapped unit's parameters become one flat shard per rank ([Note: flat layout] in
-  fsdp_unit.py), padded so any size works. Between steps a rank holds only its shards.
+  unit.py), padded so any size works. Between steps a rank holds only its shards.
 - A unit's parameters are all-gathered just before its forward and freed after it, gathered
   again before its backward, and its gradients are averaged across ranks right after its
-  backward, one collective per unit ([Note: schedule] in fsdp_schedule.py). A unit may be
+  backward, one collective per unit ([Note: schedule] in schedule.py). A unit may be
   several consecutive modules, each run once per forward, in order ([Note: grouped units] in
-  fsdp_plan.py).
+  plan.py).
 - After `loss.backward()` returns, the optimizer's parameters (shard pieces) hold the average
   gradient; an elementwise optimizer (SGD, Adam, AdamW, ...) then steps exactly as it would on
   the whole model in one process.
@@ -16,11 +16,11 @@ The contract (what `parallelize(model, ZeRO3(...))` guarantees):
   process group are matched by order); a rank that does not stops every rank with one error
   ([Note: same units on every rank]). Inside a unit, parameters may go unused on any rank.
 - Read and write weights with `dp.full_state_dict` / `dp.load_full_state_dict`; outside its
-  unit's forward a parameter reads as NaN ([Note: parameters at rest] in fsdp_unit.py).
+  unit's forward a parameter reads as NaN ([Note: parameters at rest] in unit.py).
 
 The strategy is wiring: module hooks and gradient hooks that call each unit's verbs ([Note:
-unit life cycle] in fsdp_unit.py) and the step's `Schedule` ([Note: schedule] in
-fsdp_schedule.py: prefetch, resharding, the one reduction in flight, the unit-order check).
+unit life cycle] in unit.py) and the step's `Schedule` ([Note: schedule] in
+schedule.py: prefetch, resharding, the one reduction in flight, the unit-order check).
 When autograd has finished, a queued callback reduces what is left, waits for everything,
 agrees with every rank on which parameters none used and on found-inf ([Note: backward round]),
 and ends every unit's round.
@@ -29,7 +29,7 @@ and ends every unit's round.
 block. Every hook of ours is opaque to the compiler (`torch._dynamo.disable`): the compiler
 stops at a unit's hooks, runs them eagerly, and compiles the code between them, which runs
 only while the unit is gathered, so what it traces and guards on are the gathered views, the
-same every step ([Note: parameters at rest] in fsdp_unit.py). A whole-model compile therefore
+same every step ([Note: parameters at rest] in unit.py). A whole-model compile therefore
 makes one graph per stretch between unit boundaries (per block: a block's forward stays one
 graph); collectives never enter a graph.
 
@@ -54,35 +54,35 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..comm import HookState
-from ..comm.hooks import default_hook
-from .base import (
+from ...comm import HookState
+from ...comm.hooks import default_hook
+from ..base import (
     Strategy,
     broadcast_model,
     broadcast_values,
     normalize_param_groups,
     verify_same_model,
 )
-from .fsdp_group import GroupedUnits, MemberRun
-from .fsdp_plan import plan_units, select_units
-from .fsdp_schedule import Schedule
-from .fsdp_unit import FlatUnit, PostBackward, TrainingState
-from .parts.clip import clip_shards_
-from .parts.geometry import Geometry, build_geometry, optimized_ids
-from .parts.mesh import Groups
-from .parts.opaque import opaque
-from .parts.owners import Owners, own_groups
-from .parts.precision import cast_floats, install_casts, is_norm
-from .parts.round import BackwardRound
+from ..parts.clip import clip_shards_
+from ..parts.geometry import Geometry, build_geometry, optimized_ids
+from ..parts.mesh import Groups
+from ..parts.opaque import opaque
+from ..parts.owners import Owners, own_groups
+from ..parts.precision import cast_floats, install_casts, is_norm
+from ..parts.round import BackwardRound
+from .group import GroupedUnits, MemberRun
+from .plan import plan_units, select_units
+from .schedule import Schedule
+from .unit import FlatUnit, PostBackward, TrainingState
 
 
 class ZeRO3Strategy(Strategy):
     """Wiring: module and gradient hooks that call the units' verbs and the schedule."""
 
     name = "zero3"
-    placeholders_at_rest = True  # [Note: parameters at rest] in fsdp_unit.py
+    placeholders_at_rest = True  # [Note: parameters at rest] in unit.py
 
-    def __init__(self, model: nn.Module, groups: Groups, policy):  # a ZeRO3 (fsdp_policy.py)
+    def __init__(self, model: nn.Module, groups: Groups, policy):  # a ZeRO3 (policy.py)
         super().__init__(model, groups.world, groups)
         self.policy = policy
         self.precision = precision = policy.precision  # [Note: full precision]
@@ -182,7 +182,7 @@ class ZeRO3Strategy(Strategy):
 
     # -- forward ------------------------------------------------------------------------------
     def _pre_forward_all(self, units: list[FlatUnit], module, args, kwargs):
-        if self.grouped.runs:  # [Note: members in order] in fsdp_group.py
+        if self.grouped.runs:  # [Note: members in order] in group.py
             self.grouped.opening(units[0].index, units[0].name)
         for unit in units:  # nested: the first opens first and closes last
             args, kwargs = self._pre_forward(unit, module, args, kwargs)

@@ -1,6 +1,6 @@
-"""ZeRO-3's policy: what `dp.ZeRO3(...)` takes, checks and builds (the strategy is fsdp.py).
+"""ZeRO-3's policy: what `dp.ZeRO3(...)` takes, checks and builds (the strategy is in strategy.py).
 
-Its contract, and the notes its fields name, are fsdp.py's module docstring.
+Its contract, and the notes its fields name, are strategy.py's module docstring.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import ClassVar
 
 from torch import nn
 
-from .fsdp import ZeRO3Strategy
-from .fsdp_order import CHECK_MODES
-from .fsdp_plan import MIN_UNIT_PARAMS
-from .parts.footprint import Footprint, unitwise
-from .parts.mesh import Groups
-from .parts.precision import MixedPrecision, check_precision
+from ..parts.footprint import Footprint, unitwise
+from ..parts.mesh import Groups
+from ..parts.precision import MixedPrecision, check_precision
+from .order import CHECK_MODES
+from .plan import MIN_UNIT_PARAMS
+from .strategy import ZeRO3Strategy
 
 REDUCE_KINDS = ("auto", "reduce_scatter", "all_reduce")
 
@@ -49,7 +49,7 @@ class ZeRO3:
     hook_state: passed to `comm_hook`; None builds a `HookState` for the strategy's groups.
     check_order: how every rank is kept to one order of unit gathers, so that a unit some
         ranks skip stops every rank with one error instead of a hang ([Note: same units on
-        every rank] in fsdp_order.py): "auto" checks each unit's forward (one all-gather of
+        every rank] in order.py): "auto" checks each unit's forward (one all-gather of
         one integer per rank) until two forwards in a row ran the same order, then follows
         that order with one check per forward (an order that then changes is an error, even
         if alike on every rank); "always" checks each unit's forward every step (an order
