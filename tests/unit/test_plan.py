@@ -15,7 +15,7 @@ from dataparallel.models import build_model
 from dataparallel.plan import get_profile
 from dataparallel.plan.model import builtin_shape
 from dataparallel.strategies.parts.footprint import ParamShapes
-from dataparallel.strategies.zero import MAX_IN_FLIGHT
+from dataparallel.strategies.zero12.strategy import MAX_IN_FLIGHT
 
 # Rajbhandari et al. 2020, Table 1: GB per device for 7.5B parameters, K = 12, by DP degree.
 TABLE_1 = {

@@ -18,8 +18,8 @@ from .parts.tensor_parallel import (
     whole_shape,
 )
 from .resolve import POLICIES, apply_policy, resolve_policy
-from .zero import ZeRO1, ZeRO2
 from .zero3 import ZeRO3
+from .zero12 import ZeRO1, ZeRO2
 
 __all__ = [
     "DDP",

@@ -17,8 +17,8 @@ from torch import nn
 from .base import Strategy
 from .ddp import DDP
 from .parts.mesh import Groups, init_mesh
-from .zero import ZeRO1, ZeRO2, ZeROStrategy
 from .zero3 import ZeRO3
+from .zero12 import ZeRO1, ZeRO2, ZeROStrategy
 
 # Registry: strategy name -> policy class (called with no arguments for the defaults).
 POLICIES: dict[str, type] = {"ddp": DDP, "zero1": ZeRO1, "zero2": ZeRO2, "zero3": ZeRO3}

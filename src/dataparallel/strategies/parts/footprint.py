@@ -6,9 +6,9 @@ group, nothing allocated.
 runs at wrap time, with the policy's own knobs: `plan_buckets` with its `bucket_mb` and
 `first_bucket_mb`, padded to the shard group's size (DDP, ZeRO-1/2), `ShardLayout.pack` over
 ZeRO-3's units, this rank's pieces of each layout (`ShardLayout.pieces`: what its optimizer
-steps), and the reductions the strategy keeps in flight (zero.py's `MAX_IN_FLIGHT`, ZeRO-3's
-one reduction at a time). DDP with a low `param_dtype` is ZeRO-1 on shard groups of one rank
-(docs/ddp.md) and is counted as that. The planner (plan/strategies.py) asks the policies and
+steps), and the reductions the strategy keeps in flight (zero12/strategy.py's `MAX_IN_FLIGHT`,
+ZeRO-3's one reduction at a time). DDP with a low `param_dtype` is ZeRO-1 on shard groups of one
+rank (docs/ddp.md) and is counted as that. The planner (plan/strategies.py) asks the policies and
 copies none of it; tests/dist/test_footprint.py holds the held terms against
 `dp.memory_report` on every strategy and mesh, to the byte.
 

@@ -1,7 +1,7 @@
 """ZeRO-1/2's parameter all-gather after the optimizer step, optionally overlapped.
 
 Each rank's step updates only its slice of every bucket; one all-gather per bucket then gives
-every rank the new full parameters ([Note: sharded step] in zero_step.py).
+every rank the new full parameters ([Note: sharded step] in zero12/step.py).
 
 [Note: overlapped parameter gather] By default `step()` waits for those all-gathers, so the
 parameters are whole when it returns. With `overlap_param_gather=True` (as Megatron-LM's

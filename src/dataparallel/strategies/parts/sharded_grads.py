@@ -7,7 +7,7 @@ model's `.grad`: `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`, the 
 nearly every training script, `clip_grad_value_`, a logged `p.grad.norm()`. Left None (as
 before), they clipped nothing and returned 0 without a word (0.77 from one process where the
 parameters moved 0.11, issue 29); left as the local sums, they read the wrong gradient
-([Note: consumed sums] in zero_keepers.py). A DTensor gradient, FSDP2's answer, cannot
+([Note: consumed sums] in zero12/keepers.py). A DTensor gradient, FSDP2's answer, cannot
 describe a run of a flat shard. So each parameter that some rank used in the round gets a
 `ShardedGrad` as `.grad`: a zero-stride tensor of the parameter's shape, dtype and device (no
 memory) whose every use raises one line naming the call and the ways that work

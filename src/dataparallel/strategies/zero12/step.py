@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
-from .parts.buckets import BucketSpec
-from .parts.flat_shard import FlatShard, shard_values
-from .parts.layout import ShardLayout
-from .parts.param_gather import ParamGather
+from ...comm import Comm
+from ..parts.buckets import BucketSpec
+from ..parts.flat_shard import FlatShard, shard_values
+from ..parts.layout import ShardLayout
+from ..parts.param_gather import ParamGather
 
 
 class BucketShard:

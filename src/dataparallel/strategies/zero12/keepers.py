@@ -4,8 +4,8 @@ its shard is kept ([Note: lazy buckets] in parts/buckets.py). The stage's policy
 
 from __future__ import annotations
 
-from .parts.buckets import Bucket
-from .parts.flat_shard import FlatShard
+from ..parts.buckets import Bucket
+from ..parts.flat_shard import FlatShard
 
 
 class KeepBuckets:
