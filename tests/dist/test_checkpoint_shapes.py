@@ -1,7 +1,7 @@
 """Checkpoints in the ecosystem's shape, on real ranks: PyTorch's own `dcp_to_torch_save` on
 a checkpoint of every strategy gives the model's state dict (its "model" entry), which a fresh
 plain model loads strictly and which equals `dp.full_state_dict`; the optimizer's tensors come
-by parameter name in the parameter's shape ([Note: chunks] in checkpoint/dcp.py).
+by parameter name in the parameter's shape ([Note: checkpoint chunks] in checkpoint/dcp.py).
 
 One world of 4 ranks: DDP, ZeRO-1/2/3 on 4 ranks and ZeRO-2/3 on a 2 x 2 mesh with a GPT
 whose embedding and head are tied (so a flat shard cuts matrices mid-row), and ZeRO-2/3 over

@@ -1,7 +1,7 @@
-"""A flat run as the boxes of its tensor's true shape ([Note: chunks] in checkpoint/dcp.py):
-exhaustively over small shapes and every run, the boxes tile the run in order, each is a
-contiguous run itself, and there are at most 2(N-1)+1; and checkpoints written before (flat
-tensors under "/" names) are still read, into either form."""
+"""A flat run as the boxes of its tensor's true shape ([Note: checkpoint chunks] in
+checkpoint/dcp.py): exhaustively over small shapes and every run, the boxes tile the run in
+order, each is a contiguous run itself, and there are at most 2(N-1)+1; and checkpoints written
+before (flat tensors under "/" names) are still read, into either form."""
 
 from __future__ import annotations
 

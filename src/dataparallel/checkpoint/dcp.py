@@ -1,24 +1,24 @@
 """Chunks in, chunks out: `torch.distributed.checkpoint` (DCP) saving and loading what each rank
 holds, whatever the strategy and world size that wrote it.
 
-[Note: chunks] Every checkpointed tensor is stored in its true global shape, and each rank
-contributes a `Chunk`: its contiguous run of the tensor's flattened (row-major) elements and
-where the run starts. That is exactly what every strategy holds: DDP the whole tensor
-(offset 0), ZeRO-1/2/3 the part of each parameter inside its flat shard ([Note: shard
-layout] in strategies/parts/layout.py), which need not follow any even split. A run is written
-as the boxes of the tensor it covers (`rectangles`: a partial row, whole rows, a partial row,
-the partial ones split likewise one dimension down; at most 2(N-1)+1 for N dimensions), each a
-view of the run, each its own DCP chunk with N-d offsets and sizes. DTensor's placements cannot
-express such runs (their chunks follow `torch.chunk`), so the two planners below describe the
-boxes to DCP directly: DCP's global plan then removes duplicates (the same box saved by every
-replica of a 2-D mesh, or by every DDP rank, is written once) and checks that the boxes tile
-each tensor, and on load it reads, for any other set of boxes, the overlapping parts of the
-stored ones. A 0-d tensor (Adam's `step`) is a chunk of itself. A run of a tensor-parallel
-parameter's local tensor ([Note: tensor-parallel parameters] in
-strategies/parts/tensor_parallel.py) is not one run of the whole tensor's elements but several
-(a local tensor of column blocks has one per row): its chunk lists them (`runs`), each written
-and read as the boxes it covers, so the stored tensor is the whole one, the same as a run
-without tensor parallelism writes, and any tp size reads it back.
+[Note: checkpoint chunks] Every checkpointed tensor is stored in its true global shape, and each
+rank contributes a `Chunk`: its contiguous run of the tensor's flattened (row-major) elements
+and where the run starts. That is exactly what every strategy holds: DDP the whole tensor
+(offset 0), ZeRO-1/2/3 the part of each parameter inside its flat shard ([Note: shard layout] in
+strategies/parts/layout.py), which need not follow any even split. A run is written as the boxes
+of the tensor it covers (`rectangles`: a partial row, whole rows, a partial row, the partial
+ones split likewise one dimension down; at most 2(N-1)+1 for N dimensions), each a view of the
+run, each its own DCP chunk with N-d offsets and sizes. DTensor's placements cannot express such
+runs (their chunks follow `torch.chunk`), so the two planners below describe the boxes to DCP
+directly: DCP's global plan then removes duplicates (the same box saved by every replica of a
+2-D mesh, or by every DDP rank, is written once) and checks that the boxes tile each tensor, and
+on load it reads, for any other set of boxes, the overlapping parts of the stored ones. A 0-d
+tensor (Adam's `step`) is a chunk of itself. A run of a tensor-parallel parameter's local tensor
+([Note: tensor-parallel parameters] in strategies/parts/tensor_parallel.py) is not one run of
+the whole tensor's elements but several (a local tensor of column blocks has one per row): its
+chunk lists them (`runs`), each written and read as the boxes it covers, so the stored tensor is
+the whole one, the same as a run without tensor parallelism writes, and any tp size reads it
+back.
 
 Names are paths: "model/tok_emb.weight" is stored under DCP's key "model.tok_emb.weight" with
 the nesting ("model", "tok_emb.weight") in the metadata's `planner_data`, what DCP itself keeps
@@ -79,7 +79,7 @@ warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 
 @dataclass
 class Chunk:
-    """This rank's part of one checkpointed tensor ([Note: chunks]).
+    """This rank's part of one checkpointed tensor ([Note: checkpoint chunks]).
 
     tensor: the elements, 1-D; saving reads it, loading writes into it. A tensor of any
         other number of dimensions (a 0-d scalar, a matrix) is a whole tensor of that shape.
@@ -137,7 +137,7 @@ class Chunk:
 
 
 def stored_name(name: str) -> str:
-    """The key DCP stores `name` under ([Note: chunks]): "model/tok_emb.weight" ->
+    """The key DCP stores `name` under ([Note: checkpoint chunks]): "model/tok_emb.weight" ->
     "model.tok_emb.weight", what `flatten_state_dict` makes of {"model": {"tok_emb.weight"}}."""
     return name.replace("/", ".")
 

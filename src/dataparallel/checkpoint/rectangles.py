@@ -1,5 +1,6 @@
-"""A run of a tensor's flattened elements as the hyper-rectangles it covers ([Note: chunks]
-in dcp.py): how a flat shard is written as pieces of the tensor's true shape."""
+"""A run of a tensor's flattened elements as the hyper-rectangles it covers
+([Note: checkpoint chunks] in dcp.py): how a flat shard is written as pieces of the tensor's
+true shape."""
 
 from __future__ import annotations
 

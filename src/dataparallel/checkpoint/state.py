@@ -1,5 +1,6 @@
-"""A parallelized model's training state as named chunks: what this rank saves, and where a
-load writes, whatever strategy and world size wrote the checkpoint ([Note: chunks] in dcp.py).
+"""A parallelized model's training state as named chunks: what this rank saves, and where a load
+writes, whatever strategy and world size wrote the checkpoint ([Note: checkpoint chunks] in
+dcp.py).
 
 Names (the plain model's names, so a checkpoint moves between strategies and world sizes):
 
@@ -17,7 +18,7 @@ synchronisations, so `model/` and `optim/` carry a `replica<k>/` prefix. Rank-lo
 state (`rank<r>/`) only means something to the same rank in the same layout; a load into
 another layout leaves it out (`local=False`), and error feedback starts again from zero.
 
-Stored, each "/" becomes a level of DCP's nesting ([Note: chunks] in dcp.py), so that
+Stored, each "/" becomes a level of DCP's nesting ([Note: checkpoint chunks] in dcp.py), so that
 `dcp_to_torch_save(step-N, file)` gives {"model": <the model's state_dict>, "optim": {<param>:
 {<key>: tensor}}, ...} (under "replica<k>" with replicas) and `model.load_state_dict(
 torch.load(file)["model"])` takes it strictly. Checkpoints written before (flat tensors,
@@ -43,7 +44,8 @@ def model_shapes(model: nn.Module) -> dict[str, list[int]]:
 
 def _piece_chunk(flat: torch.Tensor, piece) -> Chunk:
     """The chunk of a run `flat` held for `piece`: at its offset in the parameter, or, for a
-    tensor-parallel parameter, in parts of the whole tensor ([Note: chunks] in dcp.py)."""
+    tensor-parallel parameter, in parts of the whole tensor ([Note: checkpoint chunks] in
+    dcp.py)."""
     where = placement(piece)
     return Chunk(flat, where.offset, where.numel, where.runs, where.shape)
 

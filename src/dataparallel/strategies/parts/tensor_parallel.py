@@ -87,8 +87,8 @@ class TensorParallel:
     def runs(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """Where the run [start, stop) of the flattened local tensor lies in the flattened whole
         tensor: (position in the run, offset in the whole, length) per contiguous part, for
-        sharded checkpoints ([Note: chunks] in checkpoint/dcp.py). A local tensor of whole
-        rows (Shard(0)) is one part; one of column blocks (Shard(1)) a part per row."""
+        sharded checkpoints ([Note: checkpoint chunks] in checkpoint/dcp.py). A local tensor of
+        whole rows (Shard(0)) is one part; one of column blocks (Shard(1)) a part per row."""
         shape, offset = compute_local_shape_and_global_offset(
             self.shape, self.mesh, list(self.placements)
         )
