@@ -10,7 +10,7 @@ Live mode (the default): gpt-tiny with live_trials.py's flags (a global batch of
 `--recovery live --max-restarts 1000`, the launcher and --nproc 2 workers on the first host
 (its store at 10.77.0.1, `--max-replicas 3`), and on the second host a keeper, `dataparallel
 join RUN --restarts 1000`, whose replica is the third member ([Note: the machine's keeper] in
-train/elastic.py). punisher.py's punisher, its clock started once the second host's replica is
+train/live/elastic.py). punisher.py's punisher, its clock started once the second host's replica is
 a member, sends SIGKILL at exponential, seeded moments to a random host's random member (with
 its --min-members, --quiet-tail and --spare-regroups rules; without --spare-regroups a kill in
 the window that rule spares can hang the run: docs/faults.md): a launcher's worker is replaced

@@ -47,8 +47,8 @@ from .train.config import (
     flag_name,
 )
 from .train.config_toml import load_toml, to_toml
-from .train.elastic import add_join_parser, add_leave_parser, cmd_join, cmd_leave
 from .train.export import add_export_parser, cmd_export
+from .train.live.elastic import add_join_parser, add_leave_parser, cmd_join, cmd_leave
 
 TYPES = {"int": int, "float": float, "str": str}
 

@@ -146,7 +146,7 @@ def test_live_across_two_hosts_a_replica_killed_on_the_second_is_joined_again(
     from the second (`dataparallel join --restarts 1`, its store at the first host's address).
     The joined replica is killed with SIGKILL: worker 0 goes on alone in the same process, and
     the second host's keeper joins a new replica by itself, healed over the link ([Note: the
-    machine's keeper] in train/elastic.py); every step is done once and the weights are the
+    machine's keeper] in train/live/elastic.py); every step is done once and the weights are the
     uninterrupted run's up to summation order."""
     out = tmp_path / "live"
     train = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *LIVE_ARGS]

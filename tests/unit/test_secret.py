@@ -141,7 +141,7 @@ def test_the_store_listens_on_the_run_address_only():
 
 
 def test_a_joiner_trains_only_the_run_the_launcher_sealed(tmp_path):
-    from dataparallel.train.elastic import read_run
+    from dataparallel.train.live.elastic import read_run
     from dataparallel.train.live.store import RUN_KEY
 
     path = make_secret(tmp_path)

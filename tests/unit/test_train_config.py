@@ -159,7 +159,7 @@ def test_the_watchdog_flags_read_from_the_command_line_and_toml(tmp_path):
 
 
 def test_the_header_shows_how_the_ranks_share_the_global_batch():
-    from dataparallel.train.progress import describe_split
+    from dataparallel.train.console import describe_split
 
     assert describe_split(8, 1, 3) == "8 = 3,3,2 windows per rank"
     assert describe_split(16, 2, 3) == "16 = 6,5,5 windows per rank in 2 micro-steps"

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dataparallel.train.console import format_count, format_duration
 from dataparallel.train.metrics import (
     MetricsLogger,
     after_step,
@@ -16,7 +17,6 @@ from dataparallel.train.metrics import (
     position,
     read_metrics,
 )
-from dataparallel.train.progress import format_count, format_duration
 from dataparallel.train.report import make_report
 from dataparallel.train.trainer import EvalRecord, StepRecord
 from dataparallel.train.writer import RecordsWriter, Role

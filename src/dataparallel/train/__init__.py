@@ -16,16 +16,16 @@ By floor (each module imports only those on lower lines; `live/` is a wing of it
     step.py          a step's concerns: data, loss, verdict, vote, update
     tensor_parallel.py  the job's dp x tp mesh (--tp)
     trainer.py       setup(), train_step(), evaluate()
-    metrics.py, progress.py, blame.py, tracing.py, checkpointing.py   the callbacks
+    metrics.py, console.py, blame.py, tracing.py, checkpointing.py   the callbacks
     preemption.py    the ranks agree on a signal, save the step and stop (exit 75)
     loop.py          fit(), extended through Steps
     checks.py        validation of a config before anything starts
     writer.py        who writes the records: rank 0 of the current world (live runs move it)
     report.py        PNG plots and the summary
-    live/            live recovery: a run that loses, gains or lets go of replicas (its __init__)
+    live/            live recovery: a run that loses, gains or lets go of replicas (its __init__),
+                     and `dataparallel join` and `leave` (live/elastic.py)
     worker.py        one worker: prepare, fit, report
     launch.py        starting the workers (the shared launcher, launch/, does it)
-    elastic.py       `dataparallel join` and `leave`: a live run grows or shrinks
 
 See docs/train.md.
 """

@@ -1,6 +1,6 @@
 """The run handed to the workers: the resolved config (and whether to resume, from which
 checkpoint) travels in one environment variable, written by the launcher (launch.py, live/
-launcher.py) and read by each worker (worker.py) and by a joiner (elastic.py)."""
+launcher.py) and read by each worker (worker.py) and by a joiner (live/elastic.py)."""
 
 from __future__ import annotations
 

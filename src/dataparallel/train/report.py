@@ -11,8 +11,8 @@ import json
 import statistics
 from pathlib import Path
 
+from .console import format_count, format_duration, plural
 from .metrics import read_metrics
-from .progress import format_count, format_duration, plural
 from .run_dir import RUN_INFO
 from .tensor_parallel import mesh_text
 from .trace_report import load_traces, plot_timeline, summarize_traces, trace_lines

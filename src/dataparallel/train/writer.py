@@ -34,9 +34,9 @@ from pathlib import Path
 
 from .blame import Blame
 from .callbacks import Callback
+from .console import ProgressBar
 from .ledger import EvalRecord, StepRecord
 from .metrics import MetricsLogger, after_step, position, start_position
-from .progress import ProgressBar
 from .run_dir import RUN_INFO
 from .state import TrainState
 

@@ -14,6 +14,7 @@ the files listed before it:
                    groups.py      the process groups a replica talks through, and left
                    rewind.py      what a failed step goes back to, what a heal sends
                    recovery.py    the guarded steps: rewind, regroup, heal, redo
+    the commands   elastic.py     `dataparallel join` and `leave`: a live run grows or shrinks
 
 One word per concept:
     replica    the failure domain: one process under DDP, the S processes of an HSDP replica;
@@ -35,10 +36,10 @@ One word per concept:
                a member of the last generation that is not in the next, for any of these
                reasons
 
-The commands `dataparallel join` and `leave` (train/elastic.py) stand above the worker they run.
+The commands `dataparallel join` and `leave` (elastic.py) stand above the worker they run.
 The notes: [Note: live recovery] in recovery.py (start there), [Note: membership] in
 membership.py, [Note: quorum keys] in quorum.py, [Note: membership requests] in requests.py,
 [Note: signed requests] in secret.py, [Note: HSDP replicas] in replica.py, [Note: abandoned
 groups] in groups.py, [Note: live averaging] in rewind.py; [Note: the machine's keeper] in
-train/elastic.py. docs/faults.md describes what a run does, docs/security.md what it lets in.
+elastic.py. docs/faults.md describes what a run does, docs/security.md what it lets in.
 """

@@ -34,7 +34,7 @@ An evaluation interrupted the same way is redone after the regroup. Between step
 member asks the store whether a replacement waits (`Quorum.regroup_asked`), and the members
 agree on the answer in one small all-reduce, so that all of them regroup at the same step
 boundary and the replacement is healed and trains from the next step. A replica that joins
-from outside the launcher (`dataparallel join`, train/elastic.py) enters the same way; a member
+from outside the launcher (`dataparallel join`, elastic.py) enters the same way; a member
 released (`dataparallel leave`) reports LEAVE at that boundary instead of STEP, waits for the
 generation formed without it, and ends (`Released`): nothing is rewound, nobody waits for a
 timeout.

@@ -5,14 +5,14 @@
     dataparallel leave runs/big --replica 1      # replica 1 leaves at its next step boundary
 
 Both find the launcher's store in RUN_DIR/live.json (written by the launcher while it runs)
-and ask it ([Note: membership requests] in live/requests.py); the launcher answers within
---min-replicas and --max-replicas ([Note: membership] in live/membership.py). A joiner that is
+and ask it ([Note: membership requests] in requests.py); the launcher answers within
+--min-replicas and --max-replicas ([Note: membership] in membership.py). A joiner that is
 let in takes the next unused slot, trains the run's own config (read from the store), builds
 its state alone and is healed from a member at their next step boundary, as a replacement is
-([Note: live recovery] in live/recovery.py); it then trains in this process until the run ends, or
+([Note: live recovery] in recovery.py); it then trains in this process until the run ends, or
 until it is asked to leave. Exit status: 0 done (or left), 1 refused or failed, 2 bad input.
 Each request is sealed with the run's secret (RUN_DIR/live.secret, or --secret-file, or the
-file named by DATAPARALLEL_SECRET_FILE: [Note: signed requests] in live/secret.py).
+file named by DATAPARALLEL_SECRET_FILE: [Note: signed requests] in secret.py).
 `--restarts K` keeps a replica on this machine: a lost one joins again ([Note: the machine's
 keeper] in `keep`).
 """
@@ -31,12 +31,12 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from .config import ConfigError
-from .live.membership import JOIN, LEAVE
-from .live.remote import Heartbeat
-from .live.requests import Answer, Request, ask
-from .live.secret import ENV_SECRET_FILE, SECRET_FILE, Refused, RunKey, find_secret
-from .live.store import ENV_LIVE, RUN_FILE, RUN_KEY, client_store, read_run_file, run_store
+from ..config import ConfigError
+from .membership import JOIN, LEAVE
+from .remote import Heartbeat
+from .requests import Answer, Request, ask
+from .secret import ENV_SECRET_FILE, SECRET_FILE, Refused, RunKey, find_secret
+from .store import ENV_LIVE, RUN_FILE, RUN_KEY, client_store, read_run_file, run_store
 
 CONNECT_TIMEOUT_S = 10.0
 REFUSED = 3  # a join the launcher refused (a keeper's child; the command says 1)
@@ -164,7 +164,7 @@ def join(run_dir: Path, secret: Path) -> int:
         print(f"dataparallel join: refused: {answer.message}", file=sys.stderr)
         return REFUSED
     print(f"dataparallel join: {answer.message}", file=sys.stderr, flush=True)
-    from .handoff import decode_run
+    from ..handoff import decode_run
 
     try:
         shard = max(decode_run(read_run(store, secret))[0].launch.shard_group, 1)
@@ -177,7 +177,7 @@ def join(run_dir: Path, secret: Path) -> int:
 
 
 def train_replica(run_dir: Path, address: str, slot: int, shard: int, secret: Path) -> int:
-    """Join as an HSDP replica of `shard` processes ([Note: HSDP replicas] in live/replica.py): each
+    """Join as an HSDP replica of `shard` processes ([Note: HSDP replicas] in replica.py): each
     is forked here and trains as its index; they meet among themselves, then enter the run as
     one replica. The replica ends as a whole: when one of them ends otherwise than with 0 the
     others are killed, and that status is this process's."""
@@ -216,7 +216,7 @@ def keep(run_dir: Path, restarts: int, secret: Path) -> int:
     Status: 0 (the run ended, or the replica left), 1 (refused, or lost K + 1 times), 2 (bad
     input), 143 (SIGTERM).
     """
-    from .worker import run_worker  # noqa: F401  (torch and the trainer, imported once)
+    from ..worker import run_worker  # noqa: F401  (torch and the trainer, imported once)
 
     lost, rejoin_until, child, stopping = 0, 0.0, 0, False
 
@@ -282,9 +282,9 @@ def train_joined(
     to join (the launcher knows the replica by that pid)."""
     import torch
 
-    from ..launch.workers import fair_threads, worker_environment
-    from .handoff import decode_run
-    from .worker import ENV_LAUNCHER, run_worker
+    from ...launch.workers import fair_threads, worker_environment
+    from ..handoff import decode_run
+    from ..worker import ENV_LAUNCHER, run_worker
 
     config, _, _ = decode_run(read_run(store, secret))
     # The run directory as this process reaches it (the launcher's may be relative to its own
