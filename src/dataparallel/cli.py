@@ -78,6 +78,13 @@ def add_train_parser(commands) -> None:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config as TOML and exit"
     )
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where the token cache goes, over $DATAPARALLEL_CACHE_DIR (default: .dpcache beside "
+        "the data; for a read-only data folder ~/.cache/dataparallel/tokens). Not in the run's "
+        "config: the place is the machine's (docs/workloads.md, 'The token cache')",
+    )
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"[{section}]")
         docs = field_docs(cls)
@@ -270,8 +277,10 @@ def resume_auto(args: argparse.Namespace, decided: dict | None) -> tuple[RunConf
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .data.cache import use_cache_dir
     from .train.checks import check_values, preflight
 
+    use_cache_dir(args.cache_dir)  # before the checks, which look for cache entries
     auto = args.resume == "auto"
     resume = bool(args.resume)
     checkpoint = split_resume(args.resume)[1] if resume and not auto else ""

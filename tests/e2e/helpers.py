@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,10 +57,21 @@ def cli(args: list[str], *, timeout: float = 300, env=None) -> subprocess.Comple
     return run_cli(args, timeout=timeout, env=env)
 
 
-def train(args: list[str], out: Path, *, data: Path = CORPUS) -> subprocess.CompletedProcess:
+def train(args: list[str], out: Path, *, data: Path | None = None) -> subprocess.CompletedProcess:
     """Run `dataparallel train` in a process of its own (as a user would; forked warm, cli) and
-    return the result."""
+    return the result. The data: `data`, else a copy of the corpus beside `out`."""
+    data = data or corpus_copy(out.parent)
     return cli(["train", "--data", str(data), *args, "--out", str(out)])
+
+
+def corpus_copy(folder: Path) -> Path:
+    """folder/corpus, a copy of CORPUS (made once) for a run that may tokenize it: an hf: model's
+    run writes its token cache beside the data ([Note: token cache] in data/cache.py), which
+    must be a test's temporary folder, never the source tree (issue 43)."""
+    copy = folder / "corpus"
+    if not copy.is_dir():
+        shutil.copytree(CORPUS, copy, ignore=shutil.ignore_patterns(".*"))
+    return copy
 
 
 def curve(run_dir: Path) -> dict:

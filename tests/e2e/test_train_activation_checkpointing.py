@@ -10,11 +10,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hf_fixtures import make_tiny_llama
 
-from .helpers import CORPUS, HERE, curve, ok, train
+from .helpers import HERE, corpus_copy, curve, ok, train
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # the tests never reach the network
 ARGS = [
@@ -42,9 +43,9 @@ def close(ours: dict, theirs: dict, rel: float) -> bool:
     )
 
 
-def peak(model: str, flag: str) -> int:
+def peak(model: str, flag: str, data: Path) -> int:
     script = HERE / "scripts" / "activation_peak.py"
-    command = [sys.executable, str(script), model, str(CORPUS), flag]
+    command = [sys.executable, str(script), model, str(data), flag]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     ok(result)
     return json.loads(result.stdout.strip().splitlines()[-1])["peak"]
@@ -82,9 +83,10 @@ def test_a_llama_with_lora_recomputed_trains_the_same_curve(llama, tmp_path):
 
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "hf"])
-def test_the_step_keeps_less_memory_with_the_flag(model, llama):
+def test_the_step_keeps_less_memory_with_the_flag(model, llama, tmp_path):
     name = f"hf:{llama}" if model == "hf" else model
-    off, on = peak(name, "off"), peak(name, "on")
+    data = corpus_copy(tmp_path)  # the hf: model's token cache is written beside it
+    off, on = peak(name, "off", data), peak(name, "on", data)
     # Measured (16 windows of 64 tokens, ZeRO-3 on one rank): gpt-tiny 44.4 MB -> 18.2 MB; the
     # tiny Llama 9.8 MB -> 5.5 MB (its logits over 384 tokens are most of what is left).
     assert on < 0.7 * off, (model, on, off)

@@ -6,6 +6,7 @@ Fixtures are built here: small JSONL/Parquet files and the BPE tokenizer of hf_f
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +14,9 @@ import pytest
 import torch
 from hf_fixtures import make_tokenizer
 
+from dataparallel.cli import main
 from dataparallel.data import cache as cache_module
-from dataparallel.data.cache import CACHE_DIR
+from dataparallel.data.cache import CACHE_DIR, CACHE_ENV, cache_folder, use_cache_dir
 from dataparallel.data.corpus import TokenWindows, load_corpus
 from dataparallel.data.formats import DataError
 from dataparallel.data.loading import check_sources, load_datasets
@@ -37,6 +39,12 @@ CHATS = [
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> HFTokenizer:
     return HFTokenizer.load(make_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(autouse=True)
+def no_cache_dir_given(monkeypatch):
+    """The cache beside the data, as by default, whatever the shell running the tests sets."""
+    monkeypatch.delenv(CACHE_ENV, raising=False)
 
 
 class Counting:
@@ -226,6 +234,84 @@ def test_folders_take_data_files_by_extension_and_skip_the_cache(tmp_path, token
     load_datasets([str(tmp_path)], tokenizer, 4, 0.1)  # writes .dpcache inside the folder
     _, _, info = load_datasets([str(tmp_path)], tokenizer, 4, 0.1)
     assert info.num_files == 3 and info.formats == ("jsonl", "text", "tokens")
+
+
+def test_the_cache_folder_is_the_flag_then_the_environment_then_beside_the_data(
+    tmp_path, monkeypatch, capsys
+):
+    data = tmp_path / "data" / "d.jsonl"
+    data.parent.mkdir()
+    assert cache_folder(data) == tmp_path / "data" / CACHE_DIR
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "env"))
+    mirrored = tmp_path.resolve().relative_to("/") / "data"  # in the path of the data's folder
+    assert cache_folder(data) == tmp_path / "env" / mirrored
+    other = tmp_path / "other" / "d.jsonl"  # the same name elsewhere: its own folder
+    assert cache_folder(other) == tmp_path / "env" / mirrored.parent / "other"
+    monkeypatch.chdir(tmp_path)
+    use_cache_dir(None)  # no flag: the environment stands
+    assert cache_folder(data) == tmp_path / "env" / mirrored
+    use_cache_dir("flag")  # the flag wins, made absolute for workers started elsewhere
+    assert os.environ[CACHE_ENV] == str(tmp_path / "flag")
+    assert cache_folder(data) == tmp_path / "flag" / mirrored
+    # Both commands that tokenize take it (--print-config and a missing run: no process).
+    assert main(["train", "--cache-dir", "t", "--print-config"]) == 0
+    assert os.environ[CACHE_ENV] == str(tmp_path / "t")
+    assert main(["eval", "nope", "--data", str(tmp_path), "--cache-dir", "e"]) == 2
+    assert os.environ[CACHE_ENV] == str(tmp_path / "e")
+    capsys.readouterr()
+    # Nothing given and a data folder that cannot be written: the user's cache folder.
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(os, "access", lambda path, mode: not mode & os.W_OK)
+    assert cache_folder(data) == tmp_path / "xdg" / "dataparallel" / "tokens" / mirrored
+
+
+def test_a_read_only_data_folder_is_tokenized_into_the_cache_given(
+    tmp_path, tokenizer, monkeypatch
+):
+    data = tmp_path / "data"
+    data.mkdir()
+    _jsonl(data / "d.jsonl", [{"prompt": p, "completion": c} for p, c in PAIRS] * 5)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    data.chmod(0o555)  # read-only for a user other than root (the cache must go elsewhere)
+    try:
+        first, second = Counting(tokenizer), Counting(tokenizer)
+        windows = load_datasets([str(data)], first, 4, 0.1)
+        again = load_datasets([str(data)], second, 4, 0.1)
+    finally:
+        data.chmod(0o755)
+    assert (first.calls, second.calls) == (30, 0)  # the second run read the cache
+    assert _stream(again[0]) == _stream(windows[0])
+    assert [p.name for p in data.iterdir()] == ["d.jsonl"]  # nothing written beside the data
+    (entry,) = (tmp_path / "cache").rglob("*.npy")
+    assert entry.parent == cache_folder(data / "d.jsonl") and entry.name.startswith("d.jsonl.")
+
+
+def test_a_cache_that_cannot_be_written_or_would_be_read_as_data_is_one_line(
+    tmp_path, tokenizer, monkeypatch
+):
+    path = _jsonl(tmp_path / "d.jsonl", [{"text": "some words here"}] * 20)
+    (tmp_path / "file").write_text("")  # a folder below a file cannot be made, even by root
+    fix = f"give a writable folder with --cache-dir or {CACHE_ENV}"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "file" / "cache"))
+    with pytest.raises(DataError, match=r"cannot write the token cache in .*file/cache/") as given:
+        load_datasets([str(path)], tokenizer, 4, 0.1)
+    # A data folder that cannot be written (os.access says so for root too) and no folder
+    # given: the user's cache folder, which cannot be written either.
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file" / "xdg"))
+    monkeypatch.setattr(os, "access", lambda path, mode: not mode & os.W_OK)
+    with pytest.raises(DataError, match=r"cannot write the token cache in .*file/xdg/") as home:
+        load_datasets([str(path)], tokenizer, 4, 0.1)
+    for caught in (given, home):
+        assert str(caught.value).endswith(fix) and "\n" not in str(caught.value)
+    monkeypatch.undo()
+    # Inside a folder of the data, the entries would be read back as token files.
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "tokens"))
+    with pytest.raises(DataError, match=r"tokens is inside the data folder .*, which would read"):
+        load_datasets([str(tmp_path)], tokenizer, 4, 0.1)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / ".tokens"))  # hidden: never walked
+    assert load_datasets([str(tmp_path)], tokenizer, 4, 0.1)[2].num_files == 2
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,7 @@ class DataInfo:
 
 def data_files(paths: list[str] | None) -> list[tuple[Path, str]]:
     """(file, format) of every file `paths` names, in order ([Note: corpus split])."""
+    cache.check_outside(paths or [])
     files = user_files(paths, known=_KNOWN) if paths else corpus_files(None)
     return [(f, file_format(f)) for f in files]
 

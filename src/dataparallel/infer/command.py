@@ -77,6 +77,11 @@ def add_eval_parser(commands) -> None:
         "--block", type=int, default=0, help="tokens per window (0: the model's context, <= 1024)"
     )
     parser.add_argument("--out", default="", metavar="FILE.json", help="also write the result")
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where the token cache goes, as for train --cache-dir (over $DATAPARALLEL_CACHE_DIR)",
+    )
     add_launcher_flags(parser, DEFAULTS)
 
 
@@ -144,11 +149,14 @@ def generate_job(args: argparse.Namespace):
 
 
 def eval_job(args: argparse.Namespace):
+    from ..data.formats import DataError
     from ..data.loading import data_files
     from .evaluate import EvalJob
 
     try:  # the files and their formats; their records are read by the workers
         data_files(args.data)
+    except DataError as error:  # its own fix (a cache inside the data: --cache-dir)
+        raise ConfigError("--data", error.problem, error.fix) from None
     except (OSError, ValueError) as error:
         raise ConfigError(
             "--data", str(error), "give text, JSONL, Parquet or token files, or folders"
@@ -203,4 +211,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from ..data.cache import use_cache_dir
+
+    use_cache_dir(args.cache_dir)
     return _run("eval", args)

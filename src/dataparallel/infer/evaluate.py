@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 import dataparallel as dp
 
+from ..data.formats import DataError
 from ..data.loading import load_windows
 from ..data.packing import IGNORE
 from ..launch.config import ConfigError
@@ -58,7 +59,9 @@ def token_windows(paths: tuple[str, ...], tokenizer, block: int, world=None):
     format `dataparallel train --data` reads, through the same cache (data/loading.py)."""
     try:
         return load_windows(list(paths), tokenizer, block, world=world)
-    except (OSError, ValueError) as error:  # DataError is a ValueError: one line
+    except DataError as error:  # its own fix (the cache's: --cache-dir)
+        raise ConfigError("--data", error.problem, error.fix) from None
+    except (OSError, ValueError) as error:
         raise ConfigError(
             "--data", str(error), "give text, JSONL, Parquet or token files"
         ) from None
