@@ -25,7 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-import two_hosts
+# The helpers this script shares with the tests (tests/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import host_namespaces  # noqa: E402
 
 # [Note: the DiLoCo recipe]: `--diloco H` alone now streams as the recipe says; the rows
 # measured before it spell the paper's DiLoCo (or their streaming settings) in full.
@@ -149,7 +151,7 @@ def run_ours(name: str, steps: int, out: Path, rate: str | None, loopback: bool)
         result = subprocess.run([*cmd, *args], capture_output=True, text=True)
         status, output = result.returncode, result.stdout + result.stderr
     else:
-        status, _, output, _ = two_hosts.train_on_two_hosts(args, str(out), rate)
+        status, _, output, _ = host_namespaces.train_on_two_hosts(args, str(out), rate)
     if status:
         raise RuntimeError(f"{name} failed:\n{output[-3000:]}")
     return summarize(out)
@@ -168,10 +170,10 @@ def run_peer(steps: int, out: Path, rate: str | None, loopback: bool) -> dict:
         def command(node_rank: int, link: str) -> list[str]:
             return ["env", "OMP_NUM_THREADS=1", sys.executable, "-m", "torch.distributed.run",
                     "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
-                    "--master-addr", two_hosts.ADDRESSES[0], "--master-port",
-                    str(two_hosts.PORT), *peer_args]  # fmt: skip
+                    "--master-addr", host_namespaces.ADDRESSES[0], "--master-port",
+                    str(host_namespaces.PORT), *peer_args]  # fmt: skip
 
-        status, _, output, _ = two_hosts.run_on_two_hosts(command, rate)
+        status, _, output, _ = host_namespaces.run_on_two_hosts(command, rate)
     if status:
         raise RuntimeError(f"peer failed:\n{output[-3000:]}")
     peer = json.loads((out / "peer.json").read_text())
@@ -192,12 +194,16 @@ def run_torchft(steps: int, out: Path, rate: str | None) -> dict:
     script = str(Path(__file__).with_name("peer_torchft_diloco.py"))
 
     def command(node_rank: int, link: str) -> list[str]:
-        here = two_hosts.ADDRESSES[node_rank]
-        meet = ["--lighthouse-host"] if node_rank == 0 else ["--lighthouse", two_hosts.ADDRESSES[0]]
+        here = host_namespaces.ADDRESSES[node_rank]
+        meet = (
+            ["--lighthouse-host"]
+            if node_rank == 0
+            else ["--lighthouse", host_namespaces.ADDRESSES[0]]
+        )
         return [sys.executable, script, "--replica", str(node_rank), "--address", here, *meet,
                 "--steps", str(steps), "--out", str(out)]  # fmt: skip
 
-    status, other, output, _ = two_hosts.run_on_two_hosts(command, rate)
+    status, other, output, _ = host_namespaces.run_on_two_hosts(command, rate)
     if status or other:
         raise RuntimeError(f"torchft peer failed:\n{output[-3000:]}")
     halves = [json.loads((out / f"peer-{r}.json").read_text()) for r in (0, 1)]
@@ -257,7 +263,7 @@ def main() -> int:
     args = parser.parse_args()
     MODEL[0], BATCH[0] = args.model, str(args.batch)
     if not args.loopback:
-        reason = two_hosts.available()
+        reason = host_namespaces.available()
         if reason:
             print(f"bench_slow_link: {reason}; use --loopback", file=sys.stderr)
             return 2

@@ -31,10 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from safetensors.torch import load_file
-from workers import live_workers
+# The helpers this script shares with the tests (tests/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from safetensors.torch import load_file  # noqa: E402
+from worker_pids import live_workers  # noqa: E402
 
-from dataparallel.train.metrics import read_metrics
+from dataparallel.train.metrics import read_metrics  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "e2e" / "data" / "corpus"
 GENERATION = re.compile(r"generation (\d+): workers \[([\d, ]+)\] \(pids ([\d, ]+)\) at step (\d+)")

@@ -44,11 +44,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from live_trials import GENERATION, flags, records
-from safetensors.torch import load_file
-from workers import live_workers
+# The helpers this script shares with the tests (tests/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from live_trials import GENERATION, flags, records  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from worker_pids import live_workers  # noqa: E402
 
-from dataparallel.train.metrics import read_metrics
+from dataparallel.train.metrics import read_metrics  # noqa: E402
 
 
 @dataclass

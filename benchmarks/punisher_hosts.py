@@ -1,5 +1,5 @@
 """The punisher across two hosts: benchmarks/punisher.py's trial with the run spread over two
-network namespaces joined by a veth pair (benchmarks/two_hosts.py), the kills on both.
+network namespaces joined by a veth pair (tests/host_namespaces.py), the kills on both.
 
     python benchmarks/punisher_hosts.py --steps 2000 --mean-s 30 --seed 1 --spare-regroups
     python benchmarks/punisher_hosts.py --steps 300 --mean-s 20 --seed 1 --spare-regroups \
@@ -48,9 +48,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import two_hosts
-from live_trials import flags
-from punisher import (
+# The helpers this script shares with the tests (tests/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import host_namespaces  # noqa: E402
+from live_trials import flags  # noqa: E402
+from punisher import (  # noqa: E402
     MetricsTail,
     OneHost,
     exponential_wait,
@@ -59,8 +61,8 @@ from punisher import (
     report,
     train_steps,
 )
-from safetensors.torch import load_file
-from workers import children, workers_by_rank
+from safetensors.torch import load_file  # noqa: E402
+from worker_pids import children, workers_by_rank  # noqa: E402
 
 CLI = [sys.executable, "-m", "dataparallel.cli"]
 RESUMED = re.compile(r"resumed at step (\d+) of")
@@ -137,8 +139,8 @@ def live(args, rate: str | None) -> dict:
     """The live trial: the reference, then the punished run, on one pair of namespaces."""
     nproc = 2
     command = [*CLI, "train", *flags(args.steps, nproc=nproc), "--max-replicas", str(nproc + 1)]
-    command += ["--store-host", two_hosts.ADDRESSES[0]]
-    with runs_in(args.out) as folder, two_hosts.linked_namespaces(rate) as nodes:
+    command += ["--store-host", host_namespaces.ADDRESSES[0]]
+    with runs_in(args.out) as folder, host_namespaces.linked_namespaces(rate) as nodes:
         reference, out = folder / "reference", folder / "live"
         uninterrupted = argparse.Namespace(**{**vars(args), "mean_s": math.inf})
         keeper = {}
@@ -182,7 +184,7 @@ class Restart:
 
 
 def kill_second_host(args, run: Path, kills: list[Restart]):
-    """A `during` for two_hosts.train_on_two_hosts: the punisher of restart mode."""
+    """A `during` for host_namespaces.train_on_two_hosts: the punisher of restart mode."""
     rng = random.Random(args.seed)
 
     def during(procs) -> None:
@@ -224,7 +226,7 @@ def restart(args, rate: str | None) -> dict:
         seconds, kills = {}, []
         for run in (reference, out):
             during = kill_second_host(args, run, kills) if run == out else None
-            node0, node1, output, seconds[run] = two_hosts.train_on_two_hosts(
+            node0, node1, output, seconds[run] = host_namespaces.train_on_two_hosts(
                 train, str(run), rate, timeout=3600, during=during
             )
             if (node0, node1) != (0, 0):
@@ -265,7 +267,7 @@ def main() -> None:
     args = options.parse_args()
     # A SIGTERM (timeout's) unwinds: the processes stopped, the namespaces removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    reason = two_hosts.available()
+    reason = host_namespaces.available()
     if reason:
         raise SystemExit(f"punisher_hosts: {reason}")
     rate = None if args.rate == "none" else args.rate

@@ -22,7 +22,9 @@ import threading
 import time
 from pathlib import Path
 
-from workers import workers_by_rank
+# The helpers this script shares with the tests (tests/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from worker_pids import workers_by_rank  # noqa: E402
 
 
 def trial(timeout_s: int, restart: bool = False) -> tuple[float, float, int]:

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 import dataparallel as dp
 
 from .harness import run_world
-from .test_compression import build, data
+from .regression import build, data
 
 LR = 0.1
 

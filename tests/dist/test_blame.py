@@ -11,7 +11,7 @@ import time
 import torch
 
 from .harness import run_world
-from .test_uneven_batches import _state
+from .tiny_trainer import trainer_state
 
 SLEEP_S = 0.15  # gpt-tiny's step here: 10-100 ms (3 ranks on 2 busy cores)
 
@@ -42,21 +42,21 @@ def _fit(state, steps: int):
 def blame_cases(world) -> dict:
     out = {}
     # A straggler: rank 2 sleeps while reading each micro-batch.
-    state = _state(world, "ddp", global_batch=12, accum=1)
+    state = trainer_state(world, "ddp", global_batch=12, accum=1)
     if world.rank == 2:
         batch = state.train_windows.batch
         state.train_windows.batch = lambda indices: (time.sleep(SLEEP_S), batch(indices))[1]
     warnings, records, _ = _fit(state, 8)
     out["straggler"] = (warnings, [list(r.rank_step_s) for r in records])
     # A non-finite loss on rank 1 (its logits times nan).
-    state = _state(world, "ddp", global_batch=12, accum=1)
+    state = trainer_state(world, "ddp", global_batch=12, accum=1)
     state.config = state.config.replace(train={"max_skips": 2})
     if world.rank == 1:
         forward = state.model.forward
         state.model.forward = lambda x: forward(x) * float("nan")
     out["loss"] = _fit(state, 4)[::2]
     # Finite losses, but an infinite gradient on rank 2 (made before the watch sees it).
-    state = _state(world, "zero2", global_batch=12, accum=2)
+    state = trainer_state(world, "zero2", global_batch=12, accum=2)
     state.config = state.config.replace(train={"max_skips": 2})
     if world.rank == 2:
         from dataparallel.train.gradient_watch import GradientWatch

@@ -17,7 +17,7 @@ from dataparallel.checkpoint import save_chunks, state_chunks
 
 from . import models
 from .harness import run_world
-from .test_tp import Net, batch, layout
+from .tp_net import Net, batch, layout
 
 CASES = ["ddp", "zero1", "zero2", "zero3", "zero2@2x2", "zero3@2x2", "zero2+tp", "zero3+tp"]
 
@@ -122,8 +122,8 @@ def flat_format(world, root: str) -> dict:
     difference from what was written, over the weights and the optimizer state."""
     from dataparallel.checkpoint import load_state
 
-    from .test_resharding import build, parallelize
-    from .test_resharding import plain as plain_state
+    from .tied_model import build, parallelize
+    from .tied_model import plain as plain_state
 
     model = build(0)
     optimizer = parallelize(model, "zero1")

@@ -21,21 +21,10 @@ import dataparallel as dp
 from dataparallel.compression import CompressedHook, PowerSGD, Quantize, TopK
 
 from .harness import run_world
+from .regression import build, data
 
 STEPS = 30
 MARGIN = 0.10  # final loss at most 10% above the uncompressed run's
-
-
-def build(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
-
-
-def data(step: int, rank: int, per_rank: int = 8):
-    g = torch.Generator().manual_seed(7 * step + 1000 * rank)
-    x = torch.randn(per_rank, 16, generator=g)
-    target = torch.sin(x[:, :8] * 2) + 0.5 * x[:, 8:]  # a fixed smooth function to learn
-    return x, target
 
 
 def policy(strategy: str, hook):

@@ -22,47 +22,16 @@ from dataparallel.checkpoint import load_state, save_chunks, state_chunks
 from dataparallel.compression import hook as compression
 
 from .harness import run_world
-from .test_compression import data
+from .regression import data
+from .tied_model import build, parallelize, plain
+from .tiny_trainer import TEXT, trained_samples
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 MESHED = ["zero2@2x2", "zero3@2x2"]
 
 
-class Tied(nn.Module):
-    """Odd sizes (shards split parameters), a tied matrix and a buffer."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Linear(16, 37)
-        self.mid = nn.Linear(37, 37)
-        self.out = nn.Linear(37, 16)
-        self.back = nn.Linear(16, 8, bias=False)
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
-
-    def forward(self, x):
-        h = torch.tanh(self.mid(torch.tanh(self.embed(x))))
-        return self.back(torch.tanh(self.out(h))) * self.scale
-
-
-def build(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return Tied()
-
-
-def parallelize(model, name: str):
-    strategy, _, mesh = name.partition("@")
-    small = {"bucket_mb": 0.002, "first_bucket_mb": 0.001} if strategy != "zero3" else {}
-    policy = {"ddp": dp.DDP, "zero1": dp.ZeRO1, "zero2": dp.ZeRO2, "zero3": dp.ZeRO3}[strategy]
-    dp.parallelize(model, policy(**small), mesh=dp.init_mesh(2) if mesh else None)
-    return dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-
-
 def strategies(world_size: int) -> list[str]:
     return STRATEGIES + (MESHED if world_size == 4 else [])
-
-
-def plain(model, optimizer) -> tuple[dict, dict]:
-    return dp.full_state_dict(model), dp.optimizer_state_dict(model, optimizer)["state"]
 
 
 def save_all(world, root: str) -> list[str]:
@@ -197,9 +166,6 @@ def test_diloco_resumes_between_synchronisations_bit_for_bit(tmp_path):
     assert [r["diloco"] for r in result] == [0.0] * 4
 
 
-TEXT = (b"def f(x):\n    return x * 2\n\nclass A:\n    pass\n" * 40)[:1500]
-
-
 def train_and_count(world, run_dir: str, strategy: str, steps: int, resume: bool) -> list[int]:
     """The trainer on a tiny corpus: `steps` steps (after resuming run_dir when `resume`), a
     checkpoint at the end; every sample index any rank trained on, in order."""
@@ -216,39 +182,6 @@ def train_and_count(world, run_dir: str, strategy: str, steps: int, resume: bool
     tokens = torch.frombuffer(bytearray(TEXT), dtype=torch.uint8)
     corpus = Corpus(tokens=tokens, num_files=1, sha256="test", source="test")
     return trained_samples(world, setup(config, world, corpus), run_dir, steps, resume)
-
-
-def trained_samples(world, state, run_dir: str, steps: int, resume: bool) -> list[int]:
-    """`steps` steps of the trainer's `state` (after resuming run_dir when `resume`), a
-    checkpoint at the end; every sample index any rank trained on, in stream order (shares
-    may differ by one: [Note: uneven batches] in trainer.py)."""
-    from dataparallel.train.checkpointing import Checkpointer, restore
-    from dataparallel.train.trainer import train_step
-
-    if resume:
-        restore(state, run_dir)
-    taken = []
-    take = state.ledger.samples.take_share
-
-    def recording(global_batch, rank, world_size):
-        out = take(global_batch, rank, world_size)
-        taken.append(out)
-        return out
-
-    state.ledger.samples.take_share = recording
-    for _ in range(steps):
-        train_step(state)
-    Checkpointer(run_dir, state, "sync").save(state)
-    everyone = [None] * world.world_size
-    torch.distributed.all_gather_object(everyone, taken)
-    # Rank r took positions r, r + W, r + 2W, ... of each step.
-    return [
-        part[k]
-        for step in zip(*everyone, strict=True)
-        for k in range(len(step[0]))
-        for part in step
-        if k < len(part)
-    ]
 
 
 def test_the_trainer_resumed_on_another_world_size_trains_on_every_sample_once(tmp_path):

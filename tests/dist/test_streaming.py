@@ -16,7 +16,7 @@ import dataparallel as dp
 from dataparallel.averaging import split_fragments
 
 from .harness import run_world
-from .test_compression import build, data
+from .regression import build, data
 
 LR, EVERY = 0.1, 4
 NESTEROV = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)

@@ -11,31 +11,7 @@ from __future__ import annotations
 import torch
 
 from .harness import run_world
-from .test_resharding import TEXT, trained_samples
-
-GLOBAL_BATCH, ACCUM = 8, 2
-
-
-def _state(world, strategy: str, run_dir: str = "", global_batch: int = GLOBAL_BATCH, accum=ACCUM):
-    from dataparallel.data.corpus import Corpus
-    from dataparallel.train.config import RunConfig
-    from dataparallel.train.trainer import setup
-
-    config = RunConfig().replace(
-        data={"block_size": 16, "eval_windows": 4, "val_fraction": 0.2},
-        train={
-            "steps": 10,
-            "global_batch": global_batch,
-            "batch": -(-global_batch // (accum * world.world_size)),
-            "accum": accum,
-            "seed": 3,
-        },
-        optim={"warmup_steps": 0},
-        launch={"nproc": world.world_size, "strategy": strategy, "out": run_dir},
-    )
-    tokens = torch.frombuffer(bytearray(TEXT), dtype=torch.uint8)
-    corpus = Corpus(tokens=tokens, num_files=1, sha256="test", source="test")
-    return setup(config, world, corpus)
+from .tiny_trainer import ACCUM, GLOBAL_BATCH, trained_samples, trainer_state
 
 
 def one_step_gradients(world, strategy: str) -> dict:
@@ -43,7 +19,7 @@ def one_step_gradients(world, strategy: str) -> dict:
     step's loss and norm, and this rank's micro-batch sizes."""
     from dataparallel.train.trainer import train_step
 
-    state = _state(world, strategy)
+    state = trainer_state(world, strategy)
     captured = {}
     step = state.optimizer.step
 
@@ -87,7 +63,7 @@ def test_an_uneven_split_keeps_the_global_batchs_gradient():
 def train_and_count(world, run_dir, strategy, steps, resume, global_batch, accum):
     """`steps` steps (after resuming run_dir when `resume`), a checkpoint at the end; every
     sample index any rank trained on, in stream order."""
-    state = _state(world, strategy, run_dir, global_batch, accum)
+    state = trainer_state(world, strategy, run_dir, global_batch, accum)
     return trained_samples(world, state, run_dir, steps, resume)
 
 

@@ -29,7 +29,7 @@ from .models import (
     train_chunks,
     user_checkpointed,
 )
-from .test_zero3 import PER_RANK, TOL, train_case
+from .zero3_parity import PER_RANK, TOL, train_case
 
 # Five blocks of 12,416 parameters (width 32, no biases): 20,000 groups them as 0-1, 2-3, 4
 MODELS["deep"] = (

@@ -45,10 +45,9 @@ REFERENCE_ARGS = [
     "--seed", "1",
 ]  # fmt: skip
 
-sys.path.insert(0, str(HERE.resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(HERE.resolve().parent))  # tests/, also when make_reference_curve runs
 from warm_processes import run_cli  # noqa: E402
-from workers import live_workers  # noqa: E402
+from worker_pids import live_workers  # noqa: E402
 
 
 def cli(args: list[str], *, timeout: float = 300, env=None) -> subprocess.CompletedProcess:

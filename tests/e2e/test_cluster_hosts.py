@@ -1,4 +1,4 @@
-"""Two nodes started as a scheduler starts them (network namespaces, benchmarks/two_hosts.py):
+"""Two nodes started as a scheduler starts them (network namespaces, tests/host_namespaces.py):
 `dataparallel train` on each host with no node flags, only the variables that srun sets for one
 task per node (SLURM_*), and again those of Kubeflow Trainer (PET_*); each forms one run of 2
 workers whose final weights equal a one-host run of the same global batch, bit for bit, and
@@ -11,13 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import host_namespaces
 import pytest
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-two_hosts = pytest.importorskip("two_hosts")
-
-REASON = two_hosts.available()
+REASON = host_namespaces.available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two hosts: {REASON}")
 ARGS = ["--model", "gpt-tiny", "--steps", "3", "--eval-every", "0", "--threads", "1",
         "--checkpoint-every", "3", "--batch", "4"]  # fmt: skip
@@ -36,7 +34,7 @@ def slurm_variables(node: int) -> list[str]:
 def pet_variables(node: int) -> list[str]:
     """What Kubeflow Trainer's torch runtime sets in node `node`'s pod."""
     return ["PET_NNODES=2", "PET_NPROC_PER_NODE=1", f"PET_NODE_RANK={node}",
-            f"PET_MASTER_ADDR={two_hosts.ADDRESSES[0]}", "PET_MASTER_PORT=29517"]  # fmt: skip
+            f"PET_MASTER_ADDR={host_namespaces.ADDRESSES[0]}", "PET_MASTER_PORT=29517"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +64,7 @@ def test_two_nodes_from_the_schedulers_variables_equal_one_host(
         return ["env", *variables(node_rank), sys.executable, "-m", "dataparallel.cli", "train",
                 "--nproc", "1", *ARGS, "--out", str(out)]  # fmt: skip
 
-    node0, node1, output, _ = two_hosts.run_on_two_hosts(command, rate=None, timeout=600)
+    node0, node1, output, _ = host_namespaces.run_on_two_hosts(command, rate=None, timeout=600)
     assert (node0, node1) == (0, 0), output
     for node in (0, 1):
         assert f"dataparallel train: {line.format(node=node)}" in output

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from safetensors.torch import load_file
+from worker_pids import live_workers
 
 from dataparallel.cli import main
 from dataparallel.train.metrics import read_metrics
@@ -28,9 +28,6 @@ from .helpers import (
     train_steps,
     wait_for,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from workers import live_workers  # noqa: E402
 
 
 def test_a_replica_joins_and_another_leaves_while_the_run_goes_on(tmp_path, capsys, live_reference):

@@ -2,7 +2,8 @@
 resumes on another world size and strategy, and damaged or foreign checkpoints are refused
 with one line while the previous one stays usable (docs/faults.md).
 
-The 20-trial figure comes from benchmarks/kill_trials.py; here one trial of each kind runs.
+The 20-trial figure comes from benchmarks/kill_trials.py; here one trial of each kind runs
+(tests/killed_runs.py, the trial they share).
 """
 
 from __future__ import annotations
@@ -15,16 +16,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import killed_runs
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from .helpers import CORPUS, REFERENCE_ARGS, cli, ok, train
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import kill_trials  # noqa: E402
-
-ARGS = [a for a in REFERENCE_ARGS]  # 2 workers, gpt-tiny, 12 steps, a checkpoint every 6
 
 
 def _resume(run_dir: Path, *flags: str):
@@ -72,7 +69,7 @@ def test_a_resume_on_one_rank_under_ddp_keeps_every_sample(whole, stopped, tmp_p
 def test_killing_a_worker_loses_nothing(whole, tmp_path):
     """Worker 0 or 1, killed 3-6 s after the workers start: the launcher restarts them."""
     rng = random.Random(5)
-    args = kill_trials.command(tmp_path / "run", 12, 6)
+    args = killed_runs.command(tmp_path / "run", 12, 6)
     args[args.index("--batch") + 1] = "4"
     result = _trial_with(args, "worker", tmp_path / "run", whole, rng)
     assert result["ok"], result
@@ -80,25 +77,25 @@ def test_killing_a_worker_loses_nothing(whole, tmp_path):
 
 def test_killing_the_launcher_then_resuming_by_hand_loses_nothing(whole, tmp_path):
     rng = random.Random(6)
-    args = kill_trials.command(tmp_path / "run", 12, 6)
+    args = killed_runs.command(tmp_path / "run", 12, 6)
     result = _trial_with(args, "launcher", tmp_path / "run", whole, rng)
     assert result["ok"], result
 
 
 def _trial_with(args, kind, out, whole, rng):
-    """kill_trials.trial with the reference run's flags (CORPUS, REFERENCE_ARGS)."""
-    flags = [*ARGS, "--data", str(CORPUS)]
+    """killed_runs.trial with the reference run's flags (CORPUS, REFERENCE_ARGS)."""
+    flags = [*REFERENCE_ARGS, "--data", str(CORPUS)]
 
     def command(out_dir, steps, every, extra=()):
         return [sys.executable, "-m", "dataparallel.cli", "train", *flags, "--out", str(out_dir)]
 
-    original = kill_trials.command
-    kill_trials.command = command
+    original = killed_runs.command
+    killed_runs.command = command
     try:
-        return kill_trials.trial(kind, out, whole / "model.safetensors", rng.uniform(3, 6), rng,
+        return killed_runs.trial(kind, out, whole / "model.safetensors", rng.uniform(3, 6), rng,
                                  12, 6)  # fmt: skip
     finally:
-        kill_trials.command = original
+        killed_runs.command = original
 
 
 def _error(result) -> str:
@@ -116,7 +113,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_resumes(stopped, tmp
     assert "no earlier checkpoint is left" in message  # the run stopped at its first
     # A run with two checkpoints: damage the newest, resume from the one before.
     run2 = tmp_path / "run2"
-    ok(train([*ARGS, "--checkpoint-every", "3", "--stop-after", "6"], run2))
+    ok(train([*REFERENCE_ARGS, "--checkpoint-every", "3", "--stop-after", "6"], run2))
     data = run2 / "checkpoint" / "step-000006" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 1

@@ -23,11 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
+from worker_pids import workers_by_rank
 
 from .helpers import CORPUS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from workers import workers_by_rank  # noqa: E402
 
 TIMEOUT_S = 5
 ARGS = [

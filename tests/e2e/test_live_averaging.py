@@ -20,13 +20,11 @@ import time
 from pathlib import Path
 
 from safetensors.torch import load_file
+from worker_pids import live_workers
 
 from dataparallel.cli import main
 
 from .helpers import CORPUS, GENERATION, LIVE_ARGS, numbers, ok, told_on_failure, train_steps
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from workers import live_workers  # noqa: E402
 
 STEPS, EVERY = 30, 10
 # test_live_recovery.py's run, shorter, on 3 workers in live mode.

@@ -12,9 +12,9 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 from safetensors.torch import load_file
+from worker_pids import live_ranks
 
 from dataparallel.cli import main
 from dataparallel.train.metrics import read_metrics
@@ -31,9 +31,6 @@ from .helpers import (
     train_steps,
     wait_for,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from workers import live_ranks  # noqa: E402
 
 HSDP = ["--nproc", "4", "--shard-group", "2", "--strategy", "zero2", "--batch", "3"]
 WAIT_S = 180  # for each stage of the run

@@ -4,7 +4,8 @@ the weights of an uninterrupted run, bit for bit; a save cut by the budget (and 
 SIGTERM during it) leaves the previous checkpoint whole ([Note: preemption] in
 launch/preemption.py; docs/faults.md, "Preemption").
 
-The 10-trial figure comes from benchmarks/preempt_trials.py; here one trial of each kind runs.
+The 10-trial figure comes from benchmarks/preempt_trials.py; here one trial of each kind runs
+(tests/signalled_runs.py, the trial they share).
 """
 
 from __future__ import annotations
@@ -17,16 +18,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import signalled_runs
+from killed_runs import same_weights
 
 from dataparallel.checkpoint import verify
 from dataparallel.launch.preemption import PREEMPTED
 from dataparallel.train.preemption import ENV_SLOW_SAVE
 
 from .helpers import CORPUS, REFERENCE_ARGS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import preempt_trials  # noqa: E402
-from kill_trials import same_weights  # noqa: E402
 
 
 # 2 workers, gpt-tiny, 12 steps, a checkpoint every 6; one command for every session.
@@ -37,7 +36,7 @@ def _command(out: Path, *extra: str) -> list[str]:
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        args, env=preempt_trials.environment(), capture_output=True, text=True, timeout=300
+        args, env=signalled_runs.environment(), capture_output=True, text=True, timeout=300
     )
 
 
@@ -57,8 +56,8 @@ def whole(reference_run) -> Path:
 def preempted(tmp_path_factory) -> tuple[Path, dict]:
     """The same command, SIGTERM to the launcher once step 3 is recorded."""
     out = tmp_path_factory.mktemp("preempted") / "run"
-    when = lambda o: preempt_trials.last_step(o) >= 3  # noqa: E731
-    return out, preempt_trials.signal_run(_command(out), out, when, signal.SIGTERM)
+    when = lambda o: signalled_runs.last_step(o) >= 3  # noqa: E731
+    return out, signalled_runs.signal_run(_command(out), out, when, signal.SIGTERM)
 
 
 def test_sigterm_saves_the_step_every_rank_stopped_after(preempted):
@@ -92,10 +91,10 @@ def test_a_save_cut_by_the_budget_and_a_second_sigterm_leave_the_previous_checkp
     command resumes from 6 to the uninterrupted weights."""
     out = tmp_path / "run"
     args = _command(out, "--preempt-budget", "3")
-    result = preempt_trials.signal_run(
+    result = signalled_runs.signal_run(
         args,
         out,
-        lambda o: preempt_trials.last_step(o) >= 7,
+        lambda o: signalled_runs.last_step(o) >= 7,
         signal.SIGTERM,
         again_after_s=1.0,
         env={ENV_SLOW_SAVE: "60"},

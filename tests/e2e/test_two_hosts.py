@@ -1,4 +1,4 @@
-"""Two hosts on a shaped 100 Mbit/s link (network namespaces, benchmarks/two_hosts.py): the real
+"""Two hosts on a shaped 100 Mbit/s link (network namespaces, tests/host_namespaces.py): the real
 `dataparallel train --nnodes 2`, exact and int8-compressed, one node per namespace.
 
 Checks: both nodes finish; the link really is slow (an exact step of gpt-tiny moves 4.2 MB per
@@ -22,16 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+import host_namespaces
 import pytest
 from safetensors.torch import load_file
+from worker_pids import children, live_workers, workers_by_rank
 
 from dataparallel.train.metrics import read_metrics
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-two_hosts = pytest.importorskip("two_hosts")
-from workers import children, live_workers, workers_by_rank  # noqa: E402 - benchmarks/ is on the path
-
-from .helpers import (  # noqa: E402
+from .helpers import (
     CORPUS,
     GENERATION,
     LIVE_ARGS,
@@ -43,7 +41,7 @@ from .helpers import (  # noqa: E402
     wait_for,
 )
 
-REASON = two_hosts.available()
+REASON = host_namespaces.available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two hosts: {REASON}")
 # A keeper of the second host's replica (`join --restarts 1`), torch imported, that starts once
 # `go` exists: the test decides when it joins, not the time this machine takes to import torch.
@@ -60,7 +58,7 @@ def _namespaces() -> set[str]:
 
 
 def _train(out: Path, *extra: str) -> tuple[list[dict], list[dict]]:
-    node0, node1, output, _ = two_hosts.train_on_two_hosts([*ARGS, *extra], str(out))
+    node0, node1, output, _ = host_namespaces.train_on_two_hosts([*ARGS, *extra], str(out))
     assert (node0, node1) == (0, 0), output
     return _records(out)
 
@@ -97,7 +95,7 @@ def test_exact_and_int8_training_across_two_namespaces(exact_run, tmp_path):
 
 def test_a_failed_run_leaves_no_namespace(tmp_path):
     before = _namespaces()
-    node0, node1, output, _ = two_hosts.train_on_two_hosts(
+    node0, node1, output, _ = host_namespaces.train_on_two_hosts(
         [*ARGS, "--compress", "topk:ratio=2"], str(tmp_path / "bad")
     )
     assert node0 == node1 == 2 and "ratio=2.0 must be in (0, 1]" in output
@@ -127,7 +125,7 @@ def test_a_worker_killed_on_the_second_host_restarts_both_and_loses_nothing(exac
     their workers (the c10d rendezvous spans the namespaces), which resume from step 3's
     checkpoint; the final weights equal the uninterrupted run's bit for bit."""
     killed, caught = tmp_path / "killed", []
-    node0, node1, output, _ = two_hosts.train_on_two_hosts(
+    node0, node1, output, _ = host_namespaces.train_on_two_hosts(
         ARGS, str(killed), rate=None, during=_kill_when(killed, 4, caught)
     )
     assert (node0, node1) == (0, 0), output
@@ -151,10 +149,10 @@ def test_live_across_two_hosts_a_replica_killed_on_the_second_is_joined_again(
     out = tmp_path / "live"
     train = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *LIVE_ARGS]
     train += ["--nproc", "1", "--batch", "12", "--max-replicas", "2", "--recovery", "live"]
-    train += ["--collective-timeout", "10", "--store-host", two_hosts.ADDRESSES[0]]
+    train += ["--collective-timeout", "10", "--store-host", host_namespaces.ADDRESSES[0]]
     train += ["--out", str(out)]
     go = tmp_path / "go"
-    with two_hosts.linked_namespaces(rate=None) as nodes:
+    with host_namespaces.linked_namespaces(rate=None) as nodes:
 
         def start(node: int, argv: list[str]) -> subprocess.Popen:
             space, link, _ = nodes[node]

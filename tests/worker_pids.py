@@ -1,5 +1,5 @@
-"""The worker processes of a launcher, read from /proc (Linux): for the trials and the tests
-that stop or kill one worker of a running `dataparallel train`."""
+"""The worker processes of a launcher, read from /proc (Linux): for the tests and the trials
+(benchmarks/) that stop or kill one worker of a running `dataparallel train`."""
 
 from __future__ import annotations
 
