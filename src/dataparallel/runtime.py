@@ -100,6 +100,8 @@ def init(
         the launcher's `--check-collectives` (DATAPARALLEL_CHECK_COLLECTIVES), else off.
 
     Calling it again returns the same world. Without torchrun's variables it makes a world of one.
+    A default process group made before (Ray Train's, the user's own) is adopted as it is, with
+    its backend; `destroy()` then tears it down, so call it only where the group is done with.
     """
     collective_timeout, check_collectives = launcher_settings(collective_timeout, check_collectives)
     if not collective_timeout >= 0:

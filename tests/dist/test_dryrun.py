@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import dataparallel as dp
-from dataparallel.plan.dry_run import dry_run, render
+from dataparallel.plan.dry_render import render
+from dataparallel.plan.dry_run import dry_run
 from dataparallel.plan.llama import Llama, LlamaConfig
 
 from .harness import run_world

@@ -1,9 +1,11 @@
 """Edge cases at scale on the fake process group ([Note: dry run] in comm/dry.py), each
 asserting numbers: a parameter smaller than the world, fewer ZeRO-3 units than ranks, a
 tensor-parallel degree that does not divide a layer, and the job's uneven micro-batches
-across 1,000 ranks; and the `--dry-run` command's one-line refusals."""
+across 1,000 ranks; and the `--dry-run` command's one-line refusals and its `--json`."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -13,9 +15,10 @@ import dataparallel as dp
 from dataparallel.cli import main
 from dataparallel.data.stream import SampleStream, split_evenly
 from dataparallel.models import build_model
-from dataparallel.plan.dry_roles import layouts_of
 from dataparallel.plan.dry_engine import traced_collectives
-from dataparallel.plan.dry_run import dry_run, render
+from dataparallel.plan.dry_render import render
+from dataparallel.plan.dry_roles import layouts_of
+from dataparallel.plan.dry_run import dry_run
 from dataparallel.plan.errors import PlanError
 
 
@@ -153,3 +156,44 @@ def test_dry_run_command_refuses_bare_counts_and_runs(capsys):
     out = capsys.readouterr().out
     assert "agrees: held bytes and collectives equal the plan" in out
     assert "reduce_scatter        8" in out
+
+
+def test_dry_run_json_is_the_plans_json_with_the_roles_beside_it(capsys):
+    """`--dry-run --json`: `plan --json`'s fields, its row of the candidate as it prints it,
+    and one entry per role with the engine's bytes beside the plan's. gpt-tiny (1,058,400
+    parameters, fp32, AdamW) under ZeRO-2 on shard groups of 8 of 64 ranks: each rank holds
+    every parameter, 1/8 of the gradients and of AdamW's 8 bytes per parameter."""
+    argv = ["plan", "--model", "gpt-tiny", "--ranks", "64", "--strategy", "zero2",
+            "--shard-size", "8", "--seq-len", "16", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--dry-run"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    fields = ("model", "params", "ranks", "tp", "hardware")
+    assert {k: got[k] for k in fields} == {k: planned[k] for k in fields}
+    assert (got["model"], got["params"], got["ranks"], got["tp"]) == ("gpt-tiny", 1058400, 64, 1)
+    assert got["rows"] == [row for row in planned["rows"] if row["label"] == "zero2 S=8"]
+    dry = got["dry_run"]
+    assert dry["label"] == "zero2 S=8" and dry["agrees"] is True and dry["differences"] == []
+    assert dry["peak_compared"] is False and dry["peak_tolerance"] == 0.01
+    none = "holds none of a parameter"  # its shard of a bucket covers only some parameters
+    assert [(r["rank"], r["shard_rank"], r["why"]) for r in dry["roles"]] == [
+        (0, 0, ["first", none]),
+        (7, 7, ["last", none]),
+    ]
+    held = {"params": 4 * 1058400, "grads": 4 * 1058400 // 8, "optimizer_state": 1058400,
+            "master_params": 0}  # fmt: skip
+    sent = {("all_gather", 8): 4233600, ("all_reduce", 8): 529200, ("reduce_scatter", 8): 4233600}
+    for role in dry["roles"]:
+        assert role["held_bytes"] == role["planned_bytes"] == held
+        assert got["rows"][0]["held_bytes"] == sum(held.values())
+        assert {
+            (c["kind"], c["group_size"]): c["engine_bytes"] for c in role["collectives"]
+        } == sent
+        assert all(c["engine_bytes"] == c["plan_bytes"] for c in role["collectives"])
+        assert role["peak_bytes"] == sum(t["engine_bytes"] for t in role["peak_terms"])
+        assert role["peak_bytes"] > sum(held.values())
+        assert sum(t["plan_bytes"] for t in role["peak_terms"]) == pytest.approx(
+            got["rows"][0]["peak_bytes"], abs=4
+        )
+        assert set(role["seconds"]) == {"parallelize", "build_optimizer", "first step", "step"}

@@ -1,18 +1,26 @@
 """The signal handlers of preemption, without a run ([Note: preemption] in launch/preemption.py):
 the launcher raises torch's SignalException once and says a repeat once; a worker's flag keeps
-the first signal; the agent is told to leave SIGTERM and SIGUSR1 to us and to wait the budget."""
+the first signal; the agent is told to leave SIGTERM and SIGUSR1 to us and to wait the budget;
+handlers are installed only on the main thread of the main interpreter ([Note: signals on the
+main thread]; a worker off it is Ray's, tests/e2e/test_ray.py)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from dataparallel.launch import preemption
 from dataparallel.launch.config import ConfigError, LaunchConfig, check_launch
-from dataparallel.launch.preemption import LauncherSignals, WorkerSignals, preempting
+from dataparallel.launch.preemption import (
+    LauncherSignals,
+    WorkerSignals,
+    preempting,
+    signals_allowed,
+)
 from dataparallel.launch.workers import (
     AGENT_FIXED_SHUTDOWN_S,
     agent_flags,
@@ -92,3 +100,64 @@ def test_a_torchrun_without_shutdown_timeout_is_not_given_one():
 def test_a_budget_under_a_second_is_refused():
     with pytest.raises(ConfigError, match=r"--preempt-budget \(launch.preempt_budget\): 0.5"):
         check_launch(LaunchConfig(preempt_budget=0.5))
+
+
+def on_a_thread(function):
+    """What `function()` returns (or raises) when called on a thread of its own (Ray Train's
+    way)."""
+    outcome = {}
+
+    def call():
+        try:
+            outcome["returned"] = function()
+        except Exception as error:  # noqa: BLE001 - raised again on the caller's thread
+            outcome["raised"] = error
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    if "raised" in outcome:
+        raise outcome["raised"]
+    return outcome["returned"]
+
+
+def test_signal_handlers_only_on_the_main_thread(kept_handlers):
+    assert signals_allowed() is True
+    assert on_a_thread(signals_allowed) is False
+    before = {s: signal.getsignal(s) for s in preemption.PREEMPT_SIGNALS}
+    launcher = on_a_thread(lambda: LauncherSignals(budget_s=25).install())
+    assert {s: signal.getsignal(s) for s in preemption.PREEMPT_SIGNALS} == before
+    on_a_thread(launcher.restore)  # nothing to restore: no error, nothing changed
+    assert {s: signal.getsignal(s) for s in preemption.PREEMPT_SIGNALS} == before
+    with pytest.raises(ValueError, match="main thread of the main interpreter"):
+        on_a_thread(lambda: signal.signal(signal.SIGUSR1, signal.SIG_DFL))  # Python's rule
+
+
+def test_no_signal_handlers_in_a_subinterpreter(tmp_path):
+    """A subinterpreter's first thread is its own `threading.main_thread()`, and Python still
+    refuses it a handler: preemption.py (stdlib imports only) loaded there says no."""
+    try:
+        import _interpreters as interpreters  # CPython 3.13 and later
+    except ImportError:
+        interpreters = pytest.importorskip("_xxsubinterpreters")  # CPython 3.10 to 3.12
+    answer = tmp_path / "answer"
+    code = f"""
+import importlib.util, signal, threading
+spec = importlib.util.spec_from_file_location("preemption", {preemption.__file__!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+try:
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    refused = False
+except ValueError:
+    refused = True
+main = threading.current_thread() is threading.main_thread()
+open({str(answer)!r}, "w").write(repr((module.signals_allowed(), refused, main)))
+"""
+    interpreter = interpreters.create()
+    try:
+        run = getattr(interpreters, "exec", None) or interpreters.run_string
+        run(interpreter, code)
+    finally:
+        interpreters.destroy(interpreter)
+    assert answer.read_text() == "(False, True, True)"  # not allowed, refused, its main thread

@@ -38,6 +38,16 @@ default) and sends SIGKILL. So:
 
 A live run (`--recovery live`) has its own launcher and takes no part: SIGTERM ends it as
 before, and it resumes from its last periodic checkpoint.
+
+[Note: signals on the main thread] Python lets only the main thread of the main interpreter
+install a signal handler (`signal.signal` raises "signal only works in main thread of the main
+interpreter" anywhere else). Ray Train runs the training function on a thread of its own, so
+`dataparallel.cli.main(["train", ...])` there installs none (`signals_allowed`): no handler, no
+preemption flag, and the signals keep the handlers of the process that owns the thread (Ray's
+worker), which rank 0 says in one line (train/worker.py NO_PREEMPTION). Our launcher and a
+worker it starts, torchrun's, Slurm's and mpirun's workers all run the command on their main
+thread and take preemption as above. torch's agent makes the same test for its own
+handlers (torch.distributed.elastic.multiprocessing.api, `PContext.start`).
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +66,26 @@ DEFAULT_BUDGET_S = 25.0
 MARK_WAIT_S = 2.0  # how long a worker's SIGTERM waits for its launcher's mark
 # The signals torch's agent keeps handling itself (Ctrl-C and the like: status 130).
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+
+
+def signals_allowed() -> bool:
+    """Whether this thread may install signal handlers: the main thread of the main interpreter
+    ([Note: signals on the main thread])."""
+    return threading.current_thread() is threading.main_thread() and _in_main_interpreter()
+
+
+def _in_main_interpreter() -> bool:
+    """Whether this is the main interpreter, not a subinterpreter (whose first thread is its own
+    `threading.main_thread()` and still may not install handlers). CPython's private modules,
+    checked on 3.10 to 3.13: `get_current()` equals `get_main()` only in the main interpreter."""
+    try:
+        import _interpreters as interpreters  # CPython 3.13 and later
+    except ImportError:
+        try:
+            import _xxsubinterpreters as interpreters  # CPython 3.10 to 3.12
+        except ImportError:  # no subinterpreters to be in
+            return True
+    return interpreters.get_current() == interpreters.get_main()
 
 
 def preempting(launcher_pid: int) -> Path:
@@ -76,6 +107,10 @@ class LauncherSignals:
         self._previous: dict = {}
 
     def install(self) -> LauncherSignals:
+        """Take the signals; on a thread that may not ([Note: signals on the main thread])
+        leave them as they are: the agent, on the same thread, takes none either."""
+        if not signals_allowed():
+            return self
         for sig in PREEMPT_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

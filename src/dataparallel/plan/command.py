@@ -108,9 +108,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _dry_run(args: argparse.Namespace) -> int:
     """[Note: dry run of a plan] in dry_run.py: one strategy and shard size, printed beside
-    the plan; 1 when they differ (held bytes, collectives, or the peak by more than
+    the plan (as JSON with --json); 1 when they differ (held bytes, collectives, or the peak by more than
     PEAK_TOLERANCE where it is compared)."""
-    from .dry_run import dry_run, render
+    from .dry_render import as_json, render
+    from .dry_run import dry_run
     from .errors import PlanError
 
     if args.params is not None:
@@ -138,7 +139,7 @@ def _dry_run(args: argparse.Namespace) -> int:
         micro_batch=args.micro_batch,
         seq_len=args.seq_len,
     )
-    print(render(result))
+    print(as_json(result) if args.json else render(result))
     differences = result.differences() + result.peak_differences()
     if differences:
         print(

@@ -41,7 +41,6 @@ from .dry_engine import (
 )
 from .dry_roles import chosen_roles, role_ranks
 from .errors import PlanError
-from .peak_terms import peak_terms
 from .strategies import policy_of
 
 # the peak is compared where the plan models what is in flight at it ([Note: peak terms]):
@@ -53,11 +52,13 @@ TENSOR_PARALLEL = "activations"  # the plan's name for --tp's all-reduces (plan/
 
 @dataclass
 class DryRun:
-    """A candidate's plan row and the engine's runs of its roles."""
+    """A candidate's plan row (of `plan`, the planner's Plan of that candidate alone) and the
+    engine's runs of its roles."""
 
     label: str
     ranks: int
     row: object
+    plan: object
     runs: list[RoleRun] = field(default_factory=list)
 
     def differences(self) -> list[str]:
@@ -127,7 +128,7 @@ def dry_run(
         hardware="h100-node",
     )
     row = next(r for r in result.rows if r.candidate.shard_size == s or strategy == "ddp")
-    out = DryRun(row.candidate.label + (f" tp={tp}" if tp > 1 else ""), ranks, row)
+    out = DryRun(row.candidate.label + (f" tp={tp}" if tp > 1 else ""), ranks, row, result)
     x = result.inputs
     shapes = result.model.param_shapes
     policy = policy_of(row.candidate, x)
@@ -199,81 +200,3 @@ def planned_collectives(row) -> dict[tuple[str, int], tuple[int, int]]:
 def tensor_parallel_collectives(row) -> list:
     """The plan's tensor-parallel activation all-reduces (not run by the dry run)."""
     return [c for c in row.memory.collectives if c.what.startswith(TENSOR_PARALLEL)]
-
-
-def render(dry: DryRun) -> str:
-    """The engine's numbers beside the plan's, per role, and the differences."""
-    gb = 1e9
-    lines = [
-        f"dry run: {dry.label} over {dry.ranks} ranks (fake process group, NCCL's code "
-        "paths; meta tensors)"
-    ]
-    lines.append(f"{'rank':>6} {'role':<40} {'term':<21} {'engine GB':>12} {'plan GB':>12}")
-    for run in dry.runs:
-        why = ", ".join(run.role.why)
-        for k in run.held:
-            lines.append(
-                f"{run.role.rank:>6} {why:<40} {k:<21} {run.held[k] / gb:>12.6f} "
-                f"{run.planned[k] / gb:>12.6f}"
-            )
-            why = ""
-    for run in (run for run in dry.runs if run.peak):
-        gap = run.peak / dry.row.peak_bytes - 1 if dry.row.peak_bytes else 0.0
-        compared = dry.row.candidate.strategy in PEAK_COMPARED
-        how = (
-            f"compared within {PEAK_TOLERANCE:.0%}"
-            if compared
-            else "not compared: the plan "
-            "does not model the gradient buffers in flight at the peak yet, docs/plan.md"
-        )
-        lines.append(
-            f"rank {run.role.rank}: peak {run.peak / gb:.6f} GB (meta storages alive "
-            f"at once in the step), plan {dry.row.peak_bytes / gb:.6f} GB ({gap:+.2%}; "
-            f"{how})"
-        )
-        lines.append(
-            f"  {'peak term ([Note: peak terms])':<34} {'engine GB':>12} {'plan GB':>12} "
-            f"{'gap':>12}"
-        )
-        for term in peak_terms(run.peak_terms, dry.row):
-            lines.append(
-                f"  {term.name:<34} {term.engine / gb:>12.6f} {term.plan / gb:>12.6f} "
-                f"{term.gap / gb:>+12.6f} GB"
-            )
-    lines.append(
-        f"{'collective':<16} {'ranks':>6} {'engine MB':>12} {'calls':>6} "
-        f"{'plan MB':>12} {'calls':>6}"
-    )
-    first = dry.runs[0]
-    for key in sorted(set(first.collectives) | set(first.planned_collectives)):
-        got = first.collectives.get(key, (0, 0))
-        want = first.planned_collectives.get(key, (0, 0))
-        lines.append(
-            f"{key[0]:<16} {key[1]:>6} {got[0] / 1e6:>12.3f} {got[1]:>6} "
-            f"{want[0] / 1e6:>12.3f} {want[1]:>6}"
-        )
-    for c in tensor_parallel_collectives(dry.row):
-        lines.append(
-            f"{c.what} ({c.kind} over {c.group.size} ranks): {c.buffer_bytes / 1e6:.3f} "
-            "MB planned, not run (DTensor's, not the data-parallel engine's)"
-        )
-    for key, (b, n) in sorted(first.control.items()):
-        lines.append(f"{key[0]:<28} over {key[1]} ranks: {b} B in {n} calls (not planned)")
-    for run in dry.runs:
-        t = run.seconds
-        lines.append(
-            f"rank {run.role.rank}: engine Python time: parallelize "
-            f"{t['parallelize']:.2f} s, build_optimizer {t['build_optimizer']:.2f} s, "
-            f"first step {t['first step']:.2f} s, step {t['step']:.2f} s (meta forward "
-            "and backward included)"
-        )
-    diffs = dry.differences() + dry.peak_differences()
-    lines += [f"DIFFERS: {d}" for d in diffs] or [
-        "agrees: held bytes and collectives equal the plan"
-        + (
-            f", the peak within {PEAK_TOLERANCE:.0%}"
-            if dry.row.candidate.strategy in PEAK_COMPARED
-            else ""
-        )
-    ]
-    return "\n".join(lines)

@@ -10,14 +10,21 @@ from .whole_parameters import describe
 GB = 1e9
 
 
+def plan_fields(p: Plan) -> dict:
+    """What a plan was made for: the top-level fields of `--json` (the dry run's too)."""
+    return {
+        "model": p.model.name,
+        "params": p.model.params,
+        "ranks": p.inputs.ranks,
+        "tp": p.inputs.tp,
+        "hardware": p.hardware.name,
+    }
+
+
 def as_json(p: Plan) -> str:
     return json.dumps(
         {
-            "model": p.model.name,
-            "params": p.model.params,
-            "ranks": p.inputs.ranks,
-            "tp": p.inputs.tp,
-            "hardware": p.hardware.name,
+            **plan_fields(p),
             "rows": [r.to_dict(p.hardware) for r in p.rows],
             "recommendation": p.best.candidate.label if p.best else None,
             "reason": p.reason,

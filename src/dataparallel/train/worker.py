@@ -24,7 +24,7 @@ from ..checkpoint import CheckpointError, latest_checkpoint
 from ..comm.plain import all_gather_plain
 from ..comm.progress import CollectiveMismatch, watched
 from ..data.formats import DataError
-from ..launch.preemption import PREEMPTED, WorkerSignals, exit_now
+from ..launch.preemption import PREEMPTED, WorkerSignals, exit_now, signals_allowed
 from ..launch.workers import ENV_LAUNCHER, freeze_imports
 from .callbacks import Callback
 from .checkpointing import CheckpointSaver, restore
@@ -44,6 +44,12 @@ from .trainer import setup
 from .writer import RecordsWriter
 
 CONFIG_FILE = "config.toml"
+# Rank 0's line off the main thread ([Note: signals on the main thread] in launch/preemption.py)
+NO_PREEMPTION = (
+    "dataparallel train: not on the process's main thread (as under Ray Train): no signal "
+    "handlers, so a SIGTERM or SIGUSR1 is the process's own and saves no checkpoint; "
+    "checkpoint with --checkpoint-every"
+)
 
 
 def restarted() -> int:
@@ -189,18 +195,23 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
     traceback from every rank. A collective that waits longer than --collective-timeout ends
     the process from the watchdog's thread (docs/watchdog.md). Exits PREEMPTED (75) after a
     SIGTERM or SIGUSR1, with the step every rank stopped at saved ([Note: preemption] in
-    launch/preemption.py; a live run takes no part).
+    launch/preemption.py; a live run takes no part, nor a worker off the main thread: [Note:
+    signals on the main thread]).
     """
     launch = config.launch
     live = LiveRecovery.from_environment(launch)  # [Note: live recovery] in live/recovery.py
     launcher = os.environ.get(ENV_LAUNCHER)  # our launcher's pid: it marks a preemption
-    signals = WorkerSignals(int(launcher) if launcher else None).install() if live is None else None
+    signals = None
+    if live is None and signals_allowed():
+        signals = WorkerSignals(int(launcher) if launcher else None).install()
     preempted = False
     world = dp.init(
         threads=launch.threads or None,
         collective_timeout=0 if live else launch.collective_timeout,
         check_collectives=launch.check_collectives,
     )
+    if live is None and signals is None and world.is_main:
+        print(NO_PREEMPTION, file=sys.stderr, flush=True)
     state = callbacks = None
     try:
         if live is not None and not live.joining:
