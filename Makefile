@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test lint bench gpu-check clean
+.PHONY: train test test-ray lint bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,6 +25,12 @@ lint: $(VENV)/.installed
 # about 75% of 2 cores is busy in one process, the rest is waits on timeouts and start-ups.
 test: lint
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
+
+# Both Ray Train recipes of docs/clusters.md under real ray[train] (TorchTrainer, 2 CPU
+# workers): about a minute, so a trial beside the suite, not in it.
+test-ray: $(VENV)/.installed
+	$(VENV)/bin/pip install -q -e '.[ray]'
+	DATAPARALLEL_TEST_RAY=1 $(VENV)/bin/python -m pytest -q -s tests/e2e/test_ray.py
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/bench_step.py $(ARGS)

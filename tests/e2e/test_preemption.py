@@ -130,3 +130,47 @@ def test_resume_auto_needs_the_run_directory():
     result = _run([*train, "--resume", "auto"])
     _ok(result, 2)
     assert "--resume auto: needs the run directory; give --out RUN_DIR" in result.stderr
+
+
+def test_no_signal_handlers_in_a_subinterpreter(tmp_path):
+    """A subinterpreter's first thread is its own `threading.main_thread()`, and Python still
+    refuses it a handler: preemption.py (stdlib imports only) loaded there says no. In a fresh
+    process of its own: a subinterpreter left the test process's torch unable to run autograd
+    ("The autograd engine was called while holding the GIL") in every test after it."""
+    answer = tmp_path / "answer"
+    inner = f"""
+import importlib.util, signal, threading
+spec = importlib.util.spec_from_file_location("preemption", {preemption_file()!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+try:
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    refused = False
+except ValueError:
+    refused = True
+main = threading.current_thread() is threading.main_thread()
+open({str(answer)!r}, "w").write(repr((module.signals_allowed(), refused, main)))
+"""
+    outer = f"""
+try:
+    import _interpreters as interpreters  # CPython 3.13 and later
+except ImportError:
+    import _xxsubinterpreters as interpreters  # CPython 3.10 to 3.12
+interpreter = interpreters.create()
+try:
+    run = getattr(interpreters, "exec", None) or interpreters.run_string
+    run(interpreter, {inner!r})
+finally:
+    interpreters.destroy(interpreter)
+"""
+    done = subprocess.run([sys.executable, "-c", outer], capture_output=True, text=True, timeout=60)
+    if "No module named '_xxsubinterpreters'" in done.stderr:
+        pytest.skip("this Python has no subinterpreters")
+    assert done.returncode == 0, done.stderr
+    assert answer.read_text() == "(False, True, True)"  # not allowed, refused, its main thread
+
+
+def preemption_file() -> str:
+    from dataparallel.launch import preemption
+
+    return preemption.__file__

@@ -7,9 +7,13 @@ workers, runs both recipes of the docs and each ends where our own runs end:
 - the API recipe, `dp.init()` (which adopts the process group Ray made), `dp.parallelize` and
   `dp.build_optimizer`, trains as one process on the global batch, on every strategy.
 
-Skipped without ray (`pip install "ray[train]"`, in the dev extra). The training functions take
-what they need in their config and call only torch, dataparallel and this module's functions:
-Ray pickles them by value (this module is not importable in Ray's workers).
+A trial, not a suite test: about a minute of Ray's start and its workers (and 80 MB of wheels
+for CI), so it runs only when asked, `make test-ray` (which installs `ray[train]` into the
+venv), or `DATAPARALLEL_TEST_RAY=1 pytest tests/e2e/test_ray.py` with ray installed. The
+suite keeps what makes the recipe work without Ray: no signal handler off the main thread
+(tests/unit/test_preemption.py). The training functions take what they need in their config
+and call only torch, dataparallel and this module's functions: Ray pickles them by value (this
+module is not importable in Ray's workers).
 """
 
 from __future__ import annotations
@@ -31,9 +35,15 @@ from dataparallel.models import GPT, GPTConfig
 from .helpers import REFERENCE_ARGS, corpus_copy, curve
 
 # Ray is imported by the fixture, not at collection (2-3 s in each process of the suite).
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("ray") is None, reason='needs ray: pip install "ray[train]"'
-)
+pytestmark = [
+    pytest.mark.skipif(
+        os.environ.get("DATAPARALLEL_TEST_RAY") != "1",
+        reason="a trial: make test-ray (or DATAPARALLEL_TEST_RAY=1 with ray[train] installed)",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("ray") is None, reason='needs ray: pip install "ray[train]"'
+    ),
+]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 # No biases: the attention's key bias has an exactly zero true gradient, whose rounding noise

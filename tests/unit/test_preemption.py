@@ -131,33 +131,3 @@ def test_signal_handlers_only_on_the_main_thread(kept_handlers):
     assert {s: signal.getsignal(s) for s in preemption.PREEMPT_SIGNALS} == before
     with pytest.raises(ValueError, match="main thread of the main interpreter"):
         on_a_thread(lambda: signal.signal(signal.SIGUSR1, signal.SIG_DFL))  # Python's rule
-
-
-def test_no_signal_handlers_in_a_subinterpreter(tmp_path):
-    """A subinterpreter's first thread is its own `threading.main_thread()`, and Python still
-    refuses it a handler: preemption.py (stdlib imports only) loaded there says no."""
-    try:
-        import _interpreters as interpreters  # CPython 3.13 and later
-    except ImportError:
-        interpreters = pytest.importorskip("_xxsubinterpreters")  # CPython 3.10 to 3.12
-    answer = tmp_path / "answer"
-    code = f"""
-import importlib.util, signal, threading
-spec = importlib.util.spec_from_file_location("preemption", {preemption.__file__!r})
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-try:
-    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-    refused = False
-except ValueError:
-    refused = True
-main = threading.current_thread() is threading.main_thread()
-open({str(answer)!r}, "w").write(repr((module.signals_allowed(), refused, main)))
-"""
-    interpreter = interpreters.create()
-    try:
-        run = getattr(interpreters, "exec", None) or interpreters.run_string
-        run(interpreter, code)
-    finally:
-        interpreters.destroy(interpreter)
-    assert answer.read_text() == "(False, True, True)"  # not allowed, refused, its main thread
