@@ -6,6 +6,7 @@ user code reads the same whatever the strategy (DDP, ZeRO-1/2/3).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -24,13 +25,15 @@ from .strategies import (
     as_layout,
     bind_dtensor_views,
     check_apart,
+    layout_of,
     localize_parameters,
     resolve_policy,
-    whole_parameters,
 )
 from .strategies.model_copy import PlainCopy, next_hook_id
 from .strategies.parts.flat_step import install_flat_step
 from .strategies.parts.grouped import GROUP_CLASS_KEY, Grouped, split_classes
+from .strategies.parts.optimizer_layout import OptimizerLayoutWarning, unknown_notice
+from .strategies.parts.torch_calls import is_carrier, load_local, local_state_dict
 
 _ATTR = "_dataparallel_strategy"
 
@@ -131,28 +134,38 @@ def rebind(model: nn.Module, group) -> None:
 
 
 def build_optimizer(
-    model: nn.Module, optimizer, params=None, *, elementwise: bool | None = None, **kwargs
+    model: nn.Module,
+    optimizer,
+    params=None,
+    *,
+    elementwise: bool | None = None,
+    reads: str | None = None,
+    **kwargs,
 ) -> torch.optim.Optimizer:
     """Build the optimizer for a parallelized model.
 
     optimizer: a `torch.optim.Optimizer` class (built here, on shards for sharded strategies)
         or, for DDP, an optimizer already built on this model's parameters (checked).
     params: optional parameters or param-group dicts of this model (default: all trainable).
-    elementwise: whether the class's update of an element reads only that element's gradient
-        and state (and per-parameter scalars). Under ZeRO-1/2/3 an elementwise optimizer steps
-        flat shards; any other gets whole parameters, each stepped on one owner rank
-        ([Note: optimizer layout] in strategies/parts/owners.py, docs/optimizers.md). None:
-        torch's elementwise classes (SGD, Adam, AdamW, ...) are, every other class is not
-        (the exact layout); True declares your own class elementwise.
+    reads: what the class's update of one element reads, which decides its layout under
+        ZeRO-1/2/3 ([Note: optimizer layout] in strategies/parts/optimizer_layout.py,
+        docs/optimizers.md): "element" (flat shards), "parameter" (whole parameters on
+        balanced owners), "group" (each param group on one owner) or "all" (every parameter
+        on one owner). None: torch's classes by their kind (SGD, Adam, AdamW, ... "element";
+        Adafactor, Muon "parameter"); any other class "all", exact whatever its update reads,
+        which `build_optimizer` says in one line with how to declare a cheaper layout.
+    elementwise: the older form of the declaration: True is reads="element", False
+        reads="parameter".
         A param group may name its own class under "optimizer" (Muon on the matrices, AdamW
         on the rest, one optimizer for one scheduler: [Note: grouped optimizer] in
         strategies/parts/grouped.py); the keyword arguments go to `optimizer`'s class, a
-        group's other class takes its hyper-parameters from the group.
+        group's other class takes its hyper-parameters from the group. Two calls on one model
+        (one optimizer each, as with PyTorch's DDP) work too, on every strategy.
     kwargs: passed to the optimizer class (lr, weight_decay, ...).
     """
     strategy = strategy_of(model)
     if isinstance(optimizer, torch.optim.Optimizer):
-        if params is not None or kwargs or elementwise is not None:
+        if params is not None or kwargs or elementwise is not None or reads is not None:
             raise ValueError(
                 "build_optimizer: pass an optimizer class with its arguments, or a built "
                 "optimizer alone"
@@ -166,11 +179,29 @@ def build_optimizer(
     if groups and isinstance(groups[0], dict) and any(GROUP_CLASS_KEY in g for g in groups):
         # [Note: grouped optimizer]: a group may name its own class (Muon + AdamW)
         groups, classes = split_classes(groups, optimizer)
-        whole = [whole_parameters(c, elementwise if c is optimizer else None) for c in classes]
-        return strategy.build_optimizer(Grouped(classes, optimizer), groups, whole=whole, **kwargs)
-    whole = whole_parameters(optimizer, elementwise)
-    built = strategy.build_optimizer(optimizer, groups, whole=whole, **kwargs)
-    return built if whole else install_flat_step(built)  # [Note: flat step]
+        mine = (elementwise, reads)
+        layouts = [layout_of(c, *(mine if c is optimizer else (None, None))) for c in classes]
+        _tell_layouts(strategy, classes, layouts)
+        per_group = [read for read, _ in layouts]
+        return strategy.build_optimizer(
+            Grouped(classes, optimizer), groups, reads=per_group, **kwargs
+        )
+    read, known = layout_of(optimizer, elementwise, reads)
+    _tell_layouts(strategy, [optimizer], [(read, known)])
+    built = strategy.build_optimizer(optimizer, groups, reads=read, **kwargs)
+    return install_flat_step(built) if read == "element" else built  # [Note: flat step]
+
+
+def _tell_layouts(strategy: Strategy, classes: list[type], layouts: list[tuple[str, bool]]) -> None:
+    """Once, on rank 0, the one line for each class the engine does not know, where the layout
+    matters (a shard group of more than one rank)."""
+    groups = strategy.groups
+    if groups is None or groups.shard.world_size == 1 or dist.get_rank() != 0:
+        return
+    for cls in dict.fromkeys(
+        c for c, (_, known) in zip(classes, layouts, strict=True) if not known
+    ):
+        warnings.warn(unknown_notice(cls, strategy.name), OptimizerLayoutWarning, stacklevel=3)
 
 
 def no_sync(model: nn.Module):
@@ -212,9 +243,9 @@ def wire_bytes(model: nn.Module) -> int:
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm across ranks and shards; return that norm.
 
-    Use it, not `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`: under ZeRO-1/2/3
-    the model's `.grad` are not the reduced gradient, and PyTorch's clip raises one line that
-    says so ([Note: sharded gradients] in strategies/parts/sharded_grads.py). Collective."""
+    `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` gives the same result on every
+    strategy ([Note: sharded gradients] in strategies/parts/sharded_grads.py); this one also
+    counts tensor-parallel parameters over "tp" under DDP. Collective."""
     return strategy_of(model).clip_grad_norm_(max_norm, norm_type)
 
 
@@ -264,6 +295,25 @@ def load_optimizer_state_dict(
 ) -> None:
     """Load what `optimizer_state_dict` returned (from any strategy) into `optimizer`."""
     strategy_of(model).load_optimizer_state_dict(optimizer, state)
+
+
+def local_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's optimizer state as torch keeps it (its shards or owned masters under
+    ZeRO-1/2/3, where `optimizer.state_dict()` is refused): to load back on this same rank
+    (a rewind), never a checkpoint; `optimizer_state_dict` is the portable one. Not collective."""
+    return local_state_dict(optimizer)
+
+
+def load_local_optimizer_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load what `local_optimizer_state_dict` returned on this rank. Not collective."""
+    load_local(optimizer, state)
+
+
+def held_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors `optimizer` updates on this rank: what it holds of the model (pieces, owned
+    masters, or DDP's parameters), without a sharded optimizer's found-inf carrier ([Note:
+    torch's own calls] in strategies/parts/torch_calls.py)."""
+    return [p for group in optimizer.param_groups for p in group["params"] if not is_carrier(p)]
 
 
 def memory_report(model: nn.Module, optimizer=None) -> dict[str, int]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils import checkpoint as torch_checkpoint
 from torch.nn import functional as F
+from torch.utils import checkpoint as torch_checkpoint
 
 import dataparallel as dp
 from dataparallel.models import GPT, GPTConfig
@@ -203,3 +203,19 @@ def user_checkpointed(model, reentrant: bool = False):
 
     model.forward = forward
     return model
+
+
+SMALL = {"bucket_mb": 0.02, "first_bucket_mb": 0.002}  # small buckets: shards straddle params
+
+
+def strategy(name: str):
+    """(policy, parallelize keywords) by name, with SMALL buckets; "*-2d" on a mesh of shard
+    groups of 2 (`dp.init_mesh(2)`, collective)."""
+    base = name.removesuffix("-2d")
+    policy = {
+        "ddp": dp.DDP(**SMALL),
+        "zero1": dp.ZeRO1(**SMALL),
+        "zero2": dp.ZeRO2(**SMALL),
+        "zero3": dp.ZeRO3(),
+    }[base]
+    return policy, ({"mesh": dp.init_mesh(2)} if name.endswith("-2d") else {})

@@ -14,6 +14,7 @@ import torch
 from torch.nn import functional as F
 
 import dataparallel as dp
+from dataparallel.averaging import held_tensors
 
 from .harness import run_world
 from .regression import build, data
@@ -37,7 +38,12 @@ def run(world, mode, steps, inner="ddp", shard=1, every=1, outer=None, compress=
             averager = dp.LocalSGD(model, opt, every, group=mesh.replicate_group)
         else:
             averager = dp.DiLoCo(
-                model, opt, every, group=mesh.replicate_group, outer_optimizer=outer, compress=compress
+                model,
+                opt,
+                every,
+                group=mesh.replicate_group,
+                outer_optimizer=outer,
+                compress=compress,
             )
     for step in range(steps):
         x, y = data(step, world.rank)
@@ -49,7 +55,7 @@ def run(world, mode, steps, inner="ddp", shard=1, every=1, outer=None, compress=
     with torch.no_grad():
         x, y = data(10_000, 0, 256)
         loss = F.mse_loss(model(x), y).item()
-    held = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    held = sum(p.numel() for p in held_tensors(opt))  # what the optimizer steps of the model
     per_step = averager.bytes_sent() / steps if averager else 0.0
     outer_state = _state_numel(averager.state_dict()) if averager else 0
     return dp.full_state_dict(model), loss, per_step, held, outer_state
@@ -90,7 +96,12 @@ def test_exactness_anchors_and_sharded_outer_state():
     numel = sum(p.numel() for p in build().parameters())
     for r in results:
         assert r["moved"] > 0.01
-        for key in ["local_vs_ddp", "diloco_vs_local", "local_zero2_vs_ddp", "diloco_zero2_vs_local"]:
+        for key in [
+            "local_vs_ddp",
+            "diloco_vs_local",
+            "local_zero2_vs_ddp",
+            "diloco_zero2_vs_local",
+        ]:
             assert r[key] < 1e-6, (key, r[key])
         whole, half = r["held"]
         assert whole == numel and abs(half - numel / 2) < 8  # ZeRO-2 over 2 ranks (padding)

@@ -1,5 +1,5 @@
 """Distributed Muon: `torch.optim.Muon` unmodified on whole matrices owned per shard group
-([Note: optimizer layout] in strategies/parts/owners.py), and Muon + AdamW through one
+([Note: optimizer layout] in strategies/parts/optimizer_layout.py), and Muon + AdamW through one
 `dp.build_optimizer` call ([Note: grouped optimizer] in strategies/parts/grouped.py).
 
 One spawned world of 2 ranks runs every case: the update bit for bit against torch's Muon given

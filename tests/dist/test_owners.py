@@ -1,4 +1,4 @@
-"""Whole-parameter ownership ([Note: optimizer layout] in strategies/parts/owners.py): optimizers
+"""Whole-parameter ownership ([Note: optimizer layout] in strategies/parts/optimizer_layout.py): optimizers
 that are not elementwise, exact on every strategy against one process on the global batch.
 
 Two spawned worlds run every case (start-up paid twice): 2 ranks (DDP, ZeRO-1/2/3; param
@@ -19,19 +19,20 @@ from torch import nn
 
 import dataparallel as dp
 from dataparallel.checkpoint import load_state, save_chunks, state_chunks
+from dataparallel.strategies.parts.torch_calls import is_carrier
 
 from .harness import run_world
-from .models import batch, build, loss_fn, reference_loss
+from .models import SMALL, batch, build, loss_fn, reference_loss, strategy
 
 TOL = 1e-5
 STEPS = 4
 PER_RANK = 4
-SMALL = {"bucket_mb": 0.02, "first_bucket_mb": 0.002}  # shards straddle parameters
 
 
 class Lamb(torch.optim.Optimizer):
     """A user's LAMB-style optimizer: momentum, then each parameter's step scaled by its trust
-    ratio ||w|| / ||update||, a whole-tensor statistic. Declares nothing."""
+    ratio ||w|| / ||update||, a whole-tensor statistic. Declared reads="parameter" where it is
+    built (DECLARED)."""
 
     def __init__(self, params, lr=0.05, momentum=0.9, weight_decay=0.0):
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
@@ -56,6 +57,11 @@ OPTIMIZERS = {
     "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
     "lamb": (Lamb, {"lr": 0.05}),
 }
+
+
+# What each declares at build_optimizer: the LAMB-style class reads its own parameter only, so
+# it keeps balanced owners (undeclared it gets one owner: tests/dist/test_user_lines.py).
+DECLARED = {"adafactor": {}, "lamb": {"reads": "parameter"}}
 
 
 class TwoMatrices(nn.Module):
@@ -86,18 +92,6 @@ def groups_of(model: nn.Module, grouped: bool):
         {"params": [p for p in params if p.dim() >= 2], "lr": 2e-2},
         {"params": [p for p in params if p.dim() < 2], "lr": 5e-3},
     ]
-
-
-def strategy(name: str):
-    """(policy, parallelize keywords) by name; "*-2d" on a mesh of shard groups of 2."""
-    base = name.removesuffix("-2d")
-    policy = {
-        "ddp": dp.DDP(**SMALL),
-        "zero1": dp.ZeRO1(**SMALL),
-        "zero2": dp.ZeRO2(**SMALL),
-        "zero3": dp.ZeRO3(),
-    }[base]
-    return policy, ({"mesh": dp.init_mesh(2)} if name.endswith("-2d") else {})
 
 
 def train(world, model, opt, model_name, start, stop, accum=1, clip=None, reference=False):
@@ -134,7 +128,9 @@ def case(world, model_name, opt_name, names, grouped=False, accum=1, clip=None) 
     for name in names:
         policy, options = strategy(name)
         model = dp.parallelize(make(model_name, 100 + world.rank), policy, **options)
-        opt = dp.build_optimizer(model, cls, groups_of(model, grouped), **kwargs)
+        opt = dp.build_optimizer(
+            model, cls, groups_of(model, grouped), **kwargs, **DECLARED[opt_name]
+        )
         norms = train(world, model, opt, model_name, 0, STEPS, accum, clip)
         full = dp.full_state_dict(model)
         diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
@@ -158,7 +154,7 @@ def resume(world, opt_name, root: str) -> dict:
     out = {}
     for first, second in (("zero1", "zero3"), ("zero2", "zero1"), ("zero3", "zero2")):
         model = dp.parallelize(make("transformer", 100), strategy(first)[0])
-        opt = dp.build_optimizer(model, cls, **kwargs)
+        opt = dp.build_optimizer(model, cls, **kwargs, **DECLARED[opt_name])
         train(world, model, opt, "transformer", 0, 2)
         weights, state = dp.full_state_dict(model), dp.optimizer_state_dict(model, opt)
         saved = max(
@@ -171,7 +167,7 @@ def resume(world, opt_name, root: str) -> dict:
         save_chunks(state_chunks(model, opt, rank=world.rank), folder, world.group)
         for way in ("plain", "dcp"):
             again = dp.parallelize(make("transformer", 7), strategy(second)[0])
-            opt = dp.build_optimizer(again, cls, **kwargs)
+            opt = dp.build_optimizer(again, cls, **kwargs, **DECLARED[opt_name])
             if way == "plain":
                 dp.load_full_state_dict(again, weights)
                 dp.load_optimizer_state_dict(again, opt, state)
@@ -197,7 +193,7 @@ def scaled(world, opt_name, names) -> dict:
     for name in names:
         policy, options = strategy(name)
         model = dp.parallelize(make("transformer", 100), policy, **options)
-        opt = dp.build_optimizer(model, cls, **kwargs)
+        opt = dp.build_optimizer(model, cls, **kwargs, **DECLARED[opt_name])
         scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
         n, rank = world.world_size, world.rank
         for step in range(STEPS):
@@ -224,7 +220,7 @@ def diloco(world, opt_name, mesh) -> dict:
     for name in ("ddp", "zero1", "zero3"):
         policy = strategy(name)[0]
         model = dp.parallelize(make("transformer", 100), policy, group=mesh.shard_group)
-        opt = dp.build_optimizer(model, cls, **kwargs)
+        opt = dp.build_optimizer(model, cls, **kwargs, **DECLARED[opt_name])
         averager = dp.DiLoCo(model, opt, every=2, group=mesh.replicate_group)
         for step in range(STEPS):
             x, y = batch("transformer", step, PER_RANK * n)
@@ -264,8 +260,9 @@ def world4(world, root: str) -> dict:
         out[opt_name, "empty"] = case(world, "two", opt_name, flat)
         cls, kwargs = OPTIMIZERS[opt_name]
         model = dp.parallelize(make("two", 1), dp.ZeRO1(**SMALL))
-        opt = dp.build_optimizer(model, cls, **kwargs)
-        out[opt_name, "owned"] = {"zero1": sum(len(g["params"]) for g in opt.param_groups)}
+        opt = dp.build_optimizer(model, cls, **kwargs, **DECLARED[opt_name])
+        held = [p for g in opt.param_groups for p in g["params"] if not is_carrier(p)]
+        out[opt_name, "owned"] = {"zero1": len(held)}
     return out
 
 

@@ -377,7 +377,7 @@ def overlapped_gather(world) -> dict:
     model = dp.parallelize(build("transformer", 0), policy, tracer=tracer)
     twin = dp.parallelize(build("transformer", 0), dp.ZeRO1(**SMALL))
     opts = [dp.build_optimizer(m, torch.optim.AdamW, lr=1e-2) for m in (model, twin)]
-    gather = dp.strategy_of(model).sharded_step.gather
+    gather = dp.strategy_of(model).built.all[0].step.gather
     seen: list = []  # (gathers pending, max |param - twin's|) as each module's forward starts
     twins = dict(twin.named_modules())
     for name, module in model.named_modules():
@@ -431,7 +431,7 @@ def _mha_waits_for_its_child(world) -> bool:
     tiny = {"bucket_mb": 0.001, "first_bucket_mb": 0.001}  # about one parameter per bucket
     model = dp.parallelize(Attention(), dp.ZeRO1(overlap_param_gather=True, **tiny))
     opt = dp.build_optimizer(model, torch.optim.SGD, lr=0.1)
-    gather = dp.strategy_of(model).sharded_step.gather
+    gather = dp.strategy_of(model).built.all[0].step.gather
     ptr = model.attn.out_proj.weight.untyped_storage().data_ptr()
     position = next(
         i for i, (flat, _) in enumerate(gather.buckets) if flat.untyped_storage().data_ptr() == ptr

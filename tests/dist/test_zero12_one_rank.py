@@ -130,11 +130,18 @@ def test_mixed_precision_casts_inputs_and_keeps_fp32_masters():
     assert {v.dtype for v in dp.full_state_dict(model).values()} == {torch.float32}
 
 
-def test_one_sharded_optimizer_per_model():
+def test_each_parameter_is_stepped_by_one_optimizer_and_all_are_built_before_a_step():
     model = dp.parallelize(_model(), "zero1")
-    dp.build_optimizer(model, torch.optim.SGD, lr=0.1)
-    with pytest.raises(ValueError, match="already built this model's sharded optimizer"):
-        dp.build_optimizer(model, torch.optim.SGD, lr=0.1)
+    first = [p for p in model.parameters() if p.dim() == 2]
+    opt = dp.build_optimizer(model, torch.optim.SGD, first, lr=0.1)
+    with pytest.raises(ValueError, match="already stepped by an optimizer built for this model"):
+        dp.build_optimizer(model, torch.optim.SGD, first[:1], lr=0.1)
+    out = model(_data(0)[0])
+    out.pow(2).mean().backward()
+    opt.step()
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    with pytest.raises(ValueError, match="every optimizer of a model is built before the first"):
+        dp.build_optimizer(model, torch.optim.SGD, rest, lr=0.1)
     other = dp.parallelize(_model(), "zero2")
     with pytest.raises(ValueError, match="builds its own sharded optimizer"):
         dp.build_optimizer(other, torch.optim.SGD(other.parameters(), lr=0.1))

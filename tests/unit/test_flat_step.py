@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dataparallel.strategies.parts.flat_step import find_runs, install_flat_step
-from dataparallel.strategies.parts.owners import ELEMENTWISE
+from dataparallel.strategies.parts.optimizer_layout import ELEMENTWISE
 
 SHAPES = [(4, 3), (3,), (5, 5), (2,), (7,), (1,)]
 
@@ -197,3 +197,42 @@ def test_a_state_saved_while_flat_loads_with_a_step_count_per_parameter():
         ref.step()
     assert [float(mine.state[p]["step"]) for p in ours] == [4.0, 4.0, 4.0, 4.0, 3.0, 4.0]
     assert max_diff(ours, theirs) <= 1e-6
+
+
+class ReadsItsOwnAttributes(torch.optim.SGD):
+    """A third-party class (pytorch_optimizer's Lion reads `self.maximize`) whose step reads an
+    instance attribute that torch's `__getstate__` leaves out of a copy."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, lr=lr)
+        self.sign_only = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign() if self.sign_only else p.grad, alpha=-group["lr"])
+
+
+def test_a_class_that_reads_its_own_attributes_steps_flat():
+    ours, theirs, mine = train(ReadsItsOwnAttributes, {"lr": 0.1})
+    assert mine._dataparallel_flat_step.flat_steps == 8
+    assert max_diff(ours, theirs) <= 1e-6
+
+
+def test_optimizer_state_dict_gives_each_parameter_its_own_scalars():
+    """nanoGPT's `torch.save(optimizer.state_dict())` under DDP, loaded into a plain optimizer
+    in one process: a shared `step` would be counted once per parameter there."""
+    ours, theirs, mine = train(torch.optim.AdamW, {"lr": 1e-2}, steps=3)
+    saved = mine.state_dict()
+    steps = [entry["step"] for entry in saved["state"].values()]
+    assert len(steps) == len(SHAPES) and len({id(s) for s in steps}) == len(SHAPES)
+    assert all(float(s) == 3.0 for s in steps)
+    assert mine.state[ours[0]]["step"] is mine.state[ours[1]]["step"]  # the run's own: shared
+    plain_opt = torch.optim.AdamW(theirs, lr=1e-2)
+    plain_opt.load_state_dict(copy.deepcopy(saved))
+    for p in theirs:
+        p.grad = torch.ones_like(p)
+    plain_opt.step()
+    assert [float(plain_opt.state[p]["step"]) for p in theirs] == [4.0] * len(SHAPES)

@@ -1,12 +1,13 @@
 """Whole-parameter ownership, the pure parts: which optimizer gets which layout, and who owns
-what ([Note: optimizer layout] in strategies/parts/owners.py)."""
+what ([Note: optimizer layout] in strategies/parts/optimizer_layout.py)."""
 
 import random
 
 import pytest
 import torch
 
-from dataparallel.strategies.parts.owners import ELEMENTWISE, assign_owners, whole_parameters
+from dataparallel.strategies.parts.optimizer_layout import ELEMENTWISE, layout_of, unknown_notice
+from dataparallel.strategies.parts.owners import assign_owners, bundle_owners
 
 
 def test_owners_are_balanced_largest_first():
@@ -53,34 +54,59 @@ def test_owners_agree_with_the_walk_over_the_ranks_and_cost_nothing_per_rank():
     assert assign_owners([3, 9, 9, 1], 2) == [0, 0, 1, 1]
 
 
-def test_which_optimizers_get_whole_parameters():
-    cases = {
-        (torch.optim.AdamW, None): False,
-        (torch.optim.SGD, None): False,
-        (torch.optim.Adafactor, None): True,
-        (torch.optim.Muon, None): True,
-        (torch.optim.AdamW, False): True,  # a user may ask for whole parameters
-    }
-
+def test_what_each_class_reads_known_declared_or_exact_by_default():
     class Mine(torch.optim.Optimizer):
         pass
 
     class MyAdamW(torch.optim.AdamW):  # a subclass may change the update: unknown
         pass
 
-    cases[Mine, None] = True
-    cases[MyAdamW, None] = True
-    cases[Mine, True] = False
-    assert {k: whole_parameters(*k) for k in cases} == cases
-    assert len(cases) == 8
+    cases = {
+        (torch.optim.AdamW, None, None): ("element", True),
+        (torch.optim.SGD, None, None): ("element", True),
+        (torch.optim.Adafactor, None, None): ("parameter", True),
+        (torch.optim.Muon, None, None): ("parameter", True),
+        (torch.optim.AdamW, False, None): ("parameter", True),  # a user may ask for owners
+        (Mine, None, None): ("all", False),  # unknown: one owner for everything, exact
+        (MyAdamW, None, None): ("all", False),
+        (Mine, True, None): ("element", True),
+        (Mine, None, "group"): ("group", True),
+        (Mine, None, "parameter"): ("parameter", True),
+        (torch.optim.AdamW, None, "all"): ("all", True),
+    }
+    assert {k: layout_of(*k) for k in cases} == cases
+    assert len(cases) == 11
     assert len(ELEMENTWISE) == 11
 
 
-def test_declaring_a_whole_tensor_optimizer_elementwise_is_refused():
+def test_a_wrong_declaration_is_one_line_naming_it():
     with pytest.raises(ValueError, match="Adafactor factors .* drop elementwise=True"):
-        whole_parameters(torch.optim.Adafactor, True)
+        layout_of(torch.optim.Adafactor, True, None)
+    with pytest.raises(ValueError, match="Muon orthogonalises"):
+        layout_of(torch.optim.Muon, None, "element")
     with pytest.raises(TypeError, match="elementwise='yes'"):
-        whole_parameters(torch.optim.SGD, "yes")
+        layout_of(torch.optim.SGD, "yes", None)
+    with pytest.raises(ValueError, match="reads='rows' must be one of 'element', 'parameter'"):
+        layout_of(torch.optim.SGD, None, "rows")
+    with pytest.raises(ValueError, match="pass elementwise or reads, not both"):
+        layout_of(torch.optim.SGD, True, "element")
+
+
+def test_the_unknown_class_notice_is_one_line_with_the_declarations():
+    line = unknown_notice(torch.optim.Optimizer, "zero2")
+    assert "\n" not in line and line.startswith("build_optimizer: Optimizer is a class")
+    assert "under zero2" in line and "elementwise=True" in line and "reads='parameter'" in line
+
+
+def test_bundles_go_whole_to_one_owner_largest_first():
+    # Alone, each parameter is placed as assign_owners places it.
+    assert bundle_owners([5, 10, 3], [None] * 3, 2) == assign_owners([5, 10, 3], 2)
+    # One bundle of everything: one rank owns it all, the others nothing.
+    assert bundle_owners([5, 10, 3], ["all"] * 3, 3) == [0, 0, 0]
+    # Two groups: the larger (10 + 1) on rank 0, the other (5 + 3) on rank 1.
+    assert bundle_owners([5, 10, 3, 1], ["g0", "g1", "g0", "g1"], 2) == [1, 0, 1, 0]
+    # A bundle and loose parameters together: the bundle counts as its total.
+    assert bundle_owners([4, 4, 6], ["b", "b", None], 2) == [0, 0, 1]
 
 
 def test_a_tensor_parallel_shard_is_refused_whole_parameters_in_one_line():

@@ -43,16 +43,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api import finish_param_gather, refresh_params
+from ..api import finish_param_gather, held_tensors, refresh_params
 from ..comm import Comm
 from .flat import flatten, unflatten
 
 __all__ = ["LocalSGD", "held_tensors"]
-
-
-def held_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors `optimizer` updates: what this rank holds of the model ([Note: averaging])."""
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 class LocalSGD:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api import geometry, strategy_of
+from ..api import geometry, load_local_optimizer_state_dict, strategy_of
 from ..held import placement, state_kind, whole_shape
 from .dcp import Chunk, load_chunks, stored_tensors
 
@@ -260,4 +260,4 @@ def _load_optimizer(optimizer, optim_state: dict[int, dict]) -> None:
         ours["param_groups"].append(
             {**{k: v for k, v in group.items() if k != "params"}, "params": indices}
         )
-    optimizer.load_state_dict(ours)
+    load_local_optimizer_state_dict(optimizer, ours)

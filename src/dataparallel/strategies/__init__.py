@@ -8,7 +8,8 @@ from .base import Strategy
 from .ddp import DDP
 from .parts.geometry import SCALAR_STATE_KEYS, Geometry, elementwise
 from .parts.mesh import Groups, Mesh, as_layout, init_mesh
-from .parts.owners import ELEMENTWISE, assign_owners, whole_parameters
+from .parts.optimizer_layout import ELEMENTWISE, READS, layout_of
+from .parts.owners import assign_owners
 from .parts.precision import MixedPrecision
 from .parts.tensor_parallel import (
     bind_dtensor_views,
@@ -24,6 +25,7 @@ from .zero12 import ZeRO1, ZeRO2
 __all__ = [
     "DDP",
     "ELEMENTWISE",
+    "READS",
     "Geometry",
     "Groups",
     "Mesh",
@@ -41,9 +43,9 @@ __all__ = [
     "as_layout",
     "elementwise",
     "init_mesh",
+    "layout_of",
     "localize_parameters",
     "resolve_policy",
     "tensor_parallel_of",
-    "whole_parameters",
     "whole_shape",
 ]

@@ -17,7 +17,7 @@ from ..comm import Comm
 from ..comm.dry import storage_key
 from .parts import geometry as geo
 from .parts.geometry import Geometry
-from .parts.sharded_grads import clip_grad_value_, grad_norms, held_runs
+from .parts.held_grads import clip_grad_value_, grad_norms, held_runs
 
 
 def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -142,10 +142,11 @@ class Strategy:
 
     # -- the calls the public API forwards ---------------------------------------------------
     def build_optimizer(
-        self, optimizer_cls, params=None, *, whole: bool | list[bool] = False, **kwargs
+        self, optimizer_cls, params=None, *, reads: str | list[str] = "element", **kwargs
     ) -> torch.optim.Optimizer:
-        """The user's optimizer for this strategy; `whole`: its update is not elementwise, so
-        it gets whole parameters ([Note: optimizer layout] in parts/owners.py)."""
+        """The user's optimizer for this strategy; `reads` (per param group, or one for all):
+        what its update of one element reads, which decides its layout ([Note: optimizer
+        layout] in parts/optimizer_layout.py)."""
         raise NotImplementedError
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -206,7 +207,7 @@ class Strategy:
 
     def owned_runs(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(model parameter, its whole reduced gradient) for the parameters this rank owns
-        ([Note: optimizer layout] in parts/owners.py); none without whole-parameter groups."""
+        ([Note: optimizer layout] in parts/optimizer_layout.py); none without whole-parameter groups."""
         return []
 
     def clip_grad_value_(self, clip_value: float) -> None:

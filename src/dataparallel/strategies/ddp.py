@@ -210,13 +210,13 @@ class DDPStrategy(Strategy):
         self.reducer.sync_enabled = enabled
 
     def build_optimizer(
-        self, optimizer_cls, params=None, *, whole: bool | list[bool] = False, **kwargs
+        self, optimizer_cls, params=None, *, reads: str | list[str] = "element", **kwargs
     ) -> torch.optim.Optimizer:
-        # Every rank steps whole parameters: either layout is this one, except over a
+        # Every rank steps whole parameters: every layout is this one, except over a
         # tensor-parallel parameter, whose local tensor is a slice ([Note: optimizer layout]).
         groups = normalize_param_groups(self.model, params)
-        wholes = whole if isinstance(whole, list) else [whole] * len(groups)
-        picked = [g["params"] for g, w in zip(groups, wholes, strict=True) if w]
+        per_group = reads if isinstance(reads, list) else [reads] * len(groups)
+        picked = [g["params"] for g, r in zip(groups, per_group, strict=True) if r != "element"]
         check_not_tensor_parallel(picked, optimizer_cls.__name__)
         return optimizer_cls(groups, **kwargs)
 

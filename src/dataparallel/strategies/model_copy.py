@@ -84,6 +84,8 @@ class PlainCopy:
             result = copy.deepcopy(model, memo)
         finally:
             object.__setattr__(model, "__deepcopy__", self)
-        result.__dict__.pop(self.attr, None)
-        result.__dict__.pop("__deepcopy__", None)
+        # what the strategy set on the instance: itself, this, and torch's load routed through
+        # it ([Note: torch's own calls] in parts/torch_calls.py): the copy is a plain module
+        for name in (self.attr, "__deepcopy__", "load_state_dict"):
+            result.__dict__.pop(name, None)
         return result

@@ -8,7 +8,7 @@
   norm weights (1-D) not, betas (beta1, beta2).
 - "adafactor": torch.optim.Adafactor over the same two groups (its own decay schedule of the
   second moments; beta1/beta2 are AdamW's and unused). Whole parameters per owner under ZeRO
-  ([Note: optimizer layout] in strategies/parts/owners.py), so its moments stay factored.
+  ([Note: optimizer layout] in strategies/parts/optimizer_layout.py), so its moments stay factored.
 - "muon": torch.optim.Muon on the hidden matrices, the trainable 2-D parameters other than the
   embeddings and the output head; AdamW (betas, decay as above) on the embeddings, the head,
   the norms and the biases. Muon gets adjust_lr_fn="match_rms_adamw", which scales its update

@@ -77,7 +77,7 @@ def clip_shards_(
 ) -> torch.Tensor:
     """Clip the gradients of flat shards, `shards` of (FlatShard, its parameters), held over
     `comm`; `params`: every parameter of the model (their tensor-parallel spreads); `owned`:
-    the gradients of the whole masters this rank owns ([Note: optimizer layout] in owners.py;
+    the gradients of the whole masters this rank owns ([Note: optimizer layout] in optimizer_layout.py;
     one owner per parameter in the group, so each counts once)."""
     spreads = all_spreads(params)
     if not spreads:  # the whole store at once where it can

@@ -4,7 +4,7 @@
 implementation runs about ten tensor operations per parameter from Python. On a model of many
 small tensors that loop is a large part of a step (gpt-deep-narrow, 388 tensors of 1.2M
 elements on one CPU core: 8.8 ms per parameter, 2.0 ms over one flat tensor). An elementwise
-optimizer ([Note: optimizer layout] in owners.py) updates an element from that element's
+optimizer ([Note: optimizer layout] in optimizer_layout.py) updates an element from that element's
 gradient and state and per-parameter scalars alone, so where a param group's parameters lie end
 to end in one buffer and their gradients end to end, in the same order, in another (every
 bucket of DDP, every flat shard of ZeRO-1/2/3: the engine lays them so), one step of the same
@@ -48,13 +48,13 @@ so a flat step can differ from the per-parameter one in the last bit of some ele
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict, defaultdict
 from types import MethodType
 
 import torch
 
 from .geometry import SCALAR_STATE_KEYS
+from .torch_calls import CALLS, calls_of
 
 OFF_OPTIONS = ("fused", "differentiable", "capturable")
 
@@ -152,6 +152,7 @@ class FlatStep:
         self.pre = optimizer.register_step_pre_hook(self._before)
         self.post = optimizer.register_step_post_hook(self._after)
         optimizer.register_load_state_dict_post_hook(self._loaded)
+        optimizer.register_state_dict_post_hook(_unshared)
 
     # -- the step ---------------------------------------------------------------------------
     def _before(self, optimizer, args, kwargs) -> None:
@@ -200,14 +201,20 @@ class FlatStep:
 
     def _build_shadow(self) -> bool:
         """A copy of the user's optimizer with no parameters, no state and no hooks: same
-        class, same attributes. False (and never again) when the class cannot be copied."""
+        class, same attributes. False (and never again) when the class cannot be copied.
+        Every instance attribute is kept: `copy.copy` goes through torch's `__getstate__`,
+        which keeps only `defaults`, `state` and `param_groups`, and a class that reads its
+        own (pytorch_optimizer's Lion, `self.maximize`) failed in its first flat step."""
         try:
-            shadow = copy.copy(self.optimizer)
+            shadow = type(self.optimizer).__new__(type(self.optimizer))
+            shadow.__dict__.update(vars(self.optimizer))
         except Exception:
             self.broken = True
             return False
-        for name in ("step", "_dataparallel_flat_step"):
+        calls = calls_of(self.optimizer)  # [Note: torch's own calls]: the instance's, not a copy's
+        for name in ("step", "_dataparallel_flat_step", *(calls.names if calls else ())):
             shadow.__dict__.pop(name, None)
+        shadow.__dict__.pop(CALLS, None)
         shadow.state = defaultdict(dict)
         shadow.param_groups = []
         for name, value in list(vars(shadow).items()):
@@ -326,6 +333,23 @@ class FlatStep:
             run.adopted = False
         if self.shadow is not None:
             self.shadow.state.clear()
+
+
+def _unshared(optimizer, state_dict: dict) -> dict:
+    """`optimizer.state_dict()` in PyTorch's plain per-parameter form: a run's parameters share
+    one object for each scalar (Adam's `step`), and a copy or a `torch.save` keeps that sharing,
+    so a plain optimizer that loads it (nanoGPT's resume in one process) would advance the one
+    `step` once per parameter (4, 5, 6 ... where one process has 4: 3.95e-4 off after the
+    resume). Each parameter gets its own copy here; the optimizer's own state is untouched."""
+    seen: set[int] = set()
+    for index, entry in list(state_dict["state"].items()):
+        shared = [k for k, v in entry.items() if torch.is_tensor(v) and id(v) in seen]
+        seen.update(id(v) for v in entry.values() if torch.is_tensor(v))
+        if shared:
+            state_dict["state"][index] = {
+                k: (v.clone() if k in shared else v) for k, v in entry.items()
+            }
+    return state_dict
 
 
 def _elementwise(key: str, value, like: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ parameter fit together:
 - ZeRO-1/2/3: per parameter, its part inside this rank's flat shard ([Note: flat shard]): the
   piece the optimizer steps (fp32 masters in mixed precision); over the shard group the parts
   of one parameter are disjoint and cover it. A parameter with no element on this rank has no
-  piece here. An owned parameter ([Note: optimizer layout] in owners.py) is one whole piece
+  piece here. An owned parameter ([Note: optimizer layout] in optimizer_layout.py) is one whole piece
   (offset 0, `whole`) on its owner, its master, and nothing elsewhere. Parameters a sharded
   strategy keeps whole (ZeRO-1/2's frozen ones) are listed whole and marked `replicated`.
 From it, and nowhere else, come the whole-model state dict (`full_state_dict`: every rank lays
@@ -43,6 +43,7 @@ from torch import nn
 
 from ...comm import Comm
 from .tensor_parallel import spread_of, to_local, to_whole
+from .torch_calls import is_carrier, load_local
 
 # State keys that torch optimizers keep as one number per parameter, not one per element.
 SCALAR_STATE_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
@@ -65,7 +66,7 @@ class HeldPiece:
     value: the elements, a 1-D view of what the optimizer updates (saved from, loaded into).
     key: the tensor the optimizer keys this piece's state by (None: not optimized).
     replicated: every rank of the group holds this same run (counted once when assembling).
-    whole: an owned parameter's master ([Note: optimizer layout] in owners.py): `value` is the
+    whole: an owned parameter's master ([Note: optimizer layout] in optimizer_layout.py): `value` is the
         whole parameter, held by this rank alone, and its optimizer state is the plain one
         (any shape), kept in the parameter's shape.
     """
@@ -115,7 +116,7 @@ def optimized_ids(optimizer: torch.optim.Optimizer | None) -> set[int]:
     """Ids of the tensors `optimizer` steps (none without one)."""
     if optimizer is None:
         return set()
-    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return {id(p) for group in optimizer.param_groups for p in group["params"] if not is_carrier(p)}
 
 
 def build_geometry(
@@ -321,6 +322,18 @@ def load_optimizer_state_dict(
 ) -> None:
     """Load a plain optimizer's state_dict (from any strategy or world size): each piece
     takes its run of its parameter's elementwise entries, and copies of the scalars."""
+    load_local(optimizer, local_optimizer_state(geometry, optimizer, user_groups, state))
+
+
+def local_optimizer_state(
+    geometry: Geometry,
+    optimizer: torch.optim.Optimizer,
+    user_groups: list[list[nn.Parameter]],
+    state: dict,
+) -> dict:
+    """This rank's state_dict for `optimizer` from a plain one ([Note: plain optimizer
+    state]): no collective. A state that is not plain over `user_groups` raises ValueError
+    naming what differs (the group sizes, an entry shaped unlike its parameter)."""
     groups = state["param_groups"]
     sizes = [len(g) for g in user_groups]
     if [len(g["params"]) for g in groups] != sizes:
@@ -341,21 +354,23 @@ def load_optimizer_state_dict(
     for g, group in enumerate(optimizer.param_groups):
         indices = []
         for key in group["params"]:
-            piece = pieces[id(key)]
-            entry = _piece_state(saved.get(id(piece.param)), piece)
-            if entry:
-                ours["state"][index] = entry
+            if not is_carrier(key):  # [Note: torch's own calls]: it has no state
+                piece = pieces[id(key)]
+                entry = _piece_state(saved.get(id(piece.param)), piece)
+                if entry:
+                    ours["state"][index] = entry
             indices.append(index)
             index += 1
         ours["param_groups"].append(
             {**{k: v for k, v in groups[g].items() if k != "params"}, "params": indices}
         )
-    optimizer.load_state_dict(ours)
+    return ours
 
 
 def _piece_state(param_state: dict | None, piece: HeldPiece) -> dict:
     """A piece's run of its parameter's state; scalars copied (a shared `step` tensor would be
-    incremented once per piece)."""
+    incremented once per piece). An entry that is neither shaped like the parameter nor a
+    scalar, where the piece is not whole, is not plain state (a rank's shard): ValueError."""
     if not param_state:
         return {}
     stop = piece.offset + piece.value.numel()
@@ -366,6 +381,11 @@ def _piece_state(param_state: dict | None, piece: HeldPiece) -> dict:
             entry[key] = value.detach().clone()
         elif elementwise(key, value, piece.param):
             entry[key] = value.detach().reshape(-1)[piece.offset : stop].clone()
+        elif torch.is_tensor(value) and value.numel() > 1:
+            raise ValueError(
+                f"state {key!r} of '{piece.name}' has shape {list(value.shape)}, the "
+                f"parameter {list(piece.param.shape)}"
+            )
         else:
             entry[key] = value.clone() if torch.is_tensor(value) else value
     return entry

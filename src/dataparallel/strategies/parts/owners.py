@@ -1,38 +1,30 @@
 """Whole-parameter ownership: the layout of optimizers whose update is not elementwise.
 
-[Note: optimizer layout] What the user's optimizer is built on under ZeRO-1/2/3 depends on one
-question about its class: is its update of an element a function of that element's gradient
-and state alone (and of per-parameter scalars such as Adam's `step`)?
-- Yes (`ELEMENTWISE`, or a class the user declares with `dp.build_optimizer(...,
-  elementwise=True)`): today's flat shards, unchanged. The optimizer steps 1-D pieces of the
-  flat buffers ([Note: flat shard] in flat_shard.py): zero-copy bucket views, one
-  reduce-scatter per bucket, shards balanced to the element; that is exactly the one-process
-  update of those elements.
-- No, or unknown (Adafactor's factored moments, Muon's orthogonalisation, a LAMB/LARS trust
-  ratio, Shampoo, a user's class): whole parameters. Each trainable parameter of such a group
-  has one owner in the shard group (`assign_owners`: largest first onto the least-loaded rank,
-  the same on every rank), which holds a whole master of it (in the dtype the flat shard
-  steps in: fp32 under mixed precision) and its optimizer state; the user's class is built on
-  the owners' whole tensors, unmodified. The reduction is today's (the parameter still lies in
-  its bucket); at the end of each synchronised round the ranks holding pieces of the reduced
-  gradient send them to the owner (`Owners.collect_grads`, point-to-point messages, which gloo
-  has: it has no reduce-scatter), and after `step()` the owner sends the updated pieces back
-  (`Owners.send_values`) into the holders' flat shards, from where ZeRO-1/2's all-gather
-  spreads them as today and ZeRO-3 keeps them in its shards. On a 2-D mesh ownership is within
-  the shard group: every replica computes the same update. DDP is unchanged: every rank steps
-  whole parameters. Either way an elementwise class steps each run of contiguous pieces (or
-  DDP's laid parameters) as one tensor ([Note: flat step] in flat_step.py).
+[Note: whole parameters] An optimizer whose update reads more than one element at a time
+("parameter", "group" or "all" in [Note: optimizer layout], optimizer_layout.py) is built on
+whole tensors: each trainable parameter of its groups has one owner in the shard group, which
+holds a whole master of it (in the dtype the flat shard steps in: fp32 under mixed precision)
+and its optimizer state; the user's class is built on the owners' whole tensors, unmodified.
+Owners are chosen per bundle (`bundle_owners`): a parameter alone ("parameter"), a param group
+("group"), or all of the class's groups ("all"), largest bundle first onto the least-loaded
+rank, the same on every rank. The reduction is the flat shards' (the parameter still lies in
+its bucket); at the end of each synchronised round the ranks holding pieces of the reduced
+gradient send them to the owner (`Owners.collect_grads`, point-to-point messages, which gloo
+has: it has no reduce-scatter), and after `step()` the owner sends the updated pieces back
+(`Owners.send_values`) into the holders' flat shards, from where ZeRO-1/2's all-gather spreads
+them and ZeRO-3 keeps them in its shards; for bundles of groups the owner's group dicts follow
+(`share_groups`). On a 2-D mesh ownership is within the shard group: every replica
+computes the same update. DDP is unchanged: every rank steps whole parameters.
 Only the parameters of non-elementwise groups are owned, so ZeRO-3's memory for elementwise
 groups scales as before; an owner's share of an owned group is whole matrices, so its memory
-can exceed the average by up to the largest matrix (docs/optimizers.md).
+can exceed the average by up to the largest bundle (docs/optimizers.md).
 
 Why not FSDP2's per-parameter dim-0 chunks inside the buckets (which would also give rows to
 owners, DTensor gradients and rectangular checkpoint pieces): every bucket would need a copy in
 before its reduce-scatter and a copy out after its all-gather, and every part that reads a
 bucket (reducer, keepers, flat shards, ZeRO-3's units, clipping, the geometry) would be
 rewritten, for every optimizer, to serve the ones that need whole parameters. Rectangular
-checkpoint pieces come instead from splitting a run at row boundaries at save time, and
-`.grad` reads on `model.parameters()` under ZeRO get a one-line error.
+checkpoint pieces come instead from splitting a run at row boundaries at save time.
 
 What the rest of the house sees ([Note: geometry] in geometry.py): an owned parameter is held
 whole by its owner (offset 0, the whole master as value and optimizer key) and by no other
@@ -57,48 +49,6 @@ from ...comm import Comm
 from .flat_shard import FlatShard
 from .tensor_parallel import spread_of
 
-# torch.optim classes whose update is elementwise given per-parameter scalars: exact on flat
-# shards (docs/zero.md's table checks each against the plain optimizer).
-ELEMENTWISE = frozenset(
-    {
-        torch.optim.SGD,
-        torch.optim.Adam,
-        torch.optim.AdamW,
-        torch.optim.Adagrad,
-        torch.optim.RMSprop,
-        torch.optim.Adamax,
-        torch.optim.NAdam,
-        torch.optim.RAdam,
-        torch.optim.ASGD,
-        torch.optim.Rprop,
-        torch.optim.Adadelta,
-    }
-)
-# torch.optim classes known to look at a whole parameter: `elementwise=True` is refused.
-WHOLE = {
-    torch.optim.Adafactor: "factors each matrix's second moment into rows and columns",
-    torch.optim.Muon: "orthogonalises whole matrices",
-}
-
-
-def whole_parameters(optimizer_cls: type, elementwise: bool | None) -> bool:
-    """Whether `optimizer_cls` gets whole-parameter ownership ([Note: optimizer layout]).
-
-    elementwise: the user's declaration; None: known torch classes by their kind, any other
-        class whole (the exact layout).
-    """
-    if elementwise is not None and not isinstance(elementwise, bool):
-        raise TypeError(f"build_optimizer: elementwise={elementwise!r} must be True, False or None")
-    why = next((w for cls, w in WHOLE.items() if issubclass(optimizer_cls, cls)), None)
-    if elementwise and why is not None:
-        raise ValueError(
-            f"build_optimizer: {optimizer_cls.__name__} {why}; it is not elementwise, drop "
-            "elementwise=True (it gets whole parameters, exactly)"
-        )
-    if elementwise is None:
-        return optimizer_cls not in ELEMENTWISE
-    return not elementwise
-
 
 def assign_owners(sizes: list[int], ranks: int) -> list[int]:
     """Per parameter of `sizes` elements, its owner among `ranks`: largest first, each onto
@@ -121,6 +71,25 @@ def assign_owners(sizes: list[int], ranks: int) -> list[int]:
         owners[i] = rank
         heapq.heappush(used, (load + sizes[i], rank))
     return owners
+
+
+def bundle_owners(sizes: list[int], bundles: list, ranks: int) -> list[int]:
+    """Per parameter, its owner, the parameters of one bundle together ([Note: whole
+    parameters]): `bundles` names each parameter's bundle (None: a bundle of its own); the
+    bundles are placed as `assign_owners` places parameters, by their total size, in the order
+    of their first parameter."""
+    slot: dict = {}
+    totals: list[int] = []
+    where = []
+    for i, (size, bundle) in enumerate(zip(sizes, bundles, strict=True)):
+        key = ("alone", i) if bundle is None else ("bundle", bundle)
+        if key not in slot:
+            slot[key] = len(totals)
+            totals.append(0)
+        totals[slot[key]] += size
+        where.append(slot[key])
+    owners = assign_owners(totals, ranks)
+    return [owners[k] for k in where]
 
 
 @dataclass(eq=False)  # keyed by identity
@@ -158,9 +127,16 @@ class Owners:
     comm: the shard group.
     """
 
-    def __init__(self, entries: list[tuple[nn.Parameter, FlatShard, int]], comm: Comm):
+    def __init__(
+        self,
+        entries: list[tuple[nn.Parameter, FlatShard, int]],
+        comm: Comm,
+        bundles: list | None = None,
+    ):
         self.comm = comm
-        owners = assign_owners([p.numel() for p, _, _ in entries], comm.world_size)
+        sizes = [p.numel() for p, _, _ in entries]
+        owners = bundle_owners(sizes, bundles or [None] * len(entries), comm.world_size)
+        self.group_owners: dict[int, int] = {}  # param group -> its owner ("group", "all")
         self.owned = [
             Owned(p, owner, shard, position)
             for (p, shard, position), owner in zip(entries, owners, strict=True)
@@ -286,6 +262,41 @@ class Owners:
         return incoming
 
 
+def share_groups(optimizer: torch.optim.Optimizer, owners: dict[int, int], comm: Comm) -> None:
+    """After a step: each param group of a "group" or "all" bundle takes its owner's values
+    (all but its params: a step size such a class estimates, its counters), so every rank
+    reads the one-process values and saves them in checkpoints ([Note: optimizer layout]).
+    `owners`: param group index -> its owner in the shard group. Collective (one object
+    all-gather over the shard group)."""
+    if comm.world_size == 1 or not owners:
+        return
+    groups = optimizer.param_groups
+    mine = {g: _portable(groups[g]) for g, owner in owners.items() if owner == comm.rank}
+    for theirs in comm.all_gather_object(mine):
+        for g, values in theirs.items():
+            if owners[g] != comm.rank:
+                _take(groups[g], values)
+
+
+def _portable(group: dict) -> dict:
+    """A group's values to send (tensors on the CPU)."""
+    return {
+        k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in group.items() if k != "params"
+    }
+
+
+def _take(group: dict, values: dict) -> None:
+    """`values` into `group`, a tensor of the same shape in place (its device kept)."""
+    for key, value in values.items():
+        mine = group.get(key)
+        if torch.is_tensor(value) and torch.is_tensor(mine) and mine.shape == value.shape:
+            mine.copy_(value)
+        elif torch.is_tensor(value) and torch.is_tensor(mine):
+            group[key] = value.to(mine.device)
+        else:
+            group[key] = value
+
+
 def check_not_tensor_parallel(groups: list[list[nn.Parameter]], who: str) -> None:
     """Whole parameters are whole tensors: a tensor-parallel parameter's local tensor is a
     slice of one, so an optimizer that reads a parameter's shape or norm would step the slice
@@ -301,16 +312,33 @@ def check_not_tensor_parallel(groups: list[list[nn.Parameter]], who: str) -> Non
 
 
 def own_groups(
-    groups: list[list[nn.Parameter]], shards: list[tuple[FlatShard, list]], comm: Comm, who: str
+    groups: list[list[nn.Parameter]],
+    shards: list[tuple[FlatShard, list]],
+    comm: Comm,
+    who: str,
+    reads: list[str] | None = None,
 ) -> tuple[Owners, list[list[nn.Parameter]]]:
     """Ownership of the trainable parameters of `groups` (per param group, in the user's
     order), laid out by `shards` ((FlatShard, its parameters) pairs), over the shard group
-    `comm`; returns the `Owners` and, per group, the masters this rank owns (what the user's
-    optimizer is built on)."""
+    `comm`; `reads`: per group, what its update reads ("parameter", "group" or "all"; default
+    "parameter"). Returns the `Owners` and, per group, the masters this rank owns (what the
+    user's optimizer is built on)."""
     where = {id(p): (shard, i) for shard, params in shards for i, p in enumerate(params)}
     check_not_tensor_parallel(groups, who)
-    entries = [(p, *where[id(p)]) for group in groups for p in group]
-    owners = Owners(entries, comm)
+    reads = reads or ["parameter"] * len(groups)
+    bundle_of = {"parameter": lambda g: None, "group": lambda g: ("group", g)}
+    bundle_of["all"] = lambda g: ("all",)
+    entries, bundles = [], []
+    for g, (group, read) in enumerate(zip(groups, reads, strict=True)):
+        for p in group:
+            entries.append((p, *where[id(p)]))
+            bundles.append(bundle_of[read](g))
+    owners = Owners(entries, comm, bundles)
+    position = 0
+    for g, (group, read) in enumerate(zip(groups, reads, strict=True)):
+        if group and read in ("group", "all"):
+            owners.group_owners[g] = owners.owned[position].owner
+        position += len(group)
     masters = owners.masters()
     chosen = [[masters[id(p)] for p in g if masters[id(p)] is not None] for g in groups]
     return owners, chosen

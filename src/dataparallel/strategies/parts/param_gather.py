@@ -48,6 +48,7 @@ class ParamGather:
         self.overlap = overlap
         self.works: list[dist.Work] = []
         self.next_wait = 0
+        self.handles: list = []  # the hooks `attach` registered
 
     @property
     def pending(self) -> bool:
@@ -90,6 +91,7 @@ class ParamGather:
         def finish(*args) -> None:
             self.finish()
 
+        handles = self.handles
         for module in model.modules():
             if not list(module.parameters(recurse=False)):
                 continue
@@ -101,11 +103,20 @@ class ParamGather:
             if not positions:
                 continue
             last = max(positions)
-            module.register_forward_pre_hook(
-                opaque(lambda *args, last=last: self.wait_through(last))
+            handles.append(
+                module.register_forward_pre_hook(
+                    opaque(lambda *args, last=last: self.wait_through(last))
+                )
             )
-            module.register_state_dict_pre_hook(finish)
-            module.register_load_state_dict_pre_hook(finish)
-        model.register_forward_hook(opaque(finish))
-        model.register_state_dict_pre_hook(finish)
-        model.register_load_state_dict_pre_hook(finish)
+            handles.append(module.register_state_dict_pre_hook(finish))
+            handles.append(module.register_load_state_dict_pre_hook(finish))
+        handles.append(model.register_forward_hook(opaque(finish)))
+        handles.append(model.register_state_dict_pre_hook(finish))
+        handles.append(model.register_load_state_dict_pre_hook(finish))
+
+    def detach(self) -> None:
+        """Remove the hooks `attach` made (the buckets were laid out again)."""
+        self.finish()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

@@ -39,6 +39,7 @@ class BackwardRound:
         # kernel launch each on CUDA. Sent as one tensor at the end.
         self.used = bytearray(n)
         self.queued = False
+        self.nonfinite = False  # what the last agreement found ([Note: found inf])
 
     def open(self, at_end: Callable[[], None]) -> None:
         """Queue `at_end` to run when autograd finishes this backward (once per round)."""
@@ -71,6 +72,7 @@ class BackwardRound:
         if work is not None:
             work.wait()
         values = flags.tolist()
+        self.nonfinite = bool(values[-1])
         if values[-1]:
             for shard in shards or ():
                 shard.poison()

@@ -1,25 +1,35 @@
-"""What a model parameter's `.grad` is under sharding, and the calls that read the real one.
+"""What a model parameter's `.grad` is under sharding: the reduced gradient where it lives.
 
 [Note: sharded gradients] After a synchronised backward under ZeRO-1/2/3 the reduced gradient
-of a parameter is a run of flat shards spread over the shard group ([Note: flat shard]): the
-optimizer's pieces hold it, and no rank holds it whole. PyTorch's own utilities read the
-model's `.grad`: `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`, the clipping line of
-nearly every training script, `clip_grad_value_`, a logged `p.grad.norm()`. Left None (as
-before), they clipped nothing and returned 0 without a word (0.77 from one process where the
-parameters moved 0.11, issue 29); left as the local sums, they read the wrong gradient
-([Note: consumed sums] in zero12/keepers.py). A DTensor gradient, FSDP2's answer, cannot
-describe a run of a flat shard. So each parameter that some rank used in the round gets a
-`ShardedGrad` as `.grad`: a zero-stride tensor of the parameter's shape, dtype and device (no
-memory) whose every use raises one line naming the call and the ways that work
-(`dataparallel.clip_grad_norm_(model, max_norm)`, `dataparallel.clip_grad_value_(model,
-clip_value)`, `dataparallel.grad_norms(model)`). Its metadata (shape, dtype, device) reads as
-the gradient's, so `p.grad is not None` stays true as in one process and a script that sums
-`p.grad.norm()` over the parameters fails instead of summing zero. The error is raised on the
-rank that reads, with no collective: a read on one rank alone fails there and hangs nobody.
-`model.zero_grad()` clears it (set_to_none, or zeros: a no-op); the strategy drops it before
-the next training forward, so autograd never accumulates into it; a parameter no rank used
-keeps `.grad = None`, as in one process. DDP keeps ordinary reduced `.grad`, on which
-PyTorch's utilities give the one-process result.
+of a parameter is a run of flat shards spread over the shard group ([Note: flat shard]), or a
+whole tensor on its owner ([Note: whole parameters] in owners.py): no rank holds it whole, yet
+scripts read the model's `.grad` with PyTorch's own lines, `torch.nn.utils.clip_grad_norm_(
+model.parameters(), ...)`, `clip_grad_value_`, a logged `p.grad.norm()`. Left None, they
+clipped nothing and returned 0 without a word (issue 29); left as the local sums, they read the
+wrong gradient ([Note: consumed sums] in zero12/keepers.py). So each parameter that some rank
+used in the round gets a `ShardedGrad` as `.grad`: a tensor of the parameter's shape, dtype and
+device (no memory of its own) that reads this rank's runs of the reduced gradient when it is
+used, as FSDP2's DTensor gradients do:
+- a reduction without `dim` (`norm`, `torch.linalg.vector_norm`, `torch._foreach_norm`, `sum`,
+  `mean`, `max`, `min`, `amax`, `amin`, `any`, `all`, `count_nonzero`) gives a `Partial`, whose
+  ranks' parts combine over the shard group when it is used ([Note: partial values] in
+  partial.py): the global value, in a collective every rank joins; `std` and `var` combine at
+  once (two all-reduces);
+- an elementwise function of it (`abs`, `pow`, `* 2`, `float()`, `isfinite`, a comparison with
+  a number) is another `ShardedGrad` over the results, reduced the same way;
+- an in-place change (`mul_`, `div_`, `clamp_`, `zero_`, `nan_to_num_`, their `_foreach_` forms)
+  changes the runs themselves: PyTorch's clip scales the gradient the optimizer steps with.
+So `clip_grad_norm_` and `clip_grad_value_` give the one-process result and `p.grad.norm()` the
+global norm. What cannot be exact on one rank (an element, `tolist()`, a matrix product, a
+whole tensor beside it, `torch.save`) raises one line naming the call. Metadata (shape, dtype,
+device) reads true, so `p.grad is not None` holds as in one process.
+
+Clearing: `model.zero_grad(set_to_none=False)` zeroes the runs; `model.zero_grad()` (or any
+`p.grad = None`) removes the placeholder, and the strategy, finding it gone at the next step or
+forward (`ShardedGrads.reconcile`, held_grads.py), clears that parameter's gradient, so a loop that zeroes the
+model instead of the optimizer (the Hugging Face Trainer's) trains as in one process. A
+placeholder replaced by another tensor is refused there in one line. A parameter no rank used
+keeps `.grad = None`; DDP keeps ordinary reduced `.grad`, on which PyTorch's own code runs.
 """
 
 from __future__ import annotations
@@ -28,29 +38,25 @@ import math
 import sys
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ...comm import Comm
-
-# Reads of metadata only (true of the gradient), and the clears `nn.Module.zero_grad` makes.
-METADATA = frozenset({"shape", "dtype", "device", "layout", "ndim", "is_sparse", "requires_grad"})
-METADATA_CALLS = frozenset({"size", "dim", "numel", "__len__"})
-CLEARS = frozenset({"zero_", "requires_grad_", "detach_", "_foreach_zero_"})
-
-
-def _name(func) -> str:
-    """`func`'s name: a property's own name for a property read."""
-    owner = getattr(func, "__self__", None)
-    if type(func).__name__ == "method-wrapper" and owner is not None:
-        return getattr(owner, "__name__", "?")
-    return getattr(func, "__name__", str(func))
+from .grad_ops import (
+    ELEMENTWISE_OPS,
+    IN_PLACE_OPS,
+    ITSELF,
+    METADATA,
+    REDUCTIONS,
+    arguments,
+    name_of,
+)
+from .partial import Partial, partial
+from .tensor_parallel import spread_of
 
 
 def _caller(func) -> str:
     """The call to name in the error: the outermost torch function on the stack above this
-    read, wrappers left out (`torch.nn.utils.clip_grad_norm_`; a private `_get_total_norm` is
-    public `get_total_norm`), or the read itself (`.grad.norm`) when the user's code made it."""
+    read, wrappers left out, or the read itself (`.grad.tolist`) when the user's code made it."""
     frame, outermost = sys._getframe(2), None
     while frame is not None and frame.f_globals.get("__name__", "").startswith("torch"):
         name = frame.f_code.co_name
@@ -59,130 +65,252 @@ def _caller(func) -> str:
         frame = frame.f_back
     module = outermost.f_globals["__name__"] if outermost is not None else "torch._tensor"
     if module.startswith(("torch._tensor", "torch.overrides", "torch.functional")):
-        return f".grad.{_name(func)}"
+        return f".grad.{name_of(func)}"
     if module.startswith("torch.nn.utils"):
         module = "torch.nn.utils"
     return f"{module}.{outermost.f_code.co_name.lstrip('_')}"
 
 
 class ShardedGrad(torch.Tensor):
-    """A model parameter's `.grad` under ZeRO-1/2/3 after a synchronised round: every use
-    raises ([Note: sharded gradients]). Build with `sharded_grad`."""
+    """A model parameter's `.grad` under ZeRO-1/2/3 after a synchronised round ([Note: sharded
+    gradients]). Build with `sharded_grad`.
 
-    strategy = "zero"
+    source: where this rank's runs of the reduced gradient live (a `HeldGrads`, held_grads.py;
+        its `runs(param)` and `comm`), None for a derived one; param: its parameter; fixed: a derived gradient's own runs.
+    """
+
+    source: object | None  # a HeldGrads (held_grads.py)
+    param: nn.Parameter
+    fixed: list[torch.Tensor] | None
+    spread: tuple
+    strategy: str
+
+    def runs(self) -> list[torch.Tensor]:
+        """This rank's runs of the gradient, now."""
+        if self.fixed is not None:
+            return self.fixed
+        return self.source.runs(self.param) if self.source is not None else []
+
+    @property
+    def comm(self) -> Comm | None:
+        return self.source.comm if self.source is not None else None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = _name(func)
-        if name in METADATA or name in METADATA_CALLS:
+        kwargs = kwargs or {}
+        name = name_of(func)
+        if name in METADATA:
             with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
+                return func(*args, **kwargs)
         if name == "grad_fn":
             return None
-        if name in CLEARS:
-            return args[0] if name != "_foreach_zero_" else None
-        flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])]
-        strategy = next((t.strategy for t in flat if isinstance(t, ShardedGrad)), cls.strategy)
+        if name in ITSELF and isinstance(args[0], ShardedGrad):
+            return args[0]
+        first = _first_grad(args)
+        try:
+            if name in REDUCTIONS:
+                return _reduce(first, name, args, kwargs)
+            if name in IN_PLACE_OPS:
+                _in_place(func, args, kwargs)
+                return args[0]
+            if name in ELEMENTWISE_OPS:
+                return _elementwise(first, func, args, kwargs)
+        except _Inexact:
+            pass
         raise RuntimeError(
-            f"{_caller(func)} read a model parameter's .grad, which under {strategy} is not "
-            "the reduced gradient (it lives sharded in the optimizer, no rank holds it whole); "
-            "use dataparallel.clip_grad_norm_(model, max_norm), "
-            "dataparallel.clip_grad_value_(model, clip_value) or dataparallel.grad_norms(model)"
+            f"{_caller(func)} on a model parameter's .grad cannot be exact under "
+            f"{first.strategy}: this rank holds only its part of the reduced gradient; "
+            "reductions (norm, sum, mean, max, min), elementwise maths with numbers, in-place "
+            "scaling and torch.nn.utils.clip_grad_norm_/clip_grad_value_ work (collectives: "
+            "every rank runs them; docs/zero.md)"
         )
 
 
-def sharded_grad(param: nn.Parameter, strategy: str) -> ShardedGrad:
+class _Inexact(Exception):
+    """A call on sharded gradients that has no exact form here (refused by the caller)."""
+
+
+def sharded_grad(param: nn.Parameter, source, strategy: str) -> ShardedGrad:
     """A `ShardedGrad` for `param`: its shape, dtype and device, one element of memory."""
     base = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+    return _made(base, source, param, None, spread_of(param), strategy)
+
+
+def _made(base, source, param, fixed, spread, strategy) -> ShardedGrad:
     grad = torch.Tensor._make_subclass(ShardedGrad, base)
+    grad.source, grad.param, grad.fixed, grad.spread = source, param, fixed, spread
     grad.strategy = strategy
     return grad
 
 
-class ShardedGrads:
-    """The `ShardedGrad` of each of a strategy's parameters, made once and reused.
+def _first_grad(args) -> ShardedGrad:
+    for a in args:
+        if isinstance(a, ShardedGrad):
+            return a
+        if isinstance(a, (list, tuple)):
+            found = next((t for t in a if isinstance(t, ShardedGrad)), None)
+            if found is not None:
+                return found
+    raise _Inexact
 
-    params: the parameters whose reduced gradient lives in flat shards, in the order of the
-        round's used flags (frozen ones are skipped).
-    strategy: its name, for the error.
-    """
 
-    def __init__(self, params: list[nn.Parameter], strategy: str):
-        self.params = params
-        self.strategy = strategy
-        self.grads: list[ShardedGrad | None] = [None] * len(params)
-        # (dtype, device) each was made for: read from the parameter, as a ShardedGrad's own
-        # attribute reads go through its __torch_function__ (two per parameter per step)
-        self.made_for: list[tuple | None] = [None] * len(params)
+def _scalar(value) -> bool:
+    """A number or a one-element tensor: the same for every element, on every rank."""
+    if isinstance(value, Partial):
+        return value.dim() == 0
+    if torch.is_tensor(value):
+        return not isinstance(value, ShardedGrad) and value.numel() == 1
+    return isinstance(value, (int, float, bool)) or value is None
 
-    def attach(self, used: list[bool]) -> None:
-        """At the end of a synchronised round: the parameters some rank used get theirs (made
-        in the parameter's dtype now: ZeRO-3's parameters take the compute dtype)."""
-        for i, (param, was_used) in enumerate(zip(self.params, used, strict=True)):
-            if not was_used or not param.requires_grad:
-                continue
-            key = (param.dtype, param.device)
-            if self.made_for[i] != key:
-                self.grads[i] = sharded_grad(param, self.strategy)
-                self.made_for[i] = key
-            param.grad = self.grads[i]
 
-    def drop(self) -> None:
-        """Before a training forward: autograd must find None (or a real gradient)."""
-        for param in self.params:
-            if isinstance(param.grad, ShardedGrad):
-                param.grad = None
+def _per_run(value, grad: ShardedGrad, index: int):
+    """`value` as it applies to run `index` of `grad`: the run itself for the same gradient,
+    a number as it is; anything else has no exact per-run form."""
+    if isinstance(value, ShardedGrad):
+        if value is not grad and (value.param is not grad.param or value.fixed is not None):
+            raise _Inexact
+        return value.runs()[index]
+    if isinstance(value, Partial):
+        return value.combine()
+    if _scalar(value) or isinstance(value, (torch.dtype, torch.device, str, torch.memory_format)):
+        return value
+    raise _Inexact
+
+
+def _elementwise(grad: ShardedGrad, func, args, kwargs) -> ShardedGrad:
+    """A function of the gradient element by element: a derived `ShardedGrad` of its runs."""
+    runs = grad.runs()
+    out = []
+    for i in range(len(runs)):
+        call = [_per_run(a, grad, i) for a in args]
+        named = {k: _per_run(v, grad, i) for k, v in kwargs.items()}
+        with torch._C.DisableTorchFunctionSubclass():
+            out.append(func(*call, **named))
+    with torch._C.DisableTorchFunctionSubclass():
+        shaped = func(*[_shape_of(a) for a in args], **{k: _shape_of(v) for k, v in kwargs.items()})
+    base = torch.zeros((), dtype=shaped.dtype, device=shaped.device).expand(grad.shape)
+    return _made(base, grad.source, grad.param, out, grad.spread, grad.strategy)
+
+
+def _shape_of(value):
+    """A one-element stand-in with `value`'s dtype and device (for the result's dtype)."""
+    if isinstance(value, ShardedGrad):
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.zeros(1, dtype=value.dtype, device=value.device)
+    if isinstance(value, Partial):
+        return value.combine()
+    return value
+
+
+@torch.no_grad()
+def _in_place(func, args, kwargs) -> None:
+    """Change every run in place; `_foreach_` forms take a list of gradients (and per-tensor
+    scalars)."""
+    if name_of(func).startswith("_foreach_"):
+        grads, rest = args[0], args[1:]
+        for k, grad in enumerate(grads):
+            if not isinstance(grad, ShardedGrad):
+                raise _Inexact
+            mine = [r[k] if isinstance(r, (list, tuple)) else r for r in rest]
+            single = getattr(torch.Tensor, name_of(func).removeprefix("_foreach_"))
+            _in_place(single, (grad, *mine), kwargs)
+        return
+    grad = args[0]
+    if not isinstance(grad, ShardedGrad):
+        raise _Inexact
+    for i, run in enumerate(grad.runs()):
+        call = [run, *(_per_run(a, grad, i) for a in args[1:])]
+        named = {k: _per_run(v, grad, i) for k, v in kwargs.items()}
+        with torch._C.DisableTorchFunctionSubclass():
+            func(*call, **named)
+
+
+def _reduce(grad: ShardedGrad, name: str, args, kwargs):
+    """A reduction over the whole gradient: this rank's part, combined when used."""
+    if name == "_foreach_norm":
+        order = arguments(name, args, kwargs)["ord"]
+        return [_reduce(g, "linalg_vector_norm", (g, order), {}) for g in args[0]]
+    bound = arguments(name, args, kwargs)
+    if bound.get("dim") not in (None, (), []) or bound.get("keepdim"):
+        raise _Inexact  # a reduction along a dimension of a gradient laid flat over the ranks
+    if bound.get("matrix") and grad.dim() != 1:
+        raise _Inexact
+    runs = grad.runs()
+    kind = REDUCTIONS[name]
+    device, comm = grad.device, grad.comm
+    if kind == "norm":
+        order = bound.get("ord", 2.0)
+        order = 2.0 if order in (None, "fro") else order
+        if isinstance(order, str) or float(order) < 0:
+            raise _Inexact
+        order = float(order)
+        if order == 0:  # the number of non-zero elements
+            local = _total([(r != 0).sum() for r in runs], device)
+            return partial(local, "sum", grad.dtype, comm, grad.spread)
+        if math.isinf(order):
+            local = _largest([r.abs().max() for r in runs if r.numel()], device, 0.0)
+        else:
+            local = _total(
+                [torch.linalg.vector_norm(r, order).double() ** order for r in runs], device
+            )
+        return partial(local, "power", grad.dtype, comm, grad.spread, order=order)
+    if kind in ("sum", "mean", "count"):
+        values = [(r != 0).sum() if kind == "count" else r.sum(dtype=torch.float64) for r in runs]
+        count = grad.numel() if kind == "mean" else 1
+        dtype = torch.int64 if kind == "count" else _sum_dtype(grad.dtype)
+        return partial(_total(values, device), "sum", dtype, comm, grad.spread, count=count)
+    if kind in ("max", "min"):
+        fill = -math.inf if kind == "max" else math.inf
+        values = [r.max() if kind == "max" else r.min() for r in runs if r.numel()]
+        if grad.dtype == torch.bool:
+            fill = 0.0 if kind == "max" else 1.0
+        local = _largest(values, device, fill) if kind == "max" else _smallest(values, device, fill)
+        return partial(local, kind, grad.dtype, comm, grad.spread)
+    if kind in ("any", "all"):
+        values = [(r.any() if kind == "any" else r.all()).double() for r in runs]
+        fill = 0.0 if kind == "any" else 1.0
+        local = _largest(values, device, fill) if kind == "any" else _smallest(values, device, fill)
+        return partial(local, "max" if kind == "any" else "min", torch.bool, comm, grad.spread)
+    return _spread_of_values(grad, runs, bound, kind)
+
+
+def _spread_of_values(grad: ShardedGrad, runs, bound: dict, kind: str) -> torch.Tensor:
+    """`var` or `std` over every rank's elements: the mean first, then the squared deviations
+    from it (two all-reduces, combined at once)."""
+    n = grad.numel()
+    mean = partial(
+        _total([r.sum(dtype=torch.float64) for r in runs], grad.device),
+        "sum", torch.float64, grad.comm, grad.spread, count=n,
+    ).combine()  # fmt: skip
+    squares = [(r.double() - mean).square().sum() for r in runs]
+    total = partial(_total(squares, grad.device), "sum", torch.float64, grad.comm, grad.spread)
+    correction = bound.get("correction")
+    correction = (1 if bound.get("unbiased", True) else 0) if correction is None else correction
+    variance = total.combine() / max(n - correction, 0)
+    return (variance.sqrt() if kind == "std" else variance).to(grad.dtype)
+
+
+def _total(values: list[torch.Tensor], device) -> torch.Tensor:
+    if not values:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([v.double() for v in values]).sum()
+
+
+def _largest(values: list[torch.Tensor], device, fill: float) -> torch.Tensor:
+    if not values:
+        return torch.tensor(fill, dtype=torch.float64, device=device)
+    return torch.stack([v.double() for v in values]).max()
+
+
+def _smallest(values: list[torch.Tensor], device, fill: float) -> torch.Tensor:
+    if not values:
+        return torch.tensor(fill, dtype=torch.float64, device=device)
+    return torch.stack([v.double() for v in values]).min()
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.int64 if not (dtype.is_floating_point or dtype.is_complex) else dtype
 
 
 def is_sharded_grad(grad) -> bool:
     return isinstance(grad, ShardedGrad)
-
-
-# -- what works: the reduced gradient where it lives ------------------------------------------
-def held_runs(holders: list) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """(model parameter, this rank's run of its reduced gradient) for every piece that holds a
-    gradient; `holders` have `.shard` (FlatShard) and `.params` (ZeRO-1/2 buckets, ZeRO-3
-    units)."""
-    runs = []
-    for holder in holders:
-        for piece, param in zip(holder.shard.pieces, holder.params, strict=True):
-            if piece is not None and piece.grad is not None:
-                runs.append((param, piece.grad))
-    return runs
-
-
-@torch.no_grad()
-def clip_grad_value_(grads: list[torch.Tensor], clip_value: float) -> None:
-    """Clamp every element into [-clip_value, clip_value]: elementwise, so clamping each
-    rank's runs is exactly the one-process clamp (torch.nn.utils.clip_grad_value_'s)."""
-    clip_value = float(clip_value)
-    for grad in grads:
-        grad.clamp_(min=-clip_value, max=clip_value)
-
-
-@torch.no_grad()
-def grad_norms(
-    runs: list[tuple[nn.Parameter, torch.Tensor]],
-    names: dict[int, str],
-    norm_type: float,
-    comm: Comm | None,
-) -> dict[str, torch.Tensor]:
-    """Per parameter name, the norm of its reduced gradient: each rank's runs' p-th powers
-    (or maxima), one all-reduce over `comm` (None: every rank holds every gradient whole).
-    Parameters without a gradient are left out, as a `.grad` of None would be."""
-    norm_type = float(norm_type)
-    inf = math.isinf(norm_type)
-    order = [i for i in names if i in {id(p) for p, _ in runs}] if comm is None else list(names)
-    slot = {i: k for k, i in enumerate(order)}
-    device = comm.device if comm is not None else (runs[0][1].device if runs else "cpu")
-    parts = torch.zeros(2 * len(order), dtype=torch.float32, device=device)
-    for param, grad in runs:
-        k = slot[id(param)]
-        norm = torch.linalg.vector_norm(grad, norm_type).float().to(device)
-        parts[2 * k] = torch.maximum(parts[2 * k], norm) if inf else parts[2 * k] + norm**norm_type
-        parts[2 * k + 1] = 1.0  # this rank holds a gradient of it
-    if comm is not None and comm.world_size > 1:
-        comm.all_reduce(parts, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-    values, held = parts[0::2], parts[1::2]
-    norms = values if inf else values.pow(1.0 / norm_type)
-    return {names[i]: norms[k].cpu() for i, k in slot.items() if held[k] > 0}

@@ -26,10 +26,10 @@ class KeepBuckets:
         recipe (`scaler.unscale_(opt)`, then `clip_grad_norm_(model.parameters(), ...)`)
         measured the still-scaled local sums and multiplied each rank's shard by its own
         factor, 6e-2 off one process where torch's DDP is 2.8e-4 (tests/dist/test_amp.py).
-        So they go: the reduced gradient is the optimizer's (its pieces' `.grad`), cleared by
-        `optimizer.zero_grad()`, and `dp.clip_grad_norm_` clips it; the strategy then gives the
-        model's parameters placeholders that refuse every use ([Note: sharded gradients] in
-        parts/sharded_grads.py), so PyTorch's own clip says so instead of clipping nothing."""
+        So they go: the reduced gradient is the optimizer's (its pieces' `.grad`), and the
+        strategy then gives the model's parameters `ShardedGrad`s that read it where it lives
+        ([Note: sharded gradients] in parts/sharded_grads.py): the same recipe now clips the
+        unscaled reduced gradient by its global norm, as in one process."""
         for param in bucket.params:
             param.grad = None
 

@@ -107,6 +107,10 @@ class ShardedStep:
             )
         self.gather.finish()  # the slices this step updates must be whole and settled
 
+    def detach(self) -> None:
+        """The buckets were laid out again: this step's gather and its hooks go."""
+        self.gather.detach()
+
     def after(self, optimizer, args, kwargs) -> None:
         for bucket in self.buckets:
             bucket.write_back()

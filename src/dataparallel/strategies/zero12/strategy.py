@@ -8,14 +8,15 @@ The contract (docs/zero.md has it in full, with the memory theory and measuremen
   step.py; [Note: mesh] in parts/mesh.py for 2-D layouts).
 - `build_optimizer` builds the user's optimizer over the pieces of this rank's slices (an
   optimizer that is not elementwise: over the whole parameters this rank owns, [Note:
-  optimizer layout] in parts/owners.py); when `step()` returns every rank holds the full model.
+  optimizer layout] in parts/optimizer_layout.py); when `step()` returns every rank holds the
+  full model. Several optimizers per model ([Note: built optimizers] in parts/built.py).
 - Backward reduces bucket by bucket as DDP does ([Note: overlap] in parts/reducer.py), through
   the policy's communication hook ([Note: reduction interface] in comm/hooks.py); what happens
   to a reduced bucket is the only difference between the stages: ZeRO-1 keeps full-size
   buckets, ZeRO-2 frees each once its shard is kept ([Note: lazy buckets]). At the end of
   backward the reduced shard gradients are the pieces' `.grad` ([Note: flat shard]); the
-  model's own `.grad` refuse every use ([Note: consumed sums], [Note: sharded gradients] in
-  parts/sharded_grads.py): clear with `optimizer.zero_grad()`.
+  model's own `.grad` read them where they live ([Note: consumed sums], [Note: sharded
+  gradients] in parts/sharded_grads.py), so PyTorch's clips and `model.zero_grad()` work.
 - `no_sync` accumulates full local gradients; synchronised backwards between steps add up, as
   in one process, until `optimizer.zero_grad()`. Each synchronised backward follows a forward.
 - Parameters no rank used are skipped by the step ([Note: skipped parameters]).
@@ -27,6 +28,7 @@ The contract (docs/zero.md has it in full, with the memory theory and measuremen
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -41,15 +43,17 @@ from ..base import (
     verify_same_model,
 )
 from ..parts.buckets import MB, Bucket, plan_buckets
+from ..parts.built import Built, BuiltOptimizers, check_new_groups
 from ..parts.clip import clip_shards_
-from ..parts.geometry import Geometry, build_geometry, optimized_ids
+from ..parts.geometry import Geometry, build_geometry, local_optimizer_state, optimized_ids
+from ..parts.held_grads import HeldGrads, ShardedGrads
 from ..parts.mesh import Groups
 from ..parts.opaque import opaque
-from ..parts.owners import Owners, own_groups
+from ..parts.owners import own_groups
 from ..parts.precision import install_casts, norm_params
 from ..parts.reducer import GradientReducer
-from ..parts.sharded_grads import ShardedGrads
 from ..parts.tensor_parallel import to_local
+from ..parts.torch_calls import ModelCalls, OptimizerCalls, is_carrier
 from .step import BucketShard, ShardedStep, flatten_bucket
 
 # Bucket reductions in flight at once in backward: bounds ZeRO-2's full-size buckets and the
@@ -74,16 +78,16 @@ class ZeROStrategy(Strategy):
         self.compute = self.precision.compute_dtype(self.model_dtype)
         self.norms = norm_params(model)  # held in fp32 ([Note: mixed precision])
         self.trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.sharded_step: ShardedStep | None = None
-        self.owners: Owners | None = None  # [Note: optimizer layout] in parts/owners.py
-        self.user_groups_: list[list[nn.Parameter]] = [list(self.trainable)]
+        self.built = BuiltOptimizers(self.name)  # [Note: built optimizers] in parts/built.py
         self.reducer: GradientReducer | None = None
         self.buckets: list[BucketShard] = []
         self.round_done = False  # a synchronised backward ended, no forward since
+        self.held = None  # where the reduced gradients live ([Note: sharded gradients])
         self._shard_parameters([list(self.trainable)], values={})
         # In the round's order ([Note: bucket order]); [Note: sharded gradients]
         self.sharded_grads = ShardedGrads(list(reversed(self.trainable)), self.name)
+        self.sharded_grads.source = self.held
+        ModelCalls(model, self)  # [Note: torch's own calls] in parts/torch_calls.py
         self.buffers = list(model.buffers())
         self.casts = install_casts(model, self.precision, self.compute, self.model_dtype)
         self._pre_hook = model.register_forward_pre_hook(opaque(self._before_forward))
@@ -151,6 +155,9 @@ class ZeROStrategy(Strategy):
             flat_shards=[b.shard for b in self.buckets],
         )
         self.reducer.sync_enabled = self.sync_enabled
+        if self.held is None:
+            self.held = HeldGrads(self.buckets, self.built.owned_of, shard_comm)
+        self.held.lay(self.buckets)
 
     # -- the training round ------------------------------------------------------------------
     def _before_forward(self, module, args):
@@ -171,8 +178,9 @@ class ZeROStrategy(Strategy):
         for bucket, grads in zip(self.buckets, self.reducer.buckets, strict=True):
             bucket.shard.attach_grads([used[i] for i in grads.spec.param_indices])
             self.keeper.after_round(bucket.shard, grads)
-        if self.owners is not None:
-            self.owners.collect_grads({id(p) for p, u in zip(self.planned, used, strict=True) if u})
+        if self.built.owners():  # [Note: whole parameters]: the reduced pieces to the owners
+            self.built.collect_grads({id(p) for p, u in zip(self.planned, used, strict=True) if u})
+        self.built.verdict(self.reducer.round.nonfinite)  # [Note: torch's own calls]
         self.sharded_grads.attach(used)
         self.round_done = True
 
@@ -188,68 +196,134 @@ class ZeROStrategy(Strategy):
 
     # -- the calls the public API forwards ---------------------------------------------------
     def build_optimizer(
-        self, optimizer_cls, params=None, *, whole: bool | list[bool] = False, **kwargs
+        self, optimizer_cls, params=None, *, reads: str | list[str] = "element", **kwargs
     ) -> torch.optim.Optimizer:
-        """The user's optimizer over this rank's flat shard pieces, or, for the groups
-        `whole` names (True: all), over the whole masters it owns ([Note: optimizer layout]
-        in parts/owners.py)."""
-        if self.optimizer is not None:
-            raise ValueError(
-                f"build_optimizer: strategy {self.name!r} already built this model's sharded "
-                "optimizer; build one optimizer per parallelized model"
-            )
+        """The user's optimizer over this rank's flat shard pieces, or, for the groups whose
+        update reads more than an element, over the whole masters it owns ([Note: optimizer
+        layout] in parts/optimizer_layout.py). Several optimizers may be built for one model
+        ([Note: built optimizers] in parts/built.py), all of them before the first step."""
         groups = normalize_param_groups(self.model, params)
-        ids = [id(p) for g in groups for p in g["params"]]
-        if len(ids) != len(set(ids)):
-            raise ValueError("build_optimizer: a parameter appears in two param groups")
-        trainable = {id(p) for p in self.trainable}
-        self.user_groups_ = [list(g["params"]) for g in groups]
-        shard_groups = [[p for p in g if id(p) in trainable] for g in self.user_groups_]
+        check_new_groups(groups, self.built)
+        user_groups = [list(g["params"]) for g in groups]
+        shard_groups = self._shard_groups([*(b.user_groups for b in self.built.all), user_groups])
         if [[id(p) for p in g] for g in shard_groups] != self.groups_ids:
-            self._shard_parameters(shard_groups, self._full_values())
-        wholes = whole if isinstance(whole, list) else [whole] * len(groups)
+            self._lay_again(shard_groups)
+        built = Built(
+            None, user_groups, reads if isinstance(reads, list) else [reads] * len(groups)
+        )
+        chosen = self._tensors_for(built, len(shard_groups) - len(groups), optimizer_cls.__name__)
+        built.optimizer = optimizer_cls(
+            [
+                {**{k: v for k, v in group.items() if k != "params"}, "params": tensors}
+                for group, tensors in zip(groups, chosen, strict=True)
+            ],
+            **kwargs,
+        )
+        self._attach(built, len(shard_groups) - len(groups))
+        self.built.add(built)
+        return built.optimizer
+
+    def _shard_groups(self, optimizers: list[list[list[nn.Parameter]]]) -> list[list]:
+        """The trainable parameters of every optimizer's groups, one list per group."""
+        trainable = {id(p) for p in self.trainable}
+        return [[p for p in g if id(p) in trainable] for groups in optimizers for g in groups]
+
+    def _lay_again(self, shard_groups: list[list[nn.Parameter]]) -> None:
+        """Re-plan the buckets for these groups (collective), and put the optimizers built
+        before onto the new pieces: possible only while none of them has state."""
+        if any(len(b.optimizer.state) for b in self.built.all):
+            raise ValueError(
+                f"build_optimizer: under {self.name} every optimizer of a model is built before "
+                "the first step (a new one lays the shards out again under the others); build "
+                "them all, then train"
+            )
+        self.finish_param_gather()
+        self._shard_parameters(shard_groups, self._full_values())
+        first = 0
+        for built in self.built.all:
+            built.step.detach()
+            chosen = self._tensors_for(built, first, type(built.optimizer).__name__)
+            for group, tensors in zip(built.optimizer.param_groups, chosen, strict=True):
+                group["params"] = tensors + [t for t in group["params"] if is_carrier(t)]
+            built.step = self._sharded_step(first, len(built.user_groups))
+            first += len(built.user_groups)
+        self.built.relay_owners()
+
+    def _tensors_for(self, built: Built, first: int, who: str) -> list[list[torch.Tensor]]:
+        """Per group of `built` (the groups from `first` on in the bucket plan), what its
+        optimizer steps: the pieces of the group's buckets, or the masters this rank owns."""
+        count = len(built.user_groups)
         chosen = [
             [
                 t
                 for b, grads in zip(self.buckets, self.reducer.buckets, strict=True)
-                if grads.spec.group == g
+                if grads.spec.group == first + g
                 for t in b.shard.params
             ]
-            for g in range(len(groups))
+            for g in range(count)
         ]
-        if any(wholes):
+        built.owners = None
+        if any(read != "element" for read in built.reads):
             shards = [(b.shard, b.params) for b in self.buckets]
-            owned = [g if w else [] for g, w in zip(shard_groups, wholes, strict=True)]
-            name = optimizer_cls.__name__
-            self.owners, masters = own_groups(owned, shards, self.groups.shard, name)
-            chosen = [m if w else c for m, c, w in zip(masters, chosen, wholes, strict=True)]
-        optimizer = optimizer_cls(
-            [
-                {**{k: v for k, v in group.items() if k != "params"}, "params": params_of}
-                for group, params_of in zip(groups, chosen, strict=True)
-            ],
-            **kwargs,
-        )
+            groups = self.groups_of(first, count)
+            owned = [g if r != "element" else [] for g, r in zip(groups, built.reads, strict=True)]
+            built.owners, masters = own_groups(owned, shards, self.groups.shard, who, built.reads)
+            chosen = [
+                m if r != "element" else c
+                for m, c, r in zip(masters, chosen, built.reads, strict=True)
+            ]
+        return chosen
+
+    def groups_of(self, first: int, count: int) -> list[list[nn.Parameter]]:
+        """The trainable parameters of the bucket plan's groups `first` to `first + count`."""
+        by_id = {id(p): p for p in self.trainable}
+        return [[by_id[i] for i in ids] for ids in self.groups_ids[first : first + count]]
+
+    def _sharded_step(self, first: int, count: int) -> ShardedStep:
+        mine = [
+            b
+            for b, grads in zip(self.buckets, self.reducer.buckets, strict=True)
+            if first <= grads.spec.group < first + count
+        ]
         overlap_with = self.model if self.policy.overlap_param_gather else None
-        self.sharded_step = ShardedStep(self.buckets, self.groups.shard, overlap_with)
-        optimizer.register_step_pre_hook(self.sharded_step.before)
-        if self.owners is not None:  # the owners' new values into the shards, then gathered
-            optimizer.register_step_post_hook(lambda *_: self.owners.send_values())
-        optimizer.register_step_post_hook(self.sharded_step.after)
-        self.optimizer = optimizer
-        return optimizer
+        return ShardedStep(mine, self.groups.shard, overlap_with)
+
+    def _attach(self, built: Built, first: int) -> None:
+        """The step hooks of one optimizer ([Note: sharded step] in step.py) and its torch
+        calls ([Note: torch's own calls])."""
+        optimizer = built.optimizer
+        built.step = self._sharded_step(first, len(built.user_groups))
+        built.calls = OptimizerCalls(
+            optimizer, self.name, partial(self._to_local, optimizer), self.refresh_params,
+            self.comm.device,
+        )  # fmt: skip
+        optimizer.register_step_pre_hook(partial(self._before_step, built))
+        optimizer.register_step_post_hook(partial(self._after_step, built))
+
+    def _before_step(self, built: Built, optimizer, args, kwargs) -> None:
+        self.sharded_grads.reconcile()  # [Note: sharded gradients]: a .grad set to None
+        built.step.before(optimizer, args, kwargs)
+
+    def _after_step(self, built: Built, optimizer, args, kwargs) -> None:
+        built.after_step(self.groups.shard)  # the owners' values into the shards
+        built.step.after(optimizer, args, kwargs)
+
+    def _to_local(self, optimizer, state: dict) -> dict:
+        """[Note: torch's own calls]: a plain state dict as this rank's."""
+        built = self.built.of(optimizer)
+        return local_optimizer_state(self.geometry(optimizer), optimizer, built.user_groups, state)
 
     def finish_param_gather(self) -> None:
-        if self.sharded_step is not None:
-            self.sharded_step.gather.finish()
+        for built in self.built.all:
+            built.step.gather.finish()
 
     def refresh_params(self) -> None:
         """Masters (or shards) changed outside step(): write them back and all-gather every
         bucket again."""
         self.finish_param_gather()
         shard = self.groups.shard
-        if self.owners is not None:
-            self.owners.send_values()
+        for owners in self.built.owners():
+            owners.send_values()
         for bucket in self.buckets:
             bucket.write_back()
             if shard.world_size > 1:
@@ -266,37 +340,29 @@ class ZeROStrategy(Strategy):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         shards = [(b.shard, b.params) for b in self.buckets]
         params = list(self.model.parameters())
-        owned = self.owners.grads() if self.owners is not None else []
+        owned = [g for owners in self.built.owners() for g in owners.grads()]
         return clip_shards_(shards, params, max_norm, norm_type, self.groups.shard, owned)
 
     def shard_holders(self) -> list[BucketShard]:
         return self.buckets
 
     def owned_runs(self) -> list:
-        return self.owners.runs() if self.owners is not None else []
+        return [run for owners in self.built.owners() for run in owners.runs()]
 
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """The buckets' shard pieces (masters in mixed precision), frozen parameters whole
         ([Note: geometry])."""
         if optimizer is not None:
-            self._check_ours(optimizer)
+            self.built.of(optimizer)
         shards = [(b.shard, b.params) for b in self.buckets]
         optimized = optimized_ids(optimizer)
-        owned = self.owners.masters() if self.owners is not None else None
+        owned = self.built.masters() or None
         return build_geometry(
             self.model, shards, self.groups.shard, optimized, self.original_dtypes, owned
         )
 
     def user_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
-        self._check_ours(optimizer)
-        return self.user_groups_
-
-    def _check_ours(self, optimizer: torch.optim.Optimizer) -> None:
-        if optimizer is not self.optimizer:
-            raise ValueError(
-                f"{self.name}: this optimizer was not built by dataparallel.build_optimizer "
-                "for this model"
-            )
+        return self.built.of(optimizer).user_groups
 
     def working_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         grads = [b.buffer for b in self.reducer.buckets] + [b.shard.store for b in self.buckets]

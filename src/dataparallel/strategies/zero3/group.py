@@ -10,7 +10,7 @@ were gathered (on NaN, [Note: parameters at rest] in unit.py). `MemberRun` refus
 with one error on the rank that does it: a module that is not the next one to run, a unit that
 opens while an earlier group is still open (not around it), and a forward that ends with a
 group open. The recomputed forward of activation checkpointing ([Note: recomputed forward] in
-strategy.py) runs in backward, in any order, and is not counted.
+unit.py) runs in backward, in any order, and is not counted.
 """
 
 from __future__ import annotations

@@ -46,7 +46,6 @@ S ranks of a shard group and each reduced shard is all-reduced across the replic
 
 from __future__ import annotations
 
-import weakref
 from functools import partial
 
 import torch
@@ -63,17 +62,20 @@ from ..base import (
     normalize_param_groups,
     verify_same_model,
 )
+from ..parts.built import Built, BuiltOptimizers, check_new_groups
 from ..parts.clip import clip_shards_
-from ..parts.geometry import Geometry, build_geometry, optimized_ids
+from ..parts.geometry import Geometry, build_geometry, local_optimizer_state, optimized_ids
+from ..parts.held_grads import HeldGrads
 from ..parts.mesh import Groups
 from ..parts.opaque import opaque
-from ..parts.owners import Owners, own_groups
+from ..parts.owners import own_groups
 from ..parts.precision import cast_floats, install_casts, is_norm
 from ..parts.round import BackwardRound
+from ..parts.torch_calls import ModelCalls, OptimizerCalls
 from .group import GroupedUnits, MemberRun
 from .plan import plan_units, select_units
 from .schedule import Schedule
-from .unit import FlatUnit, PostBackward, TrainingState
+from .unit import FlatUnit, PostBackward
 
 
 class ZeRO3Strategy(Strategy):
@@ -129,8 +131,11 @@ class ZeRO3Strategy(Strategy):
             for u in self.units
             for p, piece in zip(u.params, u.shard.pieces, strict=True)
         }
-        self.original_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.owners: list[Owners] = []  # [Note: optimizer layout] in parts/owners.py
+        self.built = BuiltOptimizers(self.name)  # [Note: built optimizers] in parts/built.py
+        # where the reduced gradients live ([Note: sharded gradients])
+        self.held = HeldGrads(self.units, self.built.owned_of, groups.shard)
+        for unit in self.units:
+            unit.sharded_grads.source = self.held
         self.handles = []
         self.grouped = GroupedUnits([plan.parent for plan in plans])  # [Note: members in order]
         of_module: dict[int, list[FlatUnit]] = {}  # a module's units ([Note: frozen parameters])
@@ -161,6 +166,7 @@ class ZeRO3Strategy(Strategy):
                 elif p.requires_grad:
                     hook = partial(self._on_grad, unit, position)
                     self.handles.append(p.register_post_accumulate_grad_hook(hook))
+        ModelCalls(model, self)  # [Note: torch's own calls] in parts/torch_calls.py
 
     def _wrap(self, model: nn.Module, model_dtype: torch.dtype):
         """The policy's units, plus every normalisation layer under a low param_dtype (held
@@ -196,7 +202,7 @@ class ZeRO3Strategy(Strategy):
 
     def _pre_forward_member(self, units, run: MemberRun, member: int, module, args, kwargs):
         """A module of a grouped unit: the first opens it ([Note: members in order])."""
-        if _recomputing(units[0]):
+        if units[0].recomputing():
             return self._pre_forward_all(units, module, args, kwargs)
         if not run.enter(member):
             return None  # a later module: the unit is gathered already
@@ -206,13 +212,13 @@ class ZeRO3Strategy(Strategy):
 
     def _post_forward_member(self, units, run: MemberRun, member: int, module, args, output):
         """A module of a grouped unit: the last closes it ([Note: members in order])."""
-        if _recomputing(units[0]) or not run.leave(member):
+        if units[0].recomputing() or not run.leave(member):
             return
         self.grouped.open.remove(run)
         self._post_forward_all(units, module, args, output)
 
     def _pre_forward(self, unit: FlatUnit, module, args, kwargs):
-        recompute = _recomputing(unit)  # [Note: recomputed forward]
+        recompute = unit.recomputing()  # [Note: recomputed forward]
         training = torch.is_grad_enabled() and not recompute
         if recompute:
             unit.gather()
@@ -235,7 +241,7 @@ class ZeRO3Strategy(Strategy):
         return tree_unflatten(flat, spec)
 
     def _post_forward(self, unit: FlatUnit, module, args, output):
-        if _recomputing(unit):
+        if unit.recomputing():
             return  # gathered until its backward is over ([Note: recomputed forward])
         self.comm.tracer.mark("forward_end", unit=unit.index)
         training = torch.is_grad_enabled()
@@ -270,11 +276,11 @@ class ZeRO3Strategy(Strategy):
         for u in self.units:
             start, stop = self.first_index[u.index], self.first_index[u.index + 1]
             u.finish_round(None if used is None else used[start:stop])
-        if used is not None and self.owners:
-            params = [p for u in self.units for p in u.params]
-            chosen = {id(p) for p, u in zip(params, used, strict=True) if u}
-            for owners in self.owners:
-                owners.collect_grads(chosen)
+        if used is not None:
+            if self.built.owners():  # [Note: whole parameters]: the reduced pieces to the owners
+                params = [p for u in self.units for p in u.params]
+                self.built.collect_grads({id(p) for p, u in zip(params, used, strict=True) if u})
+            self.built.verdict(self.round.nonfinite)  # [Note: torch's own calls]
         self.round.reset()
         self.comm.tracer.mark("reduce_end")
 
@@ -290,82 +296,90 @@ class ZeRO3Strategy(Strategy):
 
     # -- the public calls ---------------------------------------------------------------------
     def build_optimizer(
-        self, optimizer_cls, params=None, *, whole: bool | list[bool] = False, **kwargs
+        self, optimizer_cls, params=None, *, reads: str | list[str] = "element", **kwargs
     ) -> torch.optim.Optimizer:
-        """An optimizer over this rank's shard pieces (for the groups `whole` names, True:
-        all, over the whole masters it owns, [Note: optimizer layout] in parts/owners.py),
-        with the user's param groups kept."""
+        """An optimizer over this rank's shard pieces (for the groups whose update reads more
+        than an element, over the whole masters it owns, [Note: optimizer layout] in
+        parts/optimizer_layout.py), with the user's param groups kept; several per model
+        ([Note: built optimizers] in parts/built.py)."""
         if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.LBFGS):
             raise ValueError(
                 "build_optimizer: LBFGS takes dot products over all parameters, which ZeRO-3 "
                 "shards; it cannot run on shards"
             )
         groups = normalize_param_groups(self.model, params)
-        seen: set[int] = set()
+        check_new_groups(groups, self.built)
         originals, shard_groups = [], []
         for group in groups:
-            for p in group["params"]:
-                if id(p) in seen:
-                    raise ValueError("build_optimizer: a parameter appears in two param groups")
-                seen.add(id(p))
             originals.append(list(group["params"]))
             pieces = [self.piece_of[id(p)] for p in group["params"] if p.requires_grad]
             shard_groups.append(dict(group, params=[q for q in pieces if q is not None]))
-        owners = None
-        wholes = whole if isinstance(whole, list) else [whole] * len(groups)
-        if any(wholes):
+        built = Built(None, originals, reads if isinstance(reads, list) else [reads] * len(groups))
+        if any(read != "element" for read in built.reads):
             trainable = [
-                [p for p in g if p.requires_grad] if w else []
-                for g, w in zip(originals, wholes, strict=True)
+                [p for p in g if p.requires_grad] if r != "element" else []
+                for g, r in zip(originals, built.reads, strict=True)
             ]
             shards = [(u.shard, u.params) for u in self.units]
             name = optimizer_cls.__name__
-            owners, chosen = own_groups(trainable, shards, self.groups.shard, name)
-            for group, masters, w in zip(shard_groups, chosen, wholes, strict=True):
-                if w:
+            built.owners, chosen = own_groups(
+                trainable, shards, self.groups.shard, name, built.reads
+            )
+            for group, masters, read in zip(shard_groups, chosen, built.reads, strict=True):
+                if read != "element":
                     group["params"] = masters
-        optimizer = optimizer_cls(shard_groups, **kwargs)
-        if owners is not None:  # the owners' new values into the shards
-            self.owners.append(owners)
-            optimizer.register_step_post_hook(lambda *_: owners.send_values())
-        self.original_groups[optimizer] = originals
+        optimizer = built.optimizer = optimizer_cls(shard_groups, **kwargs)
+        built.calls = OptimizerCalls(
+            optimizer, self.name, partial(self._to_local, optimizer), self.refresh_params,
+            self.comm.device,
+        )  # fmt: skip
+        optimizer.register_step_pre_hook(lambda *_: self._reconcile())
+        optimizer.register_step_post_hook(lambda *_: built.after_step(self.groups.shard))
+        self.built.add(built)
         return optimizer
+
+    def _reconcile(self) -> None:
+        """[Note: sharded gradients]: a `.grad` the user set to None clears that gradient."""
+        for unit in self.units:
+            unit.sharded_grads.reconcile()
+
+    def _to_local(self, optimizer, state: dict) -> dict:
+        """[Note: torch's own calls]: a plain state dict as this rank's."""
+        built = self.built.of(optimizer)
+        return local_optimizer_state(self.geometry(optimizer), optimizer, built.user_groups, state)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm: each rank's shard norms, combined over the shard group."""
         shards = [(u.shard, u.params) for u in self.units]
         params = list(self.model.parameters())
-        owned = [g for owners in self.owners for g in owners.grads()]
+        owned = [g for owners in self.built.owners() for g in owners.grads()]
         return clip_shards_(shards, params, max_norm, norm_type, self.groups.shard, owned)
 
     def shard_holders(self) -> list[FlatUnit]:
         return self.units
 
     def owned_runs(self) -> list:
-        return [run for owners in self.owners for run in owners.runs()]
+        return [run for owners in self.built.owners() for run in owners.runs()]
 
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """Each unit's shard pieces, in the units' master dtype ([Note: geometry])."""
+        if optimizer is not None:
+            self.built.of(optimizer)
         dtypes = {id(p): u.dtype for u in self.units for p in u.params}
         shards = [(u.shard, u.params) for u in self.units]
-        owned = {i: m for owners in self.owners for i, m in owners.masters().items()}
+        owned = self.built.masters()
         return build_geometry(
             self.model, shards, self.groups.shard, optimized_ids(optimizer), dtypes, owned
         )
 
     def user_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
-        return self._originals(optimizer)
+        return self.built.of(optimizer).user_groups
 
     def refresh_params(self) -> None:
-        for owners in self.owners:  # the owners' masters into the shards
+        for owners in self.built.owners():  # the owners' masters into the shards
             owners.send_values()
         for unit in self.units:
             unit.free()  # the next forward gathers the shards the optimizer holds
-
-    def _originals(self, optimizer) -> list[list[nn.Parameter]]:
-        if optimizer not in self.original_groups:
-            raise ValueError("ZeRO3: this optimizer was not built by dp.build_optimizer here")
-        return self.original_groups[optimizer]
 
     def working_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         held = [u.held_tensors() for u in self.units]
@@ -377,22 +391,3 @@ class ZeRO3Strategy(Strategy):
         report = super().memory_report(optimizer)
         report["largest_gathered_unit"] = max(u.largest_gathered for u in self.units)
         return report
-
-
-def _recomputing(unit: FlatUnit) -> bool:
-    """[Note: recomputed forward] A unit's forward run by autograd inside its backward: whole-
-    unit activation checkpointing, `checkpoint(block, x, use_reentrant=False)`, recomputes the
-    module's `__call__`, hooks included. Its parameters are gathered for the backward it serves
-    (or gathered now, for a unit nested in a recomputed one) and its step is already scheduled:
-    the recompute is compute only, with no backward to expect, no order entry and no free
-    (which would pull the storage from under the tensors it saves). Reentrant checkpointing
-    runs the first forward without gradients, so no backward was scheduled: refused."""
-    if torch._C._current_graph_task_id() == -1:  # not in backward (FSDP2's is_bw())
-        return False
-    if unit.training_state is TrainingState.IDLE and torch.is_grad_enabled():
-        raise RuntimeError(
-            f"ZeRO3: unit '{unit.name}' was recomputed in backward after a forward without "
-            "gradients (reentrant activation checkpointing); pass use_reentrant=False to "
-            "torch.utils.checkpoint (dp.checkpoint_activations does)"
-        )
-    return unit.training_state is not TrainingState.IDLE

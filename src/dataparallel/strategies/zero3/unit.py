@@ -44,8 +44,9 @@ import torch
 from ...comm import Comm, HookState
 from ..parts.buckets import Bucket, BucketSpec
 from ..parts.flat_shard import FlatShard, shard_values
+from ..parts.held_grads import ShardedGrads
 from ..parts.layout import ShardLayout
-from ..parts.sharded_grads import ShardedGrads, is_sharded_grad
+from ..parts.sharded_grads import is_sharded_grad
 from .plan import UnitPlan
 
 
@@ -244,6 +245,25 @@ class FlatUnit:
         """One backward of the unit is over; True when it was the last one this round."""
         self.pending_backwards -= 1
         return self.pending_backwards <= 0
+
+    def recomputing(self) -> bool:
+        """[Note: recomputed forward] A unit's forward run by autograd inside its backward:
+        whole-unit activation checkpointing, `checkpoint(block, x, use_reentrant=False)`,
+        recomputes the module's `__call__`, hooks included. Its parameters are gathered for the
+        backward it serves (or gathered now, for a unit nested in a recomputed one) and its step
+        is already scheduled: the recompute is compute only, with no backward to expect, no
+        order entry and no free (which would pull the storage from under the tensors it saves).
+        Reentrant checkpointing runs the first forward without gradients, so no backward was
+        scheduled: refused."""
+        if torch._C._current_graph_task_id() == -1:  # not in backward (FSDP2's is_bw())
+            return False
+        if self.training_state is TrainingState.IDLE and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"ZeRO3: unit '{self.name}' was recomputed in backward after a forward without "
+                "gradients (reentrant activation checkpointing); pass use_reentrant=False to "
+                "torch.utils.checkpoint (dp.checkpoint_activations does)"
+            )
+        return self.training_state is not TrainingState.IDLE
 
     def check_not_reduced(self) -> None:
         if self.training_state in (TrainingState.REDUCING, TrainingState.REDUCED):

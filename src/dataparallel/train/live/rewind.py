@@ -108,7 +108,7 @@ class WindowMark:
         return cls(
             ledger=state.ledger.state_dict(),
             model={k: v.detach().clone() for k, v in dp.full_state_dict(state.model).items()},
-            optimizer=copy.deepcopy(state.optimizer.state_dict()),
+            optimizer=copy.deepcopy(dp.local_optimizer_state_dict(state.optimizer)),
             averager=copy.deepcopy(state.averager.state_dict()),
         )
 
@@ -119,7 +119,7 @@ class WindowMark:
         if state.gradients is not None:
             state.gradients.nonfinite()
         dp.load_full_state_dict(state.model, self.model)
-        state.optimizer.load_state_dict(copy.deepcopy(self.optimizer))
+        dp.load_local_optimizer_state_dict(state.optimizer, copy.deepcopy(self.optimizer))
         state.averager.load_state_dict(copy.deepcopy(self.averager))
         state.ledger.rewind(self.ledger)
 
@@ -159,7 +159,7 @@ def snapshot(state: TrainState) -> dict:
         # Under DDP (and inside each replica under an averager) the optimizer is a plain torch
         # one over the whole model, so its own state dict is exact; under ZeRO inside HSDP
         # replicas it is this rank's shard's, exact for the rank of the same index.
-        "optimizer": state.optimizer.state_dict(),
+        "optimizer": dp.local_optimizer_state_dict(state.optimizer),
         "averager": state.averager.shared() if state.averager is not None else None,
         # The counters, the data position, the random state, the last evaluation (a
         # replacement healed at step 0 skips the first one) and the time the run has trained,
@@ -181,7 +181,7 @@ def healed_record(payload: dict) -> StepRecord | None:
 
 def load_snapshot(state: TrainState, payload: dict) -> None:
     dp.load_full_state_dict(state.model, payload["model"])
-    state.optimizer.load_state_dict(payload["optimizer"])
+    dp.load_local_optimizer_state_dict(state.optimizer, payload["optimizer"])
     if state.averager is not None:
         state.averager.adopt(payload["averager"])  # [Note: live averaging]
     state.ledger.load_state_dict(payload["ledger"])
