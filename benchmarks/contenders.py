@@ -155,11 +155,10 @@ OURS: dict[str, tuple[str, dict, dict]] = {
 
 
 def compile_blocks(model) -> None:
-    """Compile each transformer block in place (`Module.compile`): the form [Note: compile] in
-    strategies/zero3/strategy.py recommends; a whole-model compile measures the same here.
-    Every round builds fresh models, each a recompile of the same code: dynamo's cache limit (8
-    entries per code object, then it silently runs eagerly) is raised so that every round is
-    compiled."""
+    """Compile each block in place (`Module.compile`): the form [Note: compile] in
+    strategies/zero3/strategy.py recommends; a whole-model compile measures the same. Every
+    round builds fresh models, each a recompile of the same code: dynamo's cache limit (8 per
+    code object, then it silently runs eagerly) is raised so that every round is compiled."""
     torch._dynamo.config.cache_size_limit = 256
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     for block in model.blocks:

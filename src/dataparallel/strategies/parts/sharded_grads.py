@@ -278,10 +278,8 @@ def _spread_of_values(grad: ShardedGrad, runs, bound: dict, kind: str) -> torch.
     """`var` or `std` over every rank's elements: the mean first, then the squared deviations
     from it (two all-reduces, combined at once)."""
     n = grad.numel()
-    mean = partial(
-        _total([r.sum(dtype=torch.float64) for r in runs], grad.device),
-        "sum", torch.float64, grad.comm, grad.spread, count=n,
-    ).combine()  # fmt: skip
+    sums = _total([r.sum(dtype=torch.float64) for r in runs], grad.device)
+    mean = partial(sums, "sum", torch.float64, grad.comm, grad.spread, count=n).combine()
     squares = [(r.double() - mean).square().sum() for r in runs]
     total = partial(_total(squares, grad.device), "sum", torch.float64, grad.comm, grad.spread)
     correction = bound.get("correction")

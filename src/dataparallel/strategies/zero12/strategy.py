@@ -293,10 +293,9 @@ class ZeROStrategy(Strategy):
         calls ([Note: torch's own calls])."""
         optimizer = built.optimizer
         built.step = self._sharded_step(first, len(built.user_groups))
-        built.calls = OptimizerCalls(
-            optimizer, self.name, partial(self._to_local, optimizer), self.refresh_params,
-            self.comm.device,
-        )  # fmt: skip
+        to_local = partial(self._to_local, optimizer)
+        device = self.comm.device
+        built.calls = OptimizerCalls(optimizer, self.name, to_local, self.refresh_params, device)
         optimizer.register_step_pre_hook(partial(self._before_step, built))
         optimizer.register_step_post_hook(partial(self._after_step, built))
 

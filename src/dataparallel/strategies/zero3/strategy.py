@@ -329,10 +329,9 @@ class ZeRO3Strategy(Strategy):
                 if read != "element":
                     group["params"] = masters
         optimizer = built.optimizer = optimizer_cls(shard_groups, **kwargs)
-        built.calls = OptimizerCalls(
-            optimizer, self.name, partial(self._to_local, optimizer), self.refresh_params,
-            self.comm.device,
-        )  # fmt: skip
+        to_local = partial(self._to_local, optimizer)
+        device = self.comm.device
+        built.calls = OptimizerCalls(optimizer, self.name, to_local, self.refresh_params, device)
         optimizer.register_step_pre_hook(lambda *_: self._reconcile())
         optimizer.register_step_post_hook(lambda *_: built.after_step(self.groups.shard))
         self.built.add(built)
