@@ -156,12 +156,14 @@ def build_optimizer(
         which `build_optimizer` says in one line with how to declare a cheaper layout.
     elementwise: the older form of the declaration: True is reads="element", False
         reads="parameter".
-        A param group may name its own class under "optimizer" (Muon on the matrices, AdamW
-        on the rest, one optimizer for one scheduler: [Note: grouped optimizer] in
-        strategies/parts/grouped.py); the keyword arguments go to `optimizer`'s class, a
-        group's other class takes its hyper-parameters from the group. Two calls on one model
-        (one optimizer each, as with PyTorch's DDP) work too, on every strategy.
     kwargs: passed to the optimizer class (lr, weight_decay, ...).
+
+    A param group may name its own class under "optimizer" (Muon on the matrices, AdamW on the
+    rest, one optimizer for one scheduler: [Note: grouped optimizer] in
+    strategies/parts/grouped.py); the keyword arguments go to `optimizer`'s class, a group's
+    other class takes its hyper-parameters from the group. Two calls on one model (one
+    optimizer each, as with PyTorch's DDP) work too, on every strategy, all before the first
+    step.
     """
     strategy = strategy_of(model)
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -74,8 +74,11 @@ _POSITIONAL = {
     "var": ("dim", "unbiased", "keepdim"),
     "count_nonzero": ("dim",),
 }
-_DEFAULTS = {"norm": {"ord": "fro"}, "linalg_vector_norm": {"ord": 2.0}, "_foreach_norm": {}}
-_DEFAULTS["_foreach_norm"]["ord"] = 2.0
+_DEFAULTS = {
+    "norm": {"ord": "fro"},
+    "linalg_vector_norm": {"ord": 2.0},
+    "_foreach_norm": {"ord": 2.0},
+}
 
 
 def arguments(name: str, args: tuple, kwargs: dict) -> dict:

@@ -30,8 +30,12 @@ from ...comm import Comm
 from .grad_ops import METADATA, name_of
 
 # How each kind of partial value combines across ranks.
-OPS = {"power": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-OPS["min"] = dist.ReduceOp.MIN
+OPS = {
+    "power": dist.ReduceOp.SUM,
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 
 
 class Partial(torch.Tensor):
@@ -71,8 +75,8 @@ class Partial(torch.Tensor):
         """The value: every rank's part combined (collective, once; kept after)."""
         if self.value is None:
             total = self.local.clone()
-            op = dist.ReduceOp.MAX if self.kind == "power" and math.isinf(self.order) else None
-            op = op or OPS[self.kind]
+            inf_norm = self.kind == "power" and math.isinf(self.order)  # combined by max
+            op = dist.ReduceOp.MAX if inf_norm else OPS[self.kind]
             if self.comm is not None and self.comm.world_size > 1:
                 with self.comm.tracer.labelled(what="gradient reduction"):
                     self.comm.all_reduce(total, op=op)

@@ -219,8 +219,9 @@ class ModelCalls:
                 "parameters that view the shards; load without assign"
             )
         keys = list(model.state_dict(keep_vars=True))
+        known = set(keys)
         missing = [k for k in keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in set(keys)]
+        unexpected = [k for k in state_dict if k not in known]
         if strict and (missing or unexpected):
             raise RuntimeError(
                 f"load_state_dict: missing keys {missing[:5]}, unexpected keys "
