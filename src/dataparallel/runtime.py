@@ -182,7 +182,7 @@ def init_fake(world_size: int, rank: int = 0) -> World:
     )
 
 
-def join_group(
+def regroup(
     store: dist.Store, rank: int, world_size: int, timeout: timedelta, world: World
 ) -> World:
     """Leave the current process group and form a new default one (gloo) of `world_size`

@@ -31,7 +31,7 @@ from .local_sgd import LocalSGD
 from .outer_step import OuterStep
 from .schedule import FragmentSchedule
 from .streaming import OUTER_FORMATS, check_streaming, split_fragments
-from .wire import OuterWire
+from .outer_wire import OuterWire
 
 __all__ = ["DiLoCo"]
 
