@@ -71,9 +71,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..torch_internals import dedup_save_plans, object_unpickler, set_object_unpickler
+from .folders import CheckpointError
 from .global_plan import global_save_plan
 from .rectangles import rectangles
-from .folders import CheckpointError
 
 # DCP warns on every call without a process group that it assumes one process: we mean it.
 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)

@@ -39,9 +39,9 @@ from .config import RunConfig
 from .gradient_watch import GradientWatch
 from .ledger import EvalRecord, Ledger, StepRecord
 from .loss import all_reduce_sum, token_loss_sum
+from .lr_schedule import WarmupCosine, scaled_lr
 from .model_source import BuiltModel, RunModel, build_for_run
 from .optimizers import choose_optimizer
-from .lr_schedule import WarmupCosine, scaled_lr
 from .state import TrainState
 from .step import Vote, forward_backward, own_verdict, set_lr, take_batch, update
 from .sync import recipe_of
