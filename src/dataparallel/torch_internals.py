@@ -14,8 +14,7 @@ Where a public form exists it is used at the call site instead, and not wrapped:
 `torch.compiler.disable` (was `torch._dynamo.disable`, strategies/parts/opaque.py),
 `DTensor.to_local()` (was `_local_tensor`, strategies/parts/tensor_parallel.py: read under
 `no_grad` and detached, the same memory), `Module.named_parameters(recurse=False,
-remove_duplicate=False)` (was a read of `_parameters`, zero3/plan.py),
-`Module.register_load_state_dict_pre_hook` (was its private twin, models/gpt.py) and
+remove_duplicate=False)` (was a read of `_parameters`, zero3/plan.py) and
 `DefaultSavePlanner.create_global_plan` (was an override of `_create_global_plan`,
 checkpoint/dcp.py). Python's own `sys._getframe` is here too: it is the interpreter's.
 
@@ -42,6 +41,7 @@ __all__ = [
     "BatchNormBase",
     "MODULE_HOOK_DICTS",
     "TorchDispatchMode",
+    "add_load_state_dict_pre_hook",
     "backend_timeout",
     "caller_frame",
     "clear_optimizer_hooks",
@@ -210,6 +210,16 @@ def replace_parameters(module: nn.Module, make) -> None:
         name: None if param is None else make(name, param)
         for name, param in module._parameters.items()
     }
+
+
+def add_load_state_dict_pre_hook(module: nn.Module, hook) -> None:
+    """Call `hook(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)`
+    before `module` loads its part of a state dict (`Module._register_load_state_dict_pre_hook`,
+    without the module). The public `register_load_state_dict_pre_hook` keeps the module inside
+    the hook (`_WrappedHook`), so `copy.deepcopy` of the hook dicts (strategies/model_copy.py)
+    reached the model and its strategy: "cannot pickle 'ProcessGroup'" (tests/dist/test_ema.py).
+    Checked: 2.13, 2.11."""
+    module._register_load_state_dict_pre_hook(hook)
 
 
 def incompatible_keys(missing: list[str], unexpected: list[str]):

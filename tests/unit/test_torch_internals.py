@@ -390,3 +390,13 @@ def test_batch_norm_base_is_every_batch_norm_with_statistics():
     for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm):
         assert issubclass(cls, ti.BatchNormBase)
     assert not issubclass(nn.InstanceNorm1d, ti.BatchNormBase)
+
+
+def test_a_load_state_dict_pre_hook_without_the_module():
+    seen = []
+    layer = nn.Linear(1, 1)
+    ti.add_load_state_dict_pre_hook(layer, lambda state_dict, prefix, *rest: seen.append(prefix))
+    layer.load_state_dict(layer.state_dict())
+    assert seen == [""]
+    (hook,) = layer._load_state_dict_pre_hooks.values()
+    assert getattr(hook, "module", None) is None  # nothing of the module inside the hook
