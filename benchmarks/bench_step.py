@@ -20,7 +20,6 @@ import gc
 import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from contenders import (
     unavailable,
 )
 from step_report import machine_info, render
+from step_stats import finish_flags, summarize
 
 import dataparallel as dp
 
@@ -153,12 +153,6 @@ def timed_step(prepared, x, y, timing_group, finish: bool) -> tuple[float, float
     if finish:
         prepared.finish()
     return time.perf_counter() - start, time.process_time() - start_cpu, loss
-
-
-def finish_flags(order: list[tuple[int, str]]) -> list[bool]:
-    """For each (batch, contender) of `order`: True where another contender (or none) runs next,
-    so the step's work still in flight is finished, and timed, before it does."""
-    return [k + 1 == len(order) or order[k + 1][1] != name for k, (_, name) in enumerate(order)]
 
 
 def run_round(names: list[str], prepared: dict, batches, args, timing_group) -> dict:
@@ -281,71 +275,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def summarize(results: dict, args) -> dict:
-    """Per contender: median step time, spread, tokens/s, memory (max over ranks), ratios."""
-    tokens = args.nproc * args.batch * args.seq
-    rows = {}
-    for name, r in results.items():
-        if r.get("error") or not r["times"]:
-            continue
-        times = r["times"]
-        median = statistics.median(times)
-        q1, _, q3 = (
-            statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [median] * 3
-        )
-        memory = {k: max(m[k] for m in r["memory_per_rank"]) for k in r["memory_per_rank"][0]}
-        rows[name] = {
-            "median_s": median,
-            "p25_s": q1,
-            "p75_s": q3,
-            "cpu_median_s": statistics.median(r["cpu_times"]),
-            "tokens_per_s": tokens / median,
-            "memory_bytes": memory,
-            "final_loss": r["loss"],
-        }
-    bound = rows.get("bound")
-    for name, row in rows.items():
-        row["vs_bound"] = row["median_s"] / bound["median_s"] if bound else None
-        row["vs_bound_paired"] = paired_ratio(results, name, "bound") if bound else None
-    pairs = [
-        {
-            "ours": o,
-            "peer": p,
-            "ratio": rows[o]["median_s"] / rows[p]["median_s"],
-            "paired": paired_ratio(results, o, p),
-        }
-        for o, peers in PEERS.items()
-        for p in peers
-        if o in rows and p in rows
-    ]
-    # Each of ours over its old- twin: the cost of a change, measured side by side.
-    versus_old = [
-        {
-            "new": name,
-            "old": old,
-            "ratio": rows[name]["median_s"] / rows[old]["median_s"],
-            "paired": paired_ratio(results, name, old),
-            "paired_cpu": paired_ratio(results, name, old, key="cpu_times"),
-        }
-        for name in rows
-        if (old := f"old-{name}") in rows
-    ]
-    return {"rows": rows, "pairs": pairs, "versus_old": versus_old, "tokens_per_step": tokens}
-
-
-def paired_ratio(results: dict, a: str, b: str, key: str = "times") -> float | None:
-    """Median over timed steps of a's step time over b's at the same step of the same round.
-
-    With `--interleave step` the two steps ran moments apart, so drift of the machine cancels
-    in each ratio; None when the two did not run the same steps. `key="cpu_times"` pairs the
-    process CPU times instead.
-    """
-    ta, tb = results[a][key], results[b][key]
-    if len(ta) != len(tb) or not ta:
-        return None
-    return statistics.median(x / y for x, y in zip(ta, tb, strict=True))
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     skipped = {n: why for n in args.contenders if (why := unavailable(n))}
@@ -364,7 +293,7 @@ def main(argv=None) -> None:
             results = json.load(f)
     meta["load_average_end"] = os.getloadavg()
     skipped |= {n: f"setup failed: {r['error']}" for n, r in results.items() if r.get("error")}
-    summary = summarize(results, args)
+    summary = summarize(results, args, PEERS)
     print(render(meta, summary, skipped, args))
     if args.json:
         with open(args.json, "w") as f:

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 from dataparallel.data import DistributedSampler
 from dataparallel.data.corpus import TokenWindows, evenly_spaced, load_corpus
 from dataparallel.models import build_model
-from dataparallel.train.schedule import WarmupCosine
+from dataparallel.train.lr_schedule import WarmupCosine
 from dataparallel.train.trainer import next_indices, param_groups
 
 

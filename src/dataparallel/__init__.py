@@ -42,7 +42,7 @@ from .data import DistributedSampler
 from .ema import EMA
 from .plan import plan
 from .recipe import PRECISIONS, STRATEGIES, Recipe, RecipeError, check_recipe
-from .runtime import World, destroy, free_port, init, init_fake, join_group
+from .runtime import World, destroy, free_port, init, init_fake, regroup
 from .strategies import DDP, Mesh, MixedPrecision, ZeRO1, ZeRO2, ZeRO3, init_mesh
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
@@ -87,7 +87,7 @@ __all__ = [
     "init_fake",
     "init_mesh",
     "join",
-    "join_group",
+    "regroup",
     "load_full_state_dict",
     "load_local_optimizer_state_dict",
     "load_optimizer_state_dict",

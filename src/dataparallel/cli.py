@@ -334,7 +334,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     model (a save_pretrained directory, or a run's hf/ export) through generate's decoder."""
     import torch
 
-    from .infer.loading import find_model, load_model
+    from .infer.model_loading import find_model, load_model
     from .infer.sampling import generate
 
     # One sequence, one token at a time: small matrices that more threads barely speed up, and

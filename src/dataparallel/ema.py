@@ -7,7 +7,7 @@ ZeRO-1/2/3 (the fp32 masters under mixed precision), and the average is the one 
 element for element, at 1/N of its memory under the sharded strategies. The rule is PyTorch's
 `AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))`: the first `update()` copies
 the weights, each later one moves the average towards them by `1 - decay`
-(`torch._foreach_lerp_`, the same kernel). It works on every strategy; under ZeRO-3, where a
+(`torch._foreach_lerp_`, the same kernel, through torch_internals.py). It works on every strategy; under ZeRO-3, where a
 plain copy of the model is refused ([Note: model copies] in strategies/model_copy.py), it is the
 way to an EMA. Its whole weights come out with `full_state_dict()` (collective), or in place in
 the model for an evaluation with `with ema.applied(): ...`.
@@ -25,6 +25,7 @@ from torch import nn
 from .api import strategy_of
 from .strategies.parts import geometry as geo
 from .strategies.parts.tensor_parallel import to_local
+from .torch_internals import foreach_copy_, foreach_lerp_
 
 
 class EMA:
@@ -70,7 +71,7 @@ class EMA:
         if self.n_averaged == 0:
             _copy_into(self.averages, current)
         elif current:
-            torch._foreach_lerp_(self.averages, current, 1.0 - self.decay)
+            foreach_lerp_(self.averages, current, 1.0 - self.decay)
         self.n_averaged += 1
 
     def _geometry(self) -> geo.Geometry:
@@ -129,4 +130,4 @@ class EMA:
 @torch.no_grad()
 def _copy_into(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     if targets:
-        torch._foreach_copy_(targets, sources)
+        foreach_copy_(targets, sources)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .comm.progress import PROGRESS
 from .comm.watchdog import Watchdog
+from .torch_internals import default_store, fake_store
 
 # The process's watchdog, like the default process group it watches (one per process).
 _watchdog: Watchdog | None = None
@@ -162,15 +163,13 @@ def init_fake(world_size: int, rank: int = 0) -> World:
     pairwise reduce-scatter or all-gather: those are gloo's, `Comm.pairwise`), so a dry run
     follows what a GPU job runs. No watchdog, no store other than torch's FakeStore.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"init_fake: world_size={world_size!r} must be an integer >= 1")
     if not (isinstance(rank, int) and 0 <= rank < world_size):
         raise ValueError(f"init_fake: rank={rank!r} must be in 0..{world_size - 1}")
     if dist.is_initialized():
         raise RuntimeError("init_fake: a process group exists; call dataparallel.destroy() first")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     PROGRESS.reset()
     group = dist.group.WORLD
     return World(
@@ -183,7 +182,7 @@ def init_fake(world_size: int, rank: int = 0) -> World:
     )
 
 
-def join_group(
+def regroup(
     store: dist.Store, rank: int, world_size: int, timeout: timedelta, world: World
 ) -> World:
     """Leave the current process group and form a new default one (gloo) of `world_size`
@@ -251,7 +250,7 @@ def _start_watchdog(rank: int, world_size: int, timeout_s: float) -> None:
     # Keys of a restarted attempt must not meet the last attempt's reports: attempt_store's
     # prefix already sees to it under torchrun's agent store; this one, under other set-ups.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     prefix = f"dataparallel/watchdog/{attempt}"
     _watchdog = Watchdog(store, rank, world_size, timeout_s, prefix=prefix).start()
 

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .torch_internals import BatchNormBase
+
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
@@ -30,7 +32,7 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+class SyncBatchNorm(BatchNormBase):
     """BatchNorm over any input of shape (N, C, ...) with statistics over all ranks' batches.
 
     group: the ranks whose batches are normalised together (None: the default group).
@@ -84,9 +86,7 @@ def convert_sync_batchnorm(module: nn.Module, group=None) -> nn.Module:
 
     Returns the module (a new one if `module` itself is a BatchNorm).
     """
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
-        module, SyncBatchNorm
-    ):
+    if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):
         converted = SyncBatchNorm(
             module.num_features, module.eps, module.momentum, module.affine,
             module.track_running_stats, group,

@@ -1,13 +1,17 @@
-"""The benchmark's statistics (benchmarks/bench_step.py): pure arithmetic, no process group."""
+"""The benchmark's statistics (benchmarks/step_stats.py, step_stats.py's): pure arithmetic, no
+process group. The file is loaded by its path: benchmarks/ stays off sys.path."""
 
-import sys
+import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-bench_step = pytest.importorskip("bench_step")
+STATS = Path(__file__).resolve().parents[2] / "benchmarks" / "step_stats.py"
+_spec = importlib.util.spec_from_file_location("step_stats", STATS)
+step_stats = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(step_stats)
+PEERS = {"ddp": ["torch-ddp"]}  # contenders.PEERS's form
 
 
 def result(times):
@@ -21,13 +25,13 @@ def test_paired_ratio_is_the_median_of_step_by_step_ratios():
     bound = [1.0, 1.0, 1.0, 2.0, 2.0]
     ours = [1.1, 1.1, 1.1, 2.2, 2.2]
     results = {"bound": result(bound), "ddp": result(ours)}
-    assert bench_step.paired_ratio(results, "ddp", "bound") == pytest.approx(1.1)
-    assert bench_step.paired_ratio(results, "bound", "bound") == pytest.approx(1.0)
+    assert step_stats.paired_ratio(results, "ddp", "bound") == pytest.approx(1.1)
+    assert step_stats.paired_ratio(results, "bound", "bound") == pytest.approx(1.0)
 
 
 def test_paired_ratio_needs_the_same_steps():
     results = {"bound": result([1.0, 2.0]), "ddp": result([1.0])}
-    assert bench_step.paired_ratio(results, "ddp", "bound") is None
+    assert step_stats.paired_ratio(results, "ddp", "bound") is None
 
 
 def test_summarize_reports_both_ratios_and_the_pairs():
@@ -37,7 +41,7 @@ def test_summarize_reports_both_ratios_and_the_pairs():
         "torch-ddp": result([1.5, 1.5, 3.0]),
     }
     args = SimpleNamespace(nproc=2, batch=4, seq=256)
-    summary = bench_step.summarize(results, args)
+    summary = step_stats.summarize(results, args, PEERS)
     rows = summary["rows"]
     assert rows["ddp"]["vs_bound"] == pytest.approx(1.2)
     assert rows["ddp"]["vs_bound_paired"] == pytest.approx(1.2)
@@ -50,7 +54,7 @@ def test_summarize_reports_both_ratios_and_the_pairs():
 def test_work_in_flight_is_finished_before_another_contender_runs():
     # Step interleaving: a step finishes unless the rotation runs the same contender next.
     by_step = [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
-    assert bench_step.finish_flags(by_step) == [True, False, True, True]
+    assert step_stats.finish_flags(by_step) == [True, False, True, True]
     # Round interleaving: only each contender's last step finishes; the others overlap.
     by_round = [(0, "a"), (1, "a"), (2, "a"), (0, "b"), (1, "b")]
-    assert bench_step.finish_flags(by_round) == [False, False, True, False, True]
+    assert step_stats.finish_flags(by_round) == [False, False, True, False, True]

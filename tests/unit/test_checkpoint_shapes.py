@@ -111,12 +111,12 @@ def test_the_global_plan_is_dcps_checked_by_runs_without_comparing_boxes(monkeyp
     with pytest.raises(ValueError, match="global plan: key:model.w has overlapping chunks"):
         ChunkSavePlanner({}).create_global_plan(bad)
     # torch 2.11's check answers only True or False (the GPU machine's): the key is still named.
-    from dataparallel.checkpoint import global_plan
+    from torch.distributed.checkpoint import default_planner
 
-    monkeypatch.setattr(global_plan, "_validate_global_plan", lambda *a: False)
+    monkeypatch.setattr(default_planner, "_validate_global_plan", lambda *a: False)
     with pytest.raises(ValueError, match="global plan: key:model.w has overlapping chunks"):
         ChunkSavePlanner({}).create_global_plan(bad)
-    monkeypatch.setattr(global_plan, "_validate_global_plan", lambda *a: True)
+    monkeypatch.setattr(default_planner, "_validate_global_plan", lambda *a: True)
     assert len(ChunkSavePlanner({}).create_global_plan(_rank_plans(2))[0]) == 2
 
 

@@ -10,7 +10,7 @@ import torch
 from dataparallel.infer.decoding import Sampling, cut_at_stop, left_pad
 from dataparallel.infer.evaluate import EvalJob
 from dataparallel.infer.generate import GenerateJob, plan_batches
-from dataparallel.infer.loading import ModelSource
+from dataparallel.infer.model_loading import ModelSource
 from dataparallel.infer.ranks import contiguous_share, strided_share
 from dataparallel.infer.worker import decode_job, encode_job
 from dataparallel.launch.workers import shutdown_timeout, torchrun_argv, worker_environment

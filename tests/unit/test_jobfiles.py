@@ -213,3 +213,23 @@ def test_docs_show_the_script_as_printed(capsys):
     shown = docs.split("```bash\n", 1)[1].split("```", 1)[0]
     args = shlex.split(shown.splitlines()[1].removeprefix("# Printed by: dataparallel cluster "))
     assert printed(capsys, *args) == shown
+
+
+def test_yaml_lines_read_back_as_the_dict():
+    """The manifest is built as a dict and written by `yaml_lines`: YAML reads back the same
+    values, also for strings that bare YAML would read as something else."""
+    from dataparallel.launch.jobfiles import yaml_lines
+
+    tricky = ["true", "123", "1e-3", "no", "a: b", "#x", "it's", 'say "hi"', "", "/bin/sh"]
+    data = {
+        "plain": "trainer.kubeflow.org/v1alpha1",
+        "numbers": {"int": 3, "negative": -1, "float": 2.5, "bool": True},
+        "tricky": {f"k{i}": value for i, value in enumerate(tricky)},
+        "flow": [*tricky, 75],
+        "blocks": [{"name": "a", "inner": {"x": [1, 2]}}, {"only": {"deep": {"er": "y"}}}],
+        "nvidia.com/gpu": 1,
+    }
+    assert yaml.safe_load("\n".join(yaml_lines(data))) == data
+    spec = job_spec(["--name", "true", "--gpus-per-node", "1"])
+    runtime, job = yaml.safe_load_all(k8s_manifest(spec, "x"))
+    assert job["metadata"]["name"] == "true"  # a string, not YAML's boolean

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dataparallel.train.schedule import WarmupCosine, scaled_lr
+from dataparallel.train.lr_schedule import WarmupCosine, scaled_lr
 
 
 def test_linear_scaling_multiplies_by_the_batch_ratio():

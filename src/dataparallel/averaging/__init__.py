@@ -3,7 +3,7 @@
     streaming.py   Streaming DiLoCo's settings, their checks, the fragments' layout, the recipe
     flat.py        the held tensors as one flat vector, an async reduction of it
     schedule.py    FragmentSchedule: when each fragment has its outer step
-    wire.py        OuterWire: how outer gradients travel (fp32, bf16, int8/fp8/int4)
+    outer_wire.py  OuterWire: how outer gradients travel (fp32, bf16, int8/fp8/int4)
     outer_step.py  OuterStep: the anchors and the outer optimizer that moves them
     local_sgd.py   LocalSGD: the replicas' parameters averaged every few steps
     diloco.py      DiLoCo: the outer step every few steps, streamed by fragments

@@ -29,9 +29,9 @@ from ..compression.feedback import keyed_tensors, load_keyed_tensors
 from .flat import Reduced, flatten, unflatten
 from .local_sgd import LocalSGD
 from .outer_step import OuterStep
+from .outer_wire import OuterWire
 from .schedule import FragmentSchedule
 from .streaming import OUTER_FORMATS, check_streaming, split_fragments
-from .wire import OuterWire
 
 __all__ = ["DiLoCo"]
 

@@ -10,7 +10,7 @@ from functools import partial
 import torch
 
 from .flat import Reduced, flatten, unflatten
-from .wire import OuterWire
+from .outer_wire import OuterWire
 
 
 class OuterStep:

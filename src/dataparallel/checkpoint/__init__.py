@@ -2,8 +2,7 @@
 torch.distributed.checkpoint, in folders committed atomically; and the exported weights."""
 
 from .dcp import Chunk, load_chunks, read_metadata, save_chunks, stored_tensors
-from .state import check_same_model, load_state, model_shapes, state_chunks
-from .store import (
+from .folders import (
     CheckpointError,
     atomic_write_bytes,
     begin,
@@ -16,6 +15,7 @@ from .store import (
     verify,
     write_safetensors,
 )
+from .state import check_same_model, load_state, model_shapes, state_chunks
 
 __all__ = [
     "CheckpointError",

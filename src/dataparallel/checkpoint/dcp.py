@@ -47,6 +47,7 @@ import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -69,9 +70,10 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..torch_internals import dedup_save_plans, object_unpickler, set_object_unpickler
+from .folders import CheckpointError
 from .global_plan import global_save_plan
 from .rectangles import rectangles
-from .store import CheckpointError
 
 # DCP warns on every call without a process group that it assumes one process: we mean it.
 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -185,10 +187,13 @@ class ChunkSavePlanner(DefaultSavePlanner):
         self.plan = SavePlan(items, planner_data=nesting)
         return self.plan
 
-    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        """DCP's, with the check of each tensor's boxes made linear ([Note: tiling check] in
-        rectangles.py): `global_plan.py`."""
-        return global_save_plan(all_plans, self._dedup_save_plans)
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DCP's (its path without plan caching, which this planner leaves off), with the check
+        of each tensor's boxes made linear ([Note: tiling check] in rectangles.py):
+        `global_plan.py`."""
+        dedup = partial(dedup_save_plans, self)
+        self.global_plan, self.metadata = global_save_plan(all_plans, dedup)
+        return self.global_plan, self.metadata
 
     def lookup_object(self, index: MetadataIndex):
         tensor = self.parts[index.fqn, index.offset].detach()
@@ -285,10 +290,10 @@ def _plans_unpickled_safely():
     """DCP plans a save or a load through torch's `*_object` collectives, which unpickle what
     the other ranks send; while it runs, they unpickle with `_PeerUnpickler` ([Note: nothing
     unpickled] in comm/plain.py). Counted, as an async save plans in a thread of its own."""
-    c10d = dist.distributed_c10d
     with _PLANNING["lock"]:
         if _PLANNING["depth"] == 0:
-            _PLANNING["saved"], c10d._unpickler = c10d._unpickler, _PeerUnpickler
+            _PLANNING["saved"] = object_unpickler()
+            set_object_unpickler(_PeerUnpickler)
         _PLANNING["depth"] += 1
     try:
         yield
@@ -296,7 +301,7 @@ def _plans_unpickled_safely():
         with _PLANNING["lock"]:
             _PLANNING["depth"] -= 1
             if _PLANNING["depth"] == 0:
-                c10d._unpickler = _PLANNING["saved"]
+                set_object_unpickler(_PLANNING["saved"])
 
 
 _PLANNING = {"lock": threading.Lock(), "depth": 0, "saved": None}

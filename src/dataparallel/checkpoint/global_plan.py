@@ -16,13 +16,11 @@ import gc
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from torch.distributed.checkpoint.default_planner import (
-    _validate_global_plan,
-    create_default_global_save_plan,
-)
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
+from ..torch_internals import validate_global_plan
 from .rectangles import tiles
 
 
@@ -42,16 +40,7 @@ def global_save_plan(
         entries = metadata.state_dict_metadata.items()
         untiled = [name for name, entry in entries if not _tiled(entry)]
         if untiled:
-            errors = _validate_global_plan(global_plan, metadata)
-            if isinstance(errors, bool):  # torch 2.11's (the GPU check's) says only whether
-                errors = (
-                    []
-                    if errors
-                    else [
-                        f"key:{name} has overlapping chunks or leaves part uncovered"
-                        for name in untiled
-                    ]
-                )
+            errors = validate_global_plan(global_plan, metadata, untiled)
             if errors:
                 summary = "; ".join(errors)
                 summary = summary if len(summary) <= 500 else summary[:500] + "... (truncated)"

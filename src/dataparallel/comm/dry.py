@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..torch_internals import storage_id
+
 FAKE_BACKEND = "fake"
 
 
@@ -42,5 +44,5 @@ def storage_key(tensor: torch.Tensor):
     meta device (every pointer 0), the storage itself ([Note: dry run])."""
     storage = tensor.untyped_storage()
     if tensor.is_meta:
-        return ("meta", storage._cdata)
+        return ("meta", storage_id(storage))
     return (storage.data_ptr(), storage.nbytes())

@@ -22,19 +22,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..torch_internals import backend_timeout
+
 
 def timeout_of(group: dist.ProcessGroup | None = None) -> timedelta | None:
     """How long a collective of `group` (default: the world) waits before it fails, as its
     backend was made; None where the backend has no options to read (the fake backend)."""
     group = group if group is not None else dist.group.WORLD
     for device in (torch.device("cpu"), torch.device("cuda")):
-        try:
-            backend = group._get_backend(device)
-        except (RuntimeError, ValueError):  # no backend for this device type
-            continue
-        options = getattr(backend, "options", None)
-        timeout = getattr(options, "_timeout", None)
-        if isinstance(timeout, timedelta):
+        timeout = backend_timeout(group, device)
+        if timeout is not None:
             return timeout
     return None
 

@@ -1,7 +1,7 @@
 """Inference with data-parallel workers: `dataparallel generate` and `dataparallel eval`.
 
     sampling.py   a built-in GPT's weights file -> model; `dataparallel sample`'s sampler
-    loading.py    a run directory or a save_pretrained directory -> model and tokenizer
+    model_loading.py  a run directory or a save_pretrained directory -> model and tokenizer
     decoding.py   batched decoding with a fixed number of forwards (greedy or sampled)
     generate.py   prompts split across ranks, batched, gathered back in input order
     evaluate.py   the exact perplexity of a dataset, summed over ranks

@@ -169,7 +169,7 @@ def eval_job(args: argparse.Namespace):
 
 
 def _run(command: str, args: argparse.Namespace) -> int:
-    from .loading import check_model, find_model
+    from .model_loading import check_model, find_model
 
     try:
         launch = launcher_config(args, DEFAULTS)

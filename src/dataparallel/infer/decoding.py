@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from .loading import LoadedModel
+from .model_loading import LoadedModel
 
 
 @dataclass(frozen=True, kw_only=True)

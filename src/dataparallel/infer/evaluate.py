@@ -23,7 +23,7 @@ from ..data.formats import DataError
 from ..data.loading import load_windows
 from ..data.packing import IGNORE
 from ..launch.config import ConfigError
-from .loading import LoadedModel, logits
+from .model_loading import LoadedModel, logits
 from .ranks import reduce_numbers, strided_share
 
 

@@ -25,7 +25,7 @@ import dataparallel as dp
 
 from ..launch.config import ConfigError
 from .decoding import Sampling, decode
-from .loading import LoadedModel
+from .model_loading import LoadedModel
 from .ranks import contiguous_share, gather_objects, reduce_numbers
 
 

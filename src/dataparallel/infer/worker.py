@@ -23,7 +23,7 @@ from ..launch.workers import freeze_imports
 from .decoding import Sampling
 from .evaluate import EvalJob, evaluate
 from .generate import GenerateJob, generate
-from .loading import ModelSource, load_model
+from .model_loading import ModelSource, load_model
 
 ENV_JOB = "DATAPARALLEL_INFER"
 

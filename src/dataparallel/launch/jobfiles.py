@@ -24,6 +24,7 @@ The next start resumes from the checkpoint written at the signal; nothing is red
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass
 
@@ -168,9 +169,37 @@ def slurm_script(spec: JobSpec, printed_by: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _yaml(value) -> str:
-    """A YAML scalar or flow list (JSON's spelling is YAML's)."""
+# A string YAML reads back as itself when written bare: a name, a path, a URL-like key.
+_PLAIN = re.compile(r"[A-Za-z_/][A-Za-z0-9_./-]*")
+_YAML_WORDS = {"true", "false", "null", "yes", "no", "on", "off", "y", "n"}
+
+
+def _scalar(value) -> str:
+    """A YAML scalar: bare where it reads back as the same string, else JSON's spelling (which
+    is YAML's)."""
+    if isinstance(value, str) and _PLAIN.fullmatch(value) and value.lower() not in _YAML_WORDS:
+        return value
     return json.dumps(value)
+
+
+def yaml_lines(mapping: dict, indent: int = 0) -> list[str]:
+    """`mapping` as YAML block lines: nested dicts as blocks, lists of dicts as block sequences,
+    lists of scalars as flow lists (`[a, 1]`). The subset a manifest needs; no dependency."""
+    pad = "  " * indent
+    lines = []
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            lines += [f"{pad}{_scalar(key)}:", *yaml_lines(value, indent + 1)]
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            lines.append(f"{pad}{_scalar(key)}:")
+            for entry in value:
+                first, *rest = yaml_lines(entry, indent + 2)
+                lines += [f"{pad}  - {first.lstrip()}", *rest]
+        elif isinstance(value, list):
+            lines.append(f"{pad}{_scalar(key)}: [{', '.join(_scalar(v) for v in value)}]")
+        else:
+            lines.append(f"{pad}{_scalar(key)}: {_scalar(value)}")
+    return lines
 
 
 def k8s_manifest(spec: JobSpec, printed_by: str) -> str:
@@ -180,25 +209,46 @@ def k8s_manifest(spec: JobSpec, printed_by: str) -> str:
     if spec.layout != "node":
         raise ConfigError("--layout", "worker is Slurm's", "leave --layout out for k8s")
     run_dir = spec.run_dir or f"/runs/{spec.name}"
-    setup = f"{spec.setup} && " if spec.setup else ""
-    shell = f"{setup}exec {spec.program} train {_train_line(spec, run_dir)}"
-    resources = {}
-    if spec.cpus_per_node:
-        resources["cpu"] = spec.cpus_per_node
-    if spec.gpus_per_node:
-        resources["nvidia.com/gpu"] = spec.gpus_per_node
-    limits = ["                      resources:"]
-    for key in ("requests", "limits"):
-        limits.append(f"                        {key}:")
-        limits += [f"                          {k}: {_yaml(v)}" for k, v in resources.items()]
-    lines = [
+    api = "trainer.kubeflow.org/v1alpha1"
+    runtime = {
+        "apiVersion": api,
+        "kind": "TrainingRuntime",
+        "metadata": {
+            "name": f"{spec.name}-runtime",
+            "labels": {"trainer.kubeflow.org/framework": "torch"},
+        },
+        "spec": {
+            "mlPolicy": {"numNodes": spec.nodes, "torch": {"numProcPerNode": spec.nproc}},
+            "template": {"spec": _jobset(spec, run_dir)},
+        },
+    }
+    job = {
+        "apiVersion": api,
+        "kind": "TrainJob",
+        "metadata": {"name": spec.name},
+        "spec": {
+            "runtimeRef": {
+                "name": f"{spec.name}-runtime",
+                "apiGroup": "trainer.kubeflow.org",
+                "kind": "TrainingRuntime",
+            }
+        },
+    }
+    lines = [*_k8s_assumed(spec, run_dir, printed_by), *yaml_lines(runtime), "---"]
+    return "\n".join([*lines, *yaml_lines(job)]) + "\n"
+
+
+def _k8s_assumed(spec: JobSpec, run_dir: str, printed_by: str) -> list[str]:
+    """The manifest's first lines: who printed it and what it assumed."""
+    placeholder = " (a placeholder: give --image)." if spec.image == JobSpec.image else "."
+    return [
         f"# Printed by: {printed_by}",
         "# Assumed:",
         "# - Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1) and JobSet are installed; its",
         "#   torch policy sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and",
         "#   PET_MASTER_PORT in each node's pod, and dataparallel train reads them.",
         f"# - {spec.nodes} node(s) of {spec.nproc} workers; image {spec.image} holds dataparallel"
-        + (" (a placeholder: give --image)." if spec.image == JobSpec.image else "."),
+        + placeholder,
         f"# - the PersistentVolumeClaim {spec.claim} (ReadWriteMany) holds the run directory",
         f"#   {run_dir}: node 0 writes the run there, and --resume auto resumes a restarted job",
         "#   from its latest checkpoint.",
@@ -208,67 +258,58 @@ def k8s_manifest(spec: JobSpec, printed_by: str) -> str:
         f"#   failures restart it at most {spec.max_restarts} times.",
         f"# - the pods get SIGTERM and {spec.signal_s} s, which hold --preempt-budget "
         f"{spec.preempt_budget_s:g} s.",
-        "apiVersion: trainer.kubeflow.org/v1alpha1",
-        "kind: TrainingRuntime",
-        "metadata:",
-        f"  name: {spec.name}-runtime",
-        "  labels:",
-        "    trainer.kubeflow.org/framework: torch",
-        "spec:",
-        "  mlPolicy:",
-        f"    numNodes: {spec.nodes}",
-        "    torch:",
-        f"      numProcPerNode: {spec.nproc}",
-        "  template:",
-        "    spec:",
-        "      failurePolicy:",
-        f"        maxRestarts: {spec.max_restarts}",
-        "        rules:",
-        "          - action: RestartJobSetAndIgnoreMaxRestarts",
-        "            onJobFailureReasons: [PodFailurePolicy]",
-        "      replicatedJobs:",
-        "        - name: node",
-        "          template:",
-        "            metadata:",
-        "              labels:",
-        "                trainer.kubeflow.org/trainjob-ancestor-step: trainer",
-        "            spec:",
-        "              backoffLimit: 0",
-        "              podFailurePolicy:",
-        "                rules:",
-        "                  - action: FailJob",
-        "                    onExitCodes:",
-        "                      containerName: node",
-        "                      operator: In",
-        f"                      values: [{PREEMPTED}]",
-        "                  - action: FailJob",
-        "                    onPodConditions:",
-        "                      - type: DisruptionTarget",
-        "              template:",
-        "                spec:",
-        "                  restartPolicy: Never",
-        f"                  terminationGracePeriodSeconds: {spec.signal_s}",
-        "                  containers:",
-        "                    - name: node",
-        f"                      image: {_yaml(spec.image)}",
-        f"                      command: {_yaml(['/bin/sh', '-c', shell])}",
-        "                      volumeMounts:",
-        "                        - name: runs",
-        "                          mountPath: /runs",
-        *(limits if resources else []),
-        "                  volumes:",
-        "                    - name: runs",
-        "                      persistentVolumeClaim:",
-        f"                        claimName: {spec.claim}",
-        "---",
-        "apiVersion: trainer.kubeflow.org/v1alpha1",
-        "kind: TrainJob",
-        "metadata:",
-        f"  name: {spec.name}",
-        "spec:",
-        "  runtimeRef:",
-        f"    name: {spec.name}-runtime",
-        "    apiGroup: trainer.kubeflow.org",
-        "    kind: TrainingRuntime",
     ]
-    return "\n".join(lines) + "\n"
+
+
+def _jobset(spec: JobSpec, run_dir: str) -> dict:
+    """The runtime's JobSet: one Job per node, its failure policies ([Note: requeue])."""
+    setup = f"{spec.setup} && " if spec.setup else ""
+    container = {
+        "name": "node",
+        "image": spec.image,
+        "command": [
+            "/bin/sh",
+            "-c",
+            f"{setup}exec {spec.program} train {_train_line(spec, run_dir)}",
+        ],
+        "volumeMounts": [{"name": "runs", "mountPath": "/runs"}],
+    }
+    resources = {}
+    if spec.cpus_per_node:
+        resources["cpu"] = spec.cpus_per_node
+    if spec.gpus_per_node:
+        resources["nvidia.com/gpu"] = spec.gpus_per_node
+    if resources:
+        container["resources"] = {"requests": resources, "limits": dict(resources)}
+    pod = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": spec.signal_s,
+        "containers": [container],
+        "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": spec.claim}}],
+    }
+    exit_rule = {"containerName": "node", "operator": "In", "values": [PREEMPTED]}
+    node_job = {
+        "backoffLimit": 0,
+        "podFailurePolicy": {
+            "rules": [
+                {"action": "FailJob", "onExitCodes": exit_rule},
+                {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]},
+            ]
+        },
+        "template": {"spec": pod},
+    }
+    ancestor = {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
+    return {
+        "failurePolicy": {
+            "maxRestarts": spec.max_restarts,
+            "rules": [
+                {
+                    "action": "RestartJobSetAndIgnoreMaxRestarts",
+                    "onJobFailureReasons": ["PodFailurePolicy"],
+                }
+            ],
+        },
+        "replicatedJobs": [
+            {"name": "node", "template": {"metadata": {"labels": ancestor}, "spec": node_job}}
+        ],
+    }

@@ -32,7 +32,7 @@ default) and sends SIGKILL. So:
   end with 137 instead of PREEMPTED.
 - When the save does not fit the budget, the SIGKILL stops it mid-write: the folder being
   written stays `step-N.tmp` and the previous checkpoint stays the latest and whole ([Note:
-  atomic checkpoints] in checkpoint/store.py). The run loses the steps since that one.
+  atomic checkpoints] in checkpoint/folders.py). The run loses the steps since that one.
 - The job files requeue on PREEMPTED, and the same command with `--resume auto` continues from
   the latest complete checkpoint (docs/train.md; docs/faults.md, "Preemption").
 

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..torch_internals import add_load_state_dict_pre_hook
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -63,7 +65,7 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
-        self._register_load_state_dict_pre_hook(_split_fused_qkv)
+        add_load_state_dict_pre_hook(self, _split_fused_qkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, _ = x.shape

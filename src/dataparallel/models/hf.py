@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..torch_internals import replace_parameters
 from .lora import LoraSpec, apply_lora, checkpoint_name, is_lora_param
 
 HF_PREFIX = "hf:"
@@ -224,12 +225,12 @@ def _stand_in(module: nn.Module, p: nn.Parameter, value: torch.Tensor) -> nn.Mod
     for the others (their own turn fills them), so `_init_weights` runs on it unchanged."""
     clone = module.__new__(type(module))
     clone.__dict__ = dict(module.__dict__)
-    clone._parameters = {
-        key: None
-        if other is None
-        else nn.Parameter(value if other is p else torch.empty(other.shape), requires_grad=False)
-        for key, other in module._parameters.items()
-    }
+    replace_parameters(
+        clone,
+        lambda _, other: nn.Parameter(
+            value if other is p else torch.empty(other.shape), requires_grad=False
+        ),
+    )
     return clone
 
 

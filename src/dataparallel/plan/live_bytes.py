@@ -18,12 +18,11 @@ kept, so `peak_terms` says, by tag, what the peak was made of.
 
 from __future__ import annotations
 
-import sys
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from ..torch_internals import TorchDispatchMode, caller_frame, storage_id, tree_flatten
 
 ENGINE = ("dataparallel.strategies", "dataparallel.comm")
 
@@ -31,7 +30,7 @@ ENGINE = ("dataparallel.strategies", "dataparallel.comm")
 def engine_made() -> bool:
     """Whether the engine's code (a strategy, the comm layer) is on the stack: a storage made
     in its hooks (ZeRO-3's gathered units and full gradients, a bucket's reduction)."""
-    frame = sys._getframe(2)
+    frame = caller_frame(2)
     while frame is not None:
         if frame.f_globals.get("__name__", "").startswith(ENGINE):
             return True
@@ -57,10 +56,11 @@ class LiveBytes(TorchDispatchMode):
         """Count `tensor`'s storage from now on (a tensor made before the mode was entered)."""
         if tensor.is_meta:
             storage = tensor.untyped_storage()
-            known = self.storages.get(storage._cdata)
+            key = storage_id(storage)
+            known = self.storages.get(key)
             if known is None or known() is None:  # new, or a freed one's address reused
-                self.storages[storage._cdata] = weakref.ref(storage)
-                self.tags[storage._cdata] = self.tag + (" (engine)" if engine_made() else "")
+                self.storages[key] = weakref.ref(storage)
+                self.tags[key] = self.tag + (" (engine)" if engine_made() else "")
 
     def label(self, tensor: torch.Tensor | None, tag: str) -> None:
         """Tag `tensor`'s storage `tag`, at the peak already recorded too if it was alive
@@ -69,7 +69,7 @@ class LiveBytes(TorchDispatchMode):
             return
         self.note(tensor)
         storage = tensor.untyped_storage()
-        key = storage._cdata
+        key = storage_id(storage)
         self.tags[key] = tag
         kept = self.at_peak.get(key)
         if kept is not None and kept[0]() is storage:

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..strategies.parts.footprint import ParamShapes
 from ..strategies.zero3.plan import param_shapes
+from ..torch_internals import flash_attention_cpu, storage_id
 from .errors import PlanError
 
 
@@ -86,7 +87,7 @@ class _FlashAttention(TorchFunctionMode):
         if func is F.scaled_dot_product_attention and not kwargs.get("attn_mask"):
             q, k, v = args[:3]
             dropout, causal = kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False)
-            op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            op = flash_attention_cpu()
             return op(q, k, v, dropout, causal)[0]
         return func(*args, **kwargs)
 
@@ -94,13 +95,13 @@ class _FlashAttention(TorchFunctionMode):
 def saved_bytes(model: nn.Module, run: Callable[[nn.Module], torch.Tensor]) -> int:
     """Bytes of the distinct storages autograd keeps for backward in `run(model)` (a meta
     forward and loss), parameters excepted."""
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    params = {storage_id(p.untyped_storage()) for p in model.parameters()}
     kept: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage._cdata not in params:
-            kept[storage._cdata] = storage.nbytes()
+        if storage_id(storage) not in params:
+            kept[storage_id(storage)] = storage.nbytes()
         return t
 
     with _FlashAttention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

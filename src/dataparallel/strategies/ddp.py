@@ -181,10 +181,10 @@ class DDPStrategy(Strategy):
         return reducer
 
     def _relay_buckets(self, order: list[int]) -> None:
-        """[Note: arrival order] Once the first synchronised backward is over: buckets in the
-        order its gradients arrived on rank 0 (every rank takes rank 0's, so that bucket i
-        holds the same parameters everywhere). The next `prepare` moves any kept gradient into
-        the new buckets."""
+        """Once the first synchronised backward is over ([Note: arrival order] in
+        parts/reducer.py): buckets in the order its gradients arrived on rank 0 (every rank
+        takes rank 0's, so that bucket i holds the same parameters everywhere). The next
+        `prepare` moves any kept gradient into the new buckets."""
         if self.comm.world_size > 1:
             agreed = torch.tensor(order, dtype=torch.int64, device=self.comm.device)
             with self.comm.tracer.labelled(what="bucket order"):  # once: not the step's traffic
@@ -226,10 +226,10 @@ class DDPStrategy(Strategy):
         self.comm.rebind(group)
         mean = self.policy.reduce_op == "mean"
         self.reducer.rebind(divisor=self.comm.world_size if mean else 1)
-        # [Note: arrival order] The new group may hold a process fresh from `parallelize` (a
-        # live run's replacement), whose buckets are still the planned ones: every member
-        # starts again from them and settles the arrival order with the others, at the same
-        # forward. Without this the survivors' re-laid buckets met the replacement's planned
+        # [Note: arrival order] in parts/reducer.py, after a rebind: the new group may hold a
+        # process fresh from `parallelize` (a live run's replacement), whose buckets are still
+        # the planned ones: every member starts again from them and settles the arrival order
+        # with the others, at the same forward. Without this the survivors' re-laid buckets met the replacement's planned
         # ones in one step's all-reduces (tests/e2e/test_live_recovery.py: 2.6e-3 off).
         planned = list(reversed([p for p in self.model.parameters() if p.requires_grad]))
         same = [id(p) for p in self.reducer.params] == [id(p) for p in planned]

@@ -27,20 +27,7 @@ import copy
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-# Every per-module hook dict nn.Module keeps, all keyed by the hook's handle id.
-HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_state_dict_pre_hooks",
-    "_state_dict_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
+from ..torch_internals import MODULE_HOOK_DICTS
 
 
 def next_hook_id() -> int:
@@ -72,7 +59,7 @@ class PlainCopy:
         strategy.finish_param_gather()
         model = strategy.model
         for module in model.modules():
-            for name in HOOK_DICTS:
+            for name in MODULE_HOOK_DICTS:
                 hooks = module.__dict__.get(name)
                 if hooks is not None and id(hooks) not in memo:
                     kept = [(k, v) for k, v in hooks.items() if k < self.first_hook]

@@ -6,13 +6,14 @@ By floor (each module imports only those on lower lines; `live/` is a wing of it
     run_dir.py       what a run directory holds, by name
     ledger.py        how far a run got, and its step and evaluation records (checkpoints,
                      rewinds and heals share it: [Note: the ledger])
-    schedule.py      warm-up + cosine learning rate, linear scaling
+    lr_schedule.py   warm-up + cosine learning rate, linear scaling
     state.py         TrainState: what is built once, and the ledger; DataRanks
     config_toml.py   the config as TOML, and a mapping applied onto it
     model_source.py  the run's model and tokenizer, resolved once
     sync.py          the [sync] section as a dp.Recipe; the recipe's errors spelled as flags
     callbacks.py     the Callback protocol: what logging and checkpointing plug into
     handoff.py       the run handed to the workers in their environment
+    optimizer_step.py  the end of a step: clip, step the optimizer or skip the step
     step.py          a step's concerns: data, loss, verdict, vote, update
     tensor_parallel.py  the job's dp x tp mesh (--tp)
     trainer.py       setup(), train_step(), evaluate()

@@ -2,7 +2,7 @@
 
 Each rank saves only what it holds (checkpoint/state.py names it: parameters, optimizer state,
 compression and averager state), through torch.distributed.checkpoint, into a folder that is
-committed atomically ([Note: atomic checkpoints] in checkpoint/store.py). Rank 0 adds the run's
+committed atomically ([Note: atomic checkpoints] in checkpoint/folders.py). Rank 0 adds the run's
 plain state as JSON: the step (the learning rate is a pure function of it), the data position
 in global samples ([Note: global sample position] in data/stream.py), the loss scaler, and the
 layout that wrote it. No random state needs saving: the reference models have no dropout, and

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError, latest_checkpoint, verify
-from ..checkpoint.store import MANIFEST
+from ..checkpoint.folders import MANIFEST
 from .checkpointing import FINAL_WEIGHTS, checkpoint_weights, export_weights
 from .config import ConfigError
 from .export_hf import HF_EXPORT, export_hf

@@ -18,7 +18,7 @@ from ..data.packing import PackedWindows
 from .config import RunConfig
 from .gradient_watch import GradientWatch
 from .ledger import Ledger
-from .schedule import WarmupCosine
+from .lr_schedule import WarmupCosine
 
 
 @dataclass(frozen=True)

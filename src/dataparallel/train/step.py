@@ -16,8 +16,8 @@ import dataparallel as dp
 from ..data.packing import IGNORE
 from ..data.stream import split_evenly
 from .loss import all_reduce_sum, token_loss_sum
+from .optimizer_step import clip_and_step
 from .state import TrainState
-from .update import clip_and_step
 
 
 @dataclass(frozen=True)

@@ -39,14 +39,13 @@ from .config import RunConfig
 from .gradient_watch import GradientWatch
 from .ledger import EvalRecord, Ledger, StepRecord
 from .loss import all_reduce_sum, token_loss_sum
+from .lr_schedule import WarmupCosine, scaled_lr
 from .model_source import BuiltModel, RunModel, build_for_run
 from .optimizers import choose_optimizer
-from .schedule import WarmupCosine, scaled_lr
 from .state import TrainState
 from .step import Vote, forward_backward, own_verdict, set_lr, take_batch, update
 from .sync import recipe_of
 from .tensor_parallel import split_for_run
-from .update import bytes_sent
 
 
 def setup(
@@ -143,6 +142,15 @@ def next_indices(state: TrainState, count: int) -> list[int]:
     """This rank's next `count` samples; the stream then counts exactly the samples trained on
     (every rank's), so its state_dict is the resume point with no prefetch to correct for."""
     return state.ledger.samples.take(count, state.data.rank, state.data.size)
+
+
+def bytes_sent(state) -> tuple[int, int]:
+    """(bytes handed to, bytes put on the wire by) this rank's strategy and averager so far
+    ([Note: bytes on the wire] in comm/wire.py)."""
+    averager = state.averager
+    payload = averager.bytes_sent() if averager is not None else 0
+    wire = averager.wire_bytes() if averager is not None else 0
+    return dp.bytes_sent(state.model) + payload, dp.wire_bytes(state.model) + wire
 
 
 def train_step(state: TrainState, before_update: Callable[[], None] | None = None) -> StepRecord:

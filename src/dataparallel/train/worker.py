@@ -14,6 +14,8 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -187,6 +189,77 @@ def prepare(
     return state, callbacks
 
 
+@dataclass(frozen=True)
+class Exit:
+    """How `run_worker` ends on one kind of error: with `code`, after `leave` (each callback's
+    on_leave: the writer closes its files or hands its role over) and `finish` (a background
+    checkpoint finishes), with the line `say(error, state, out)` printed by rank 0 of the run
+    (`everyone`: by every rank, each about itself) to stdout or stderr."""
+
+    code: int
+    say: Callable[[BaseException, TrainState | None, str], str]
+    everyone: bool = False
+    stderr: bool = True
+    leave: bool = False
+    finish: bool = False
+
+
+def _interrupted(error, state, out: str) -> str:
+    latest = latest_checkpoint(Path(out) / CHECKPOINTS)
+    where = f"the last checkpoint is {latest.name}" if latest else "no checkpoint yet"
+    line = f"\ninterrupted at step {state.step if state else 0}; {where}"
+    return line + (f"\ncontinue with: dataparallel train --resume {out}" if latest else "")
+
+
+def _preempted(error, state, out: str) -> str:
+    return preempted_message(error, out)
+
+
+def _live(error, state, out: str) -> str:
+    return f"dataparallel train: live: {error}"
+
+
+def _error(error, state, out: str) -> str:
+    return f"dataparallel train: error: {error}"
+
+
+def _data_error(error, state, out: str) -> str:
+    return f"dataparallel train: error: {field_label('data', 'paths')}: {error}"
+
+
+# Each error the run ends on, and how (the first entry that matches): one short note instead of
+# a traceback from every rank.
+EXITS: tuple[tuple[type | tuple[type, ...], Exit], ...] = (
+    (KeyboardInterrupt, Exit(130, _interrupted, stderr=False, finish=True)),
+    (Preempted, Exit(PREEMPTED, _preempted, stderr=False, leave=True)),
+    # the others go on without this replica
+    ((Dropped, ReplicaLost), Exit(1, _live, everyone=True)),
+    # asked to leave (dataparallel leave): the others go on
+    (Released, Exit(0, _live, everyone=True, leave=True, finish=True)),
+    # the user's to fix, not a bug
+    ((FloatingPointError, CollectiveMismatch), Exit(1, _error, finish=True)),
+    # every rank raises these together (restore broadcasts; data/loading.py)
+    (CheckpointError, Exit(2, _error)),
+    (DataError, Exit(2, _data_error)),
+)
+EXIT_ERRORS = tuple(
+    kind for kinds, _ in EXITS for kind in (kinds if isinstance(kinds, tuple) else (kinds,))
+)
+
+
+def _exit(error: BaseException, state, world: dp.World, callbacks, out: str) -> int:
+    """Do what `EXITS` says for `error`; return its exit code."""
+    how = next(how for kinds, how in EXITS if isinstance(error, kinds))
+    if how.leave:
+        for callback in callbacks or []:
+            callback.on_leave(state)
+    if how.finish:
+        _finish_saving(callbacks)
+    if how.everyone or _is_main(state, world):
+        print(how.say(error, state, out), file=sys.stderr if how.stderr else sys.stdout, flush=True)
+    return how.code
+
+
 def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None:
     """Train one rank of the run `config` describes; rank 0 writes the run directory.
 
@@ -231,46 +304,9 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
         world = state.world  # a live run's replacement ends in the run's world, not its own
         if world.is_main:
             print(make_report(run_dir), flush=True)
-    except KeyboardInterrupt:
-        _finish_saving(callbacks)
-        if _is_main(state, world):
-            latest = latest_checkpoint(Path(config.launch.out) / CHECKPOINTS)
-            where = f"the last checkpoint is {latest.name}" if latest else "no checkpoint yet"
-            step = state.step if state else 0
-            print(f"\ninterrupted at step {step}; {where}", flush=True)
-            if latest:
-                print(f"continue with: dataparallel train --resume {config.launch.out}", flush=True)
-        raise SystemExit(130) from None
-    except Preempted as error:  # every rank saved the same step
-        for callback in callbacks or []:
-            callback.on_leave(state)  # the writer closes its files
-        if _is_main(state, world):
-            print(preempted_message(error, config.launch.out), flush=True)
-        preempted = True
-        raise SystemExit(PREEMPTED) from None
-    except (Dropped, ReplicaLost) as error:  # the others go on without this replica
-        print(f"dataparallel train: live: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    except Released as error:  # asked to leave (dataparallel leave): the others go on
-        for callback in callbacks or []:
-            callback.on_leave(state)  # the writer hands its role over at once
-        _finish_saving(callbacks)
-        print(f"dataparallel train: live: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(0) from None
-    except (FloatingPointError, CollectiveMismatch) as error:  # the user's to fix, not a bug
-        _finish_saving(callbacks)
-        if _is_main(state, world):
-            print(f"dataparallel train: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    except CheckpointError as error:  # every rank raises it together (restore broadcasts)
-        if _is_main(state, world):
-            print(f"dataparallel train: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    except DataError as error:  # every rank raises it together (data/loading.py)
-        if _is_main(state, world):
-            label = field_label("data", "paths")
-            print(f"dataparallel train: error: {label}: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    except EXIT_ERRORS as error:
+        preempted = isinstance(error, Preempted)  # every rank saved the same step
+        raise SystemExit(_exit(error, state, world, callbacks, config.launch.out)) from None
     finally:
         if signals is not None and signals.received is not None and not preempted:
             _end_as_told(signals.received.name)  # os._exit: no destructor runs, no teardown

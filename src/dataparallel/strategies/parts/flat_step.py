@@ -48,11 +48,12 @@ so a flat step can differ from the per-parameter one in the last bit of some ele
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from types import MethodType
 
 import torch
 
+from ...torch_internals import clear_optimizer_hooks, last_step_pre_hook, unwrapped_step, view_base
 from .geometry import SCALAR_STATE_KEYS
 from .torch_calls import CALLS, calls_of
 
@@ -89,7 +90,7 @@ class Run:
         first = self.params[0].grad
         if first is None:
             return None
-        base = first._base
+        base = view_base(first)
         if base is None or not base.is_contiguous():
             return None
         start = first.data_ptr()
@@ -97,7 +98,7 @@ class Run:
             grad = param.grad
             if (
                 grad is None
-                or grad._base is not base
+                or view_base(grad) is not base
                 or grad.data_ptr() - start != step
                 or not grad.is_contiguous()
             ):
@@ -196,8 +197,7 @@ class FlatStep:
             group.get(option) for group in self.optimizer.param_groups for option in OFF_OPTIONS
         ):
             return False
-        hooks = self.optimizer._optimizer_step_pre_hooks
-        return bool(hooks) and next(reversed(hooks)) == self.pre.id
+        return last_step_pre_hook(self.optimizer) == self.pre.id
 
     def _build_shadow(self) -> bool:
         """A copy of the user's optimizer with no parameters, no state and no hooks: same
@@ -217,9 +217,7 @@ class FlatStep:
         shadow.__dict__.pop(CALLS, None)
         shadow.state = defaultdict(dict)
         shadow.param_groups = []
-        for name, value in list(vars(shadow).items()):
-            if name.startswith("_optimizer_") and isinstance(value, OrderedDict):
-                setattr(shadow, name, OrderedDict())
+        clear_optimizer_hooks(shadow)
         self.shadow = shadow
         return True
 
@@ -233,8 +231,7 @@ class FlatStep:
                 groups[run.group] = {**hyper, "params": []}
             groups[run.group]["params"].append(run.flat)
         shadow.param_groups = list(groups.values())
-        step = type(shadow).step
-        step = getattr(step, "__wrapped__", step)  # the class's update, not its hooks again
+        step = unwrapped_step(type(shadow))  # the class's update, not its hooks again
         try:
             with torch.no_grad():
                 step(shadow)

@@ -16,4 +16,4 @@ import torch
 
 def opaque(fn):
     """`fn`, and every function it calls, run eagerly even inside a compiled region."""
-    return torch._dynamo.disable(fn, recursive=True)
+    return torch.compiler.disable(fn, recursive=True)

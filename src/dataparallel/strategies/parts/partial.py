@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm import Comm
+from ...torch_internals import make_subclass, no_subclass_dispatch
 from .grad_ops import METADATA, name_of
 
 # How each kind of partial value combines across ranks.
@@ -62,13 +63,13 @@ class Partial(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if name_of(func) in METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with no_subclass_dispatch():
                 return func(*args, **kwargs)
         kept = _stays_partial(func, args, kwargs)
         if kept is not None:
             return kept
         args, kwargs = _combined((args, kwargs))
-        with torch._C.DisableTorchFunctionSubclass():
+        with no_subclass_dispatch():
             return func(*args, **kwargs)
 
     def combine(self) -> torch.Tensor:
@@ -86,7 +87,7 @@ class Partial(torch.Tensor):
                 total = total.pow(1.0 / self.order)
             elif self.count != 1:
                 total = total / self.count
-            with torch._C.DisableTorchFunctionSubclass():
+            with no_subclass_dispatch():
                 self.value = total.to(self.dtype)
         return self.value
 
@@ -102,7 +103,7 @@ def partial(
 ) -> Partial:
     """A `Partial` of `local` (shape = the value's), reading as `dtype` once combined."""
     base = torch.zeros((), dtype=dtype, device=local.device).expand(local.shape)
-    out = torch.Tensor._make_subclass(Partial, base)
+    out = make_subclass(Partial, base)
     out.local, out.kind, out.order, out.count = local, kind, float(order), count
     out.comm, out.spread, out.value = comm, spread, None
     return out

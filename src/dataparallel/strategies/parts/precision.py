@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+
+from ...torch_internals import BatchNormBase, tree_map
 
 FLOATS = (None, torch.float32, torch.float16, torch.bfloat16)
 
@@ -84,7 +85,7 @@ FULL = MixedPrecision()
 
 def is_norm(module: nn.Module) -> bool:
     """Normalisation layers held and run in fp32 ([Note: mixed precision])."""
-    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+    return isinstance(module, BatchNormBase)
 
 
 def cast_floats(tree, dtype: torch.dtype | None):

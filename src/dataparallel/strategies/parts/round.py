@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.autograd.variable import Variable
 
 from ...comm import Comm
 from ...comm.dry import to_host
+from ...torch_internals import queue_after_backward
 
 
 class BackwardRound:
@@ -44,7 +44,7 @@ class BackwardRound:
     def open(self, at_end: Callable[[], None]) -> None:
         """Queue `at_end` to run when autograd finishes this backward (once per round)."""
         if not self.queued:
-            Variable._execution_engine.queue_callback(at_end)
+            queue_after_backward(at_end)
             self.queued = True
 
     def mark_used(self, i: int) -> None:

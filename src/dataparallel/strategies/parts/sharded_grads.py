@@ -35,12 +35,12 @@ keeps `.grad = None`; DDP keeps ordinary reduced `.grad`, on which PyTorch's own
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 from torch import nn
 
 from ...comm import Comm
+from ...torch_internals import caller_frame, make_subclass, no_subclass_dispatch
 from .grad_ops import (
     ELEMENTWISE_OPS,
     IN_PLACE_OPS,
@@ -57,7 +57,7 @@ from .tensor_parallel import spread_of
 def _caller(func) -> str:
     """The call to name in the error: the outermost torch function on the stack above this
     read, wrappers left out, or the read itself (`.grad.tolist`) when the user's code made it."""
-    frame, outermost = sys._getframe(2), None
+    frame, outermost = caller_frame(2), None
     while frame is not None and frame.f_globals.get("__name__", "").startswith("torch"):
         name = frame.f_code.co_name
         if not name.startswith("<") and "wrapper" not in name and name != "decorate_context":
@@ -100,7 +100,7 @@ class ShardedGrad(torch.Tensor):
         kwargs = kwargs or {}
         name = name_of(func)
         if name in METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with no_subclass_dispatch():
                 return func(*args, **kwargs)
         if name == "grad_fn":
             return None
@@ -137,7 +137,7 @@ def sharded_grad(param: nn.Parameter, source, strategy: str) -> ShardedGrad:
 
 
 def _made(base, source, param, fixed, spread, strategy) -> ShardedGrad:
-    grad = torch.Tensor._make_subclass(ShardedGrad, base)
+    grad = make_subclass(ShardedGrad, base)
     grad.source, grad.param, grad.fixed, grad.spread = source, param, fixed, spread
     grad.strategy = strategy
     return grad
@@ -184,9 +184,9 @@ def _elementwise(grad: ShardedGrad, func, args, kwargs) -> ShardedGrad:
     for i in range(len(runs)):
         call = [_per_run(a, grad, i) for a in args]
         named = {k: _per_run(v, grad, i) for k, v in kwargs.items()}
-        with torch._C.DisableTorchFunctionSubclass():
+        with no_subclass_dispatch():
             out.append(func(*call, **named))
-    with torch._C.DisableTorchFunctionSubclass():
+    with no_subclass_dispatch():
         shaped = func(*[_shape_of(a) for a in args], **{k: _shape_of(v) for k, v in kwargs.items()})
     base = torch.zeros((), dtype=shaped.dtype, device=shaped.device).expand(grad.shape)
     return _made(base, grad.source, grad.param, out, grad.spread, grad.strategy)
@@ -195,7 +195,7 @@ def _elementwise(grad: ShardedGrad, func, args, kwargs) -> ShardedGrad:
 def _shape_of(value):
     """A one-element stand-in with `value`'s dtype and device (for the result's dtype)."""
     if isinstance(value, ShardedGrad):
-        with torch._C.DisableTorchFunctionSubclass():
+        with no_subclass_dispatch():
             return torch.zeros(1, dtype=value.dtype, device=value.device)
     if isinstance(value, Partial):
         return value.combine()
@@ -221,7 +221,7 @@ def _in_place(func, args, kwargs) -> None:
     for i, run in enumerate(grad.runs()):
         call = [run, *(_per_run(a, grad, i) for a in args[1:])]
         named = {k: _per_run(v, grad, i) for k, v in kwargs.items()}
-        with torch._C.DisableTorchFunctionSubclass():
+        with no_subclass_dispatch():
             func(*call, **named)
 
 

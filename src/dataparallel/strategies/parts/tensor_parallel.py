@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ...torch_internals import local_shape_and_offset, registered_parameter, set_parameter
 from .opaque import opaque
 
 _ATTR = "_dataparallel_tensor_parallel"
@@ -78,9 +78,7 @@ class TensorParallel:
 
     def local_part(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's local tensor of `whole` (no collective)."""
-        shape, offset = compute_local_shape_and_global_offset(
-            self.shape, self.mesh, list(self.placements)
-        )
+        shape, offset = local_shape_and_offset(self.shape, self.mesh, self.placements)
         index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
         return whole[index]
 
@@ -89,9 +87,7 @@ class TensorParallel:
         tensor: (position in the run, offset in the whole, length) per contiguous part, for
         sharded checkpoints ([Note: checkpoint chunks] in checkpoint/dcp.py). A local tensor of
         whole rows (Shard(0)) is one part; one of column blocks (Shard(1)) a part per row."""
-        shape, offset = compute_local_shape_and_global_offset(
-            self.shape, self.mesh, list(self.placements)
-        )
+        shape, offset = local_shape_and_offset(self.shape, self.mesh, self.placements)
         return flat_runs(tuple(self.shape), tuple(shape), tuple(offset), start, stop)
 
     def norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
@@ -180,17 +176,18 @@ def localize_parameters(model: nn.Module) -> list[tuple[nn.Module, str]]:
     made: dict[int, nn.Parameter] = {}
     replaced = []
     for module in model.modules():
-        for name, param in list(module._parameters.items()):
+        for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if not isinstance(param, DTensor):
                 continue
             if id(param) not in made:
-                local = nn.Parameter(param._local_tensor.detach(), param.requires_grad)
+                with torch.no_grad():  # to_local() is differentiable: no graph, same memory
+                    local = nn.Parameter(param.to_local().detach(), param.requires_grad)
                 spec = TensorParallel(
                     param.device_mesh, tuple(param.placements), param.shape, param.stride()
                 )
                 setattr(local, _ATTR, spec)
                 made[id(param)] = local
-            module._parameters[name] = made[id(param)]
+            set_parameter(module, name, made[id(param)])
             replaced.append((module, name))
     return replaced
 
@@ -224,7 +221,7 @@ def bind_dtensor_views(replaced: list[tuple[nn.Module, str]]) -> list:
 
         def bind(mod, args, owned=owned):
             for name in owned:
-                param = mod._parameters[name]
+                param = registered_parameter(mod, name)
                 mod.__dict__[name] = tensor_parallel_of(param).view(param)
 
         bind(module, ())

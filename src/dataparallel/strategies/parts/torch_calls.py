@@ -43,7 +43,8 @@ from types import MethodType
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
+
+from ...torch_internals import incompatible_keys
 
 CALLS = "_dataparallel_calls"
 _CARRIER = "_dataparallel_carrier"
@@ -230,4 +231,4 @@ class ModelCalls:
         full = self.strategy.full_state_dict() if missing else {}
         full.update({k: v for k, v in state_dict.items() if k not in unexpected})
         self.strategy.load_full_state_dict(full)
-        return _IncompatibleKeys(missing, unexpected)
+        return incompatible_keys(missing, unexpected)

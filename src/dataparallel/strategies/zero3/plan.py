@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ...torch_internals import registered_children
 from ..parts.footprint import ParamShapes
 
 Wrap = Callable[[nn.Module], bool] | tuple[type, ...] | None
@@ -118,7 +119,7 @@ def sibling_groups(
         if not isinstance(holder, nn.ModuleList):
             continue
         run: list[tuple[str, nn.Module]] = []
-        for child_name, child in [*holder._modules.items(), ("", None)]:
+        for child_name, child in [*registered_children(holder), ("", None)]:
             if child is not None and id(child) in chosen:
                 run.append((f"{prefix}.{child_name}" if prefix else child_name, child))
                 continue
@@ -160,11 +161,10 @@ def _plan(model: nn.Module, selected: list[nn.Module], groups: dict[int, tuple])
     params: dict[int, nn.Parameter] = {}
 
     def walk(module: nn.Module, prefix: str, unit: int) -> None:
-        for p in module._parameters.values():
-            if p is not None:
-                params.setdefault(id(p), p)
-                reached.setdefault(id(p), []).append(unit)
-        for child_name, child in module._modules.items():
+        for _, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            params.setdefault(id(p), p)
+            reached.setdefault(id(p), []).append(unit)
+        for child_name, child in registered_children(module):
             if child is None:
                 continue
             path = f"{prefix}{child_name}"

@@ -26,7 +26,7 @@ agrees with every rank on which parameters none used and on found-inf ([Note: ba
 and ends every unit's round.
 
 [Note: compile] `torch.compile` works on the model before or after `parallelize`, whole or per
-block. Every hook of ours is opaque to the compiler (`torch._dynamo.disable`): the compiler
+block. Every hook of ours is opaque to the compiler (`torch.compiler.disable`): the compiler
 stops at a unit's hooks, runs them eagerly, and compiles the code between them, which runs
 only while the unit is gathered, so what it traces and guards on are the gathered views, the
 same every step ([Note: parameters at rest] in unit.py). A whole-model compile therefore
@@ -51,10 +51,10 @@ from functools import partial
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...comm import HookState
 from ...comm.hooks import default_hook
+from ...torch_internals import tree_flatten, tree_unflatten
 from ..base import (
     Strategy,
     broadcast_model,

@@ -42,6 +42,7 @@ import enum
 import torch
 
 from ...comm import Comm, HookState
+from ...torch_internals import in_backward
 from ..parts.buckets import Bucket, BucketSpec
 from ..parts.flat_shard import FlatShard, shard_values
 from ..parts.held_grads import ShardedGrads
@@ -255,7 +256,7 @@ class FlatUnit:
         order entry and no free (which would pull the storage from under the tensors it saves).
         Reentrant checkpointing runs the first forward without gradients, so no backward was
         scheduled: refused."""
-        if torch._C._current_graph_task_id() == -1:  # not in backward (FSDP2's is_bw())
+        if not in_backward():
             return False
         if self.training_state is TrainingState.IDLE and torch.is_grad_enabled():
             raise RuntimeError(

@@ -28,6 +28,9 @@ One word per concept:
                replica of the current one
     regroup    the members form the next generation: after a failed collective, or asked at a
                step boundary (`RegroupAsked`) to let a replica in or out
+    join       a replica asked in from outside the launcher (`dataparallel join`, a JOIN
+               request; it is then a *joiner*); not `dp.join`, PyTorch's Join for uneven inputs
+               (api.py), nor `dp.regroup`, which forms the next generation's process group
     leave      what a member is asked to do (`dataparallel leave`, a LEAVE request, the LEAVE it
                then reports); granted, it is *released* (`Quorum.released`, `Phase.RELEASED`,
                `Life.RELEASED`, `Released`)

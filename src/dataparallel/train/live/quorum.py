@@ -19,7 +19,7 @@
     gen/g/arrived/<rank>  set by each rank of g before it forms g's group: it forms the group
                           only once every rank has arrived, within the collective timeout
                           (gloo waits for a rank that never comes for good);
-    gen/g/pg/...          the keys of generation g's process group (runtime.join_group).
+    gen/g/pg/...          the keys of generation g's process group (runtime.regroup).
 and `latest` holds the last decided generation's number (where a replacement reports next).
 A joiner or a leaver asks through keys of its own ([Note: membership requests] in requests.py);
 `leave/<slot>` is where a member learns that it is released.

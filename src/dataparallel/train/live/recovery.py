@@ -328,7 +328,7 @@ class LiveRecovery(Steps):
         """Abandon the broken group for a world of one, without waiting for it ([Note:
         abandoned groups] in groups.py)."""
         self.abandoned.keep(state)
-        state.world = dp.join_group(dist.HashStore(), 0, 1, self.timeout, state.world)
+        state.world = dp.regroup(dist.HashStore(), 0, 1, self.timeout, state.world)
         if self.seat.shard == 1:  # a sharded model waits for the next mesh as it is
             move_to_world(state, self.seat)
 
@@ -366,7 +366,7 @@ class LiveRecovery(Steps):
                 f"generation {g}: a rank did not come to form its group; timed out after "
                 f"{timeout_s:g} s (lost after the decision)"
             )
-        return dp.join_group(store, rank, size, self.timeout, world)
+        return dp.regroup(store, rank, size, self.timeout, world)
 
     def _heal(self, state: TrainState, membership: Membership) -> None:
         """The source's state to the members behind or new, in one broadcast."""

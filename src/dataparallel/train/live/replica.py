@@ -97,7 +97,7 @@ class Seat:
     def meet(self, store: dist.Store, timeout: timedelta, world: dp.World) -> dp.World:
         """A replacement's first world: the S processes of its replica, among themselves."""
         prefix = dist.PrefixStore(start_prefix(self.start), store)
-        return dp.join_group(prefix, self.index, self.shard, timeout, world)
+        return dp.regroup(prefix, self.index, self.shard, timeout, world)
 
     def rebind(self, state: TrainState) -> None:
         """The model onto the mesh of the generation `state.world` is the group of."""

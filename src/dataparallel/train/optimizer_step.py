@@ -38,12 +38,3 @@ def clip_and_step(state, total_loss: float) -> tuple[float, bool, bool]:
         skipped = nonfinite = False
     state.optimizer.zero_grad(set_to_none=True)
     return grad_norm, skipped, nonfinite
-
-
-def bytes_sent(state) -> tuple[int, int]:
-    """(bytes handed to, bytes put on the wire by) this rank's strategy and averager so far
-    ([Note: bytes on the wire] in comm/wire.py)."""
-    averager = state.averager
-    payload = averager.bytes_sent() if averager is not None else 0
-    wire = averager.wire_bytes() if averager is not None else 0
-    return dp.bytes_sent(state.model) + payload, dp.wire_bytes(state.model) + wire
