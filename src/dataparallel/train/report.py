@@ -13,11 +13,9 @@ from pathlib import Path
 
 from .console import format_count, format_duration, plural
 from .metrics import read_metrics
-from .run_dir import RUN_INFO
+from .run_dir import REPORT, RUN_INFO
 from .tensor_parallel import mesh_text
 from .trace_report import load_traces, plot_timeline, summarize_traces, trace_lines
-
-REPORT = "report"
 
 
 def _smooth(values: list[float], weight: float = 0.9) -> list[float]:
