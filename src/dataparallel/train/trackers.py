@@ -24,6 +24,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -268,6 +270,13 @@ class Trackers:
     def __init__(self, names: tuple[str, ...], run_dir: Path):
         self.names, self.run_dir = names, Path(run_dir)
         self.open: list[Tracker] = []
+        # [Note: trackers off the step] The scalars go through a queue to one thread that calls
+        # the backends, so the training thread only enqueues (measured on the step of gpt-tiny
+        # on 2 cores: TensorBoard, W&B and MLflow took 0.4, 0.3 and 0.6 ms a record when called
+        # in line, about 1.3% of a 100 ms step); the queue is drained before the images and
+        # before finishing, and a backend's error is raised then, on the training thread.
+        self.queue: queue.Queue | None = None
+        self.error: BaseException | None = None
 
     def start(self, config: RunConfig, *, purge_step: int) -> None:
         """Open every backend, the resolved config as the run's parameters."""
@@ -277,21 +286,52 @@ class Trackers:
             tracker.start(self.run_dir, purge_step=purge_step)
             self.open.append(tracker)
             tracker.log_params(params)
+        if self.open:
+            self.queue = queue.Queue()
+            threading.Thread(target=self._send, name="trackers", daemon=True).start()
+
+    def _send(self) -> None:
+        """The thread that calls the backends, until it takes None."""
+        while (item := self.queue.get()) is not None:
+            try:
+                if self.error is None:
+                    for tracker in self.open:
+                        tracker.log_scalars(*item)
+            except BaseException as error:  # noqa: BLE001 - raised on the training thread
+                self.error = error
+            finally:
+                self.queue.task_done()
+        self.queue.task_done()
+
+    def _drain(self) -> None:
+        """Wait until the thread sent what was queued; raise a backend's error here."""
+        if self.queue is not None:
+            self.queue.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError(f"--report-to: a tracker failed: {error!r}") from error
 
     def log_record(self, record: dict) -> None:
         """A metrics.jsonl line's scalars (SCALARS), at its step."""
         if not self.open:
             return
         values = {key: record[field] for field, key in SCALARS[record["kind"]].items()}
-        for tracker in self.open:
-            tracker.log_scalars(values, record["step"])
+        self.queue.put((values, record["step"]))
 
     def log_images(self, images: dict[str, Path], step: int) -> None:
+        self._drain()
         for tracker in self.open:
             tracker.log_images(images, step)
 
     def finish(self, ok: bool = True) -> None:
         """Close every backend (nothing when none is open): the run ended, failed, or the
         writer role moved on."""
+        if self.queue is not None:
+            self.queue.put(None)  # the thread ends after what is queued
+            self.queue.join()
+            self.queue = None
+        failed, self.error = self.error, None
         while self.open:
-            self.open.pop(0).finish(ok)
+            self.open.pop(0).finish(ok and failed is None)
+        if failed is not None:
+            raise RuntimeError(f"--report-to: a tracker failed: {failed!r}") from failed
