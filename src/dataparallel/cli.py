@@ -92,7 +92,7 @@ def add_train_parser(commands) -> None:
             if f.type == "bool":  # --check-collectives / --no-check-collectives
                 extra = {"action": argparse.BooleanOptionalAction}
             elif f.type.startswith("tuple"):
-                extra = {"nargs": "+", "metavar": "PATH"}
+                extra = {"nargs": "+", "metavar": {"report_to": "NAME"}.get(f.name, "PATH")}
             else:
                 metavar = {"name": "MODEL"}.get(f.name, f.name.upper())
                 extra = {"type": TYPES[f.type], "metavar": metavar}

@@ -210,3 +210,75 @@ def wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float =
         assert process.poll() is None, f"the launcher ended (status {process.returncode}) {what}"
         assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
         time.sleep(0.02)
+
+
+# -- the trackers (docs/train.md, "--report-to") ------------------------------------------------
+def tracker_env(folder: Path) -> dict[str, str]:
+    """The environment of a run reporting to W&B and MLflow without the network: W&B offline,
+    its settings and cache under `folder`, MLflow's default store (RUN/mlruns)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
+    env.update(
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        WANDB_CONFIG_DIR=str(folder / "wandb-config"),
+        WANDB_CACHE_DIR=str(folder / "wandb-cache"),
+        WANDB_DATA_DIR=str(folder / "wandb-data"),
+    )
+    return env
+
+
+def wandb_records(path: Path):
+    """The protobuf records of a W&B run file (run-<id>.wandb): a LevelDB log after a 7-byte
+    header (":W&B", magic, version), in 32 KiB blocks of chunks, each with a 7-byte header
+    (crc32, length, type: 1 whole, 2 first, 3 middle, 4 last); wandb 0.31 has no Python reader."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    position, block, parts = 7, 32768, b""
+    while position + 7 <= len(data):
+        room = block - position % block
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if room < 7 or (kind == 0 and length == 0):  # a block's zero padding
+            position += room
+            continue
+        parts += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+def wandb_sessions(run_dir: Path) -> list[dict]:
+    """Each W&B session of a run, in order (one per start and resume): {"id", "name",
+    "config": {key: value}, "history": [{key: value, ...} by step]}; an image is its dict."""
+    sessions = []
+    for folder in sorted((run_dir / "wandb").glob("offline-run-*")):
+        (path,) = folder.glob("run-*.wandb")
+        session = {"history": [], "config": {}, "folder": folder}
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                session.update(id=record.run.run_id, name=record.run.display_name)
+                updates = record.run.config.update
+            elif kind == "config":
+                updates = record.config.update
+            elif kind == "history":
+                row: dict = {}
+                for item in record.history.item:
+                    keys = [item.key] if item.key else list(item.nested_key)
+                    target = row
+                    for key in keys[:-1]:
+                        target = target.setdefault(key, {})
+                    target[keys[-1]] = json.loads(item.value_json)
+                session["history"].append(row)
+                continue
+            else:
+                continue
+            session["config"].update({u.key: json.loads(u.value_json) for u in updates})
+        sessions.append(session)
+    return sessions

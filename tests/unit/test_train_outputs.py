@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dataparallel.train.config import RunConfig
 from dataparallel.train.console import format_count, format_duration
 from dataparallel.train.metrics import (
     MetricsLogger,
@@ -30,7 +31,8 @@ def _step(step: int, loss: float) -> StepRecord:
 
 def _session(run_dir, start: int, stop: int, loss_offset: float = 0.0) -> None:
     """A training session of the logger alone: steps start+1..stop, a validation every 4."""
-    state = SimpleNamespace(step=start, ledger=SimpleNamespace(history=[], evals=[]))
+    ledger = SimpleNamespace(history=[], evals=[])
+    state = SimpleNamespace(step=start, ledger=ledger, config=RunConfig())
     logger = MetricsLogger(run_dir)
     logger.on_start(state)
     for step in range(start + 1, stop + 1):
@@ -107,7 +109,7 @@ def _state(main: bool, step: int, history: list, evals: list = ()) -> SimpleName
         world=SimpleNamespace(is_main=main),
         step=step,
         ledger=SimpleNamespace(history=history[:step], evals=[e for e in evals if e.step <= step]),
-        config=SimpleNamespace(train=SimpleNamespace(steps=8)),
+        config=RunConfig().replace(train={"steps": 8}),
         last_step=8,
     )
 

@@ -26,6 +26,7 @@ from .run_dir import CHECKPOINTS
 from .sync import averaging, check_run_recipe
 from .tensor_parallel import check_tp
 from .tracing import parse_steps
+from .trackers import check_trackers
 
 # Files that mark a directory as holding a run (see docs/train.md, "The run directory").
 RUN_MARKERS = ("config.toml", "metrics.jsonl", "checkpoint", "model.safetensors")
@@ -188,6 +189,7 @@ def check_values(config: RunConfig, source: RunModel | None = None) -> None:
             f"use at most {train.steps}, or 0 to run all steps",
         )
     _check_trace(config)
+    check_trackers(config.train.report_to)  # looked up, not imported
     check_launch(config.launch)
     world = config.data_ranks  # the shard group lies within mesh["dp"]
     # Under local SGD / DiLoCo the shard group is a replica, which may run DDP inside.

@@ -138,6 +138,12 @@ class TrainConfig:
     trace: steps to trace, "FIRST-LAST" or one step ("10-12", "5"): each rank writes a
         Chrome/Perfetto trace of them to traces/rank<N>.json in the run directory (docs/train.md,
         "Reading a trace"). Empty: no trace.
+    report_to: where the metrics also go, comma-separated: "tensorboard" (events under
+        RUN/tensorboard), "wandb" (Weights & Biases, files under RUN/wandb), "mlflow" (the
+        store $MLFLOW_TRACKING_URI, else RUN/mlruns); "none" for none of them (metrics.jsonl
+        and the report are always written). Each gets the loss, learning rate, gradient norm,
+        tokens/s and validation loss by optimizer step, the config as parameters and the
+        report's plots; a --resume continues the same W&B and MLflow run (docs/train.md).
     """
 
     steps: int = 500
@@ -154,6 +160,7 @@ class TrainConfig:
     max_skips: int = 10
     stop_after: int = 0
     trace: str = ""
+    report_to: tuple[str, ...] = ("tensorboard",)
 
 
 @dataclass(frozen=True, kw_only=True)

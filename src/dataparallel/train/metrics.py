@@ -1,4 +1,5 @@
-"""Metrics on disk: one JSON object per line in `metrics.jsonl`, and TensorBoard event files.
+"""Metrics on disk: one JSON object per line in `metrics.jsonl`, and the trackers' (TensorBoard
+event files by default; W&B, MLflow: trackers.py).
 
 Records (one per line, flushed as written so a crash loses nothing):
     {"kind": "train", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s",
@@ -25,9 +26,9 @@ from pathlib import Path
 from .callbacks import Callback
 from .ledger import EvalRecord, StepRecord
 from .state import TrainState
+from .trackers import Trackers
 
 METRICS = "metrics.jsonl"
-TENSORBOARD = "tensorboard"
 
 
 def position(kind: str, step: int) -> int:
@@ -97,17 +98,18 @@ def cut_metrics(run_dir: Path, upto: int) -> list[dict]:
 
 
 class MetricsLogger(Callback):
-    """Writes every step and evaluation to metrics.jsonl and TensorBoard (the run's writer only:
-    [Note: the writer role] in writer.py).
+    """Writes every step and evaluation to metrics.jsonl and the trackers `--report-to` names
+    (the run's writer only: [Note: the writer role] in writer.py, [Note: trackers] in
+    trackers.py).
 
     run_dir: the run directory.
-    tensorboard: also write TensorBoard events under run_dir/tensorboard.
+    trackers: the backends' names (trackers.BACKENDS): TensorBoard's events under
+        run_dir/tensorboard by default.
     """
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, *, trackers: tuple[str, ...] = ("tensorboard",)):
         self.run_dir = Path(run_dir)
-        self.tensorboard = tensorboard
-        self.writer = None
+        self.trackers = Trackers(trackers, self.run_dir)
         self.handle = None
 
     def on_start(self, state: TrainState) -> None:
@@ -124,33 +126,17 @@ class MetricsLogger(Callback):
         ]
         lost = sorted((r for r in remembered if last < position_of(r) < upto), key=position_of)
         self.handle = open(self.run_dir / METRICS, "a", buffering=1)  # line-buffered
-        if self.tensorboard:
-            # Imported here: TensorBoard's import takes a second, and only the writer needs it.
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = (last + 1) // 2  # the first step not wholly kept: its events are purged
-            self.writer = SummaryWriter(str(self.run_dir / TENSORBOARD), purge_step=purge)
-            for record in kept:
-                if record["step"] >= purge:  # a kept evaluation of that step
-                    self._plot(record)
+        purge = (last + 1) // 2  # the first step not wholly kept: TensorBoard's events purged
+        self.trackers.start(state.config, purge_step=purge)
+        for record in kept:
+            if record["step"] >= purge:  # a kept evaluation of that step
+                self.trackers.log_record(record)
         for record in lost:
             self._write(record)
 
     def _write(self, record: dict) -> None:
         self.handle.write(json.dumps(record) + "\n")
-        self._plot(record)
-
-    def _plot(self, record: dict) -> None:
-        if self.writer is None:
-            return
-        step = record["step"]
-        if record["kind"] == "val":
-            self.writer.add_scalar("val/loss", record["val_loss"], step)
-            return
-        self.writer.add_scalar("train/loss", record["loss"], step)
-        self.writer.add_scalar("train/lr", record["lr"], step)
-        self.writer.add_scalar("train/grad_norm", record["grad_norm"], step)
-        self.writer.add_scalar("perf/tokens_per_s", record["tokens_per_s"], step)
+        self.trackers.log_record(record)
 
     def on_step(self, state: TrainState, record: StepRecord) -> None:
         self._write(train_line(record))
@@ -161,11 +147,12 @@ class MetricsLogger(Callback):
     def on_end(self, state: TrainState) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Stop writing: the run ended, or the writer role moved to another process."""
-        if self.writer:
-            self.writer.close()
-            self.writer = None
+    def close(self, *, keep_trackers: bool = False) -> None:
+        """Stop writing: the run ended, or the writer role moved to another process.
+        keep_trackers: the file only; the trackers stay open for the report's plots
+        (RecordsWriter.report)."""
+        if not keep_trackers:
+            self.trackers.finish()
         if self.handle:
             self.handle.close()
             self.handle = None

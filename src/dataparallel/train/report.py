@@ -13,11 +13,9 @@ from pathlib import Path
 
 from .console import format_count, format_duration, plural
 from .metrics import read_metrics
-from .run_dir import RUN_INFO
+from .run_dir import REPORT, RUN_INFO, TENSORBOARD
 from .tensor_parallel import mesh_text
 from .trace_report import load_traces, plot_timeline, summarize_traces, trace_lines
-
-REPORT = "report"
 
 
 def _smooth(values: list[float], weight: float = 0.9) -> list[float]:
@@ -143,7 +141,12 @@ def summary_text(summary: dict, run_dir: Path) -> str:
         plots += ", timeline.png"
     lines += [
         f"  weights   {run_dir / 'model.safetensors'}",
-        f"  metrics   {run_dir / 'metrics.jsonl'}; tensorboard --logdir {run_dir / 'tensorboard'}",
+        f"  metrics   {run_dir / 'metrics.jsonl'}"
+        + (
+            f"; tensorboard --logdir {run_dir / TENSORBOARD}"
+            if (run_dir / TENSORBOARD).is_dir()
+            else ""
+        ),
         f"  report    {run_dir / REPORT}/{plots}, summary.txt"
         if not summary.get("plots_skipped")
         else f"  report    {run_dir / REPORT}/summary.txt (no plots: {summary['plots_skipped']})",

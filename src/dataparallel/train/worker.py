@@ -37,7 +37,6 @@ from .live.recovery import Dropped, LiveRecovery, Released
 from .live.replica import ReplicaLost
 from .loop import fit
 from .preemption import Preempted, Preemption, preempted_message
-from .report import make_report
 from .run_dir import CHECKPOINTS, RUN_INFO
 from .state import TrainState
 from .tensor_parallel import parameter_count
@@ -181,7 +180,13 @@ def prepare(
         info = run_info(state, threads, previous)
     # The writer first, so that a checkpoint follows the metrics of its step.
     callbacks: list[Callback] = [
-        RecordsWriter(run_dir, info, log_every=config.train.log_every, threads=threads),
+        RecordsWriter(
+            run_dir,
+            info,
+            log_every=config.train.log_every,
+            threads=threads,
+            report_to=config.train.report_to,
+        ),
         CheckpointSaver(run_dir, config.train.checkpoint_every, config.train.checkpoint_save),
     ]
     if config.train.trace:  # after the checkpoint, so that its gathers stay out of the trace
@@ -290,7 +295,6 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
         if live is not None and not live.joining:
             world = live.enter(world)  # generation 0 with the workers started together
         config = agree_on_config(config, world)
-        run_dir = Path(config.launch.out)
         if live is not None and live.joining:  # built alone, then healed by a member
             world = live.alone(world)  # an HSDP replica: its own S processes
             state, callbacks = prepare(config, world, resume=False, joining=True)
@@ -302,12 +306,14 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
             callbacks.append(Preemption(signals, saver))
         fit(state, callbacks, live)
         world = state.world  # a live run's replacement ends in the run's world, not its own
-        if world.is_main:
-            print(make_report(run_dir), flush=True)
+        if world.is_main:  # the writer: the report's plots go to the trackers too
+            print(_writer(callbacks).report(state), flush=True)
     except EXIT_ERRORS as error:
         preempted = isinstance(error, Preempted)  # every rank saved the same step
         raise SystemExit(_exit(error, state, world, callbacks, config.launch.out)) from None
     finally:
+        if callbacks:  # a run that failed: the trackers still open say so (none after report)
+            _writer(callbacks).close_trackers(ok=False)
         if signals is not None and signals.received is not None and not preempted:
             _end_as_told(signals.received.name)  # os._exit: no destructor runs, no teardown
         # [Note: teardown] Drop the model, optimizer and strategies (which hold the process group)
@@ -319,6 +325,10 @@ def run_worker(config: RunConfig, *, resume: bool, checkpoint: str = "") -> None
         dp.destroy()
         if preempted:  # the budget runs: no interpreter finalization ([Note: preemption])
             exit_now(PREEMPTED)
+
+
+def _writer(callbacks: list) -> RecordsWriter:
+    return next(c for c in callbacks if isinstance(c, RecordsWriter))
 
 
 def _end_as_told(signal_name: str) -> None:

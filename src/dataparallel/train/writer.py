@@ -3,9 +3,10 @@
     writer = RecordsWriter(run_dir, info, log_every=25, threads=1)   # built on every process
     fit(state, [writer, saver], steps)       # it writes only while its process is rank 0
 
-[Note: the writer role] One process writes the run's records: run.json, metrics.jsonl and
-TensorBoard's events, the progress lines and blame's warnings; the checkpoints' plain state,
-the final weights and the report are written where `state.world.is_main` holds, which is the
+[Note: the writer role] One process writes the run's records: run.json, metrics.jsonl, the
+trackers' (TensorBoard's events, W&B, MLflow: [Note: trackers] in trackers.py), the progress
+lines and blame's warnings; the checkpoints' plain state, the final weights and the report
+(its plots sent to the trackers) are written where `state.world.is_main` holds, which is the
 same process. The *writer* is rank 0 of the current world. In a plain run that never changes.
 In a live run (train/live/recovery.py) the world is the current generation and its rank 0 the
 lowest live slot, so the role follows the membership:
@@ -37,8 +38,10 @@ from .callbacks import Callback
 from .console import ProgressBar
 from .ledger import EvalRecord, StepRecord
 from .metrics import MetricsLogger, after_step, position, start_position
+from .report import make_report
 from .run_dir import RUN_INFO
 from .state import TrainState
+from .trackers import report_images, tracker_names
 
 
 class Role(enum.Enum):
@@ -67,12 +70,22 @@ class RecordsWriter(Callback):
         starts after the run): this process never writes it.
     log_every: steps between progress lines (ProgressBar).
     threads: this process's threads, for the progress header.
+    report_to: the trackers that also get the metrics, the config and the report's plots
+        (trackers.py; checked before the run: `check_trackers`).
     """
 
-    def __init__(self, run_dir: Path, info: dict | None, *, log_every: int, threads: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        info: dict | None,
+        *,
+        log_every: int,
+        threads: int,
+        report_to: tuple[str, ...] = ("tensorboard",),
+    ):
         self.run_dir, self.info = Path(run_dir), info
         self.progress = ProgressBar(log_every=log_every, threads=threads)
-        self.metrics = MetricsLogger(self.run_dir)
+        self.metrics = MetricsLogger(self.run_dir, trackers=tracker_names(report_to))
         self.blame = Blame()  # stragglers and non-finite gradients, by rank ([Note: blame])
         self.role = Role.WAITING
 
@@ -122,8 +135,21 @@ class RecordsWriter(Callback):
     def on_end(self, state: TrainState) -> None:
         if self._follow(state, after_step(state.step)):
             self.progress.on_end(state)
-            self.metrics.close()
+            self.metrics.close(keep_trackers=True)  # they get the report's plots (`report`)
         self.role = Role.ENDED
+
+    def report(self, state: TrainState) -> str:
+        """The writer's last act, after the loop: the run's report (make_report), its plots sent
+        to the trackers, which then finish; the summary's text."""
+        text = make_report(self.run_dir)
+        self.metrics.trackers.log_images(report_images(self.run_dir), state.step)
+        self.metrics.trackers.finish(ok=True)
+        return text
+
+    def close_trackers(self, *, ok: bool) -> None:
+        """Finish the trackers still open (a run that failed: `ok` False); nothing after
+        `report`."""
+        self.metrics.trackers.finish(ok=ok)
 
     # -- the role -------------------------------------------------------------------------------
     def _follow(self, state: TrainState, upto: int) -> bool:
