@@ -251,6 +251,12 @@ class DataParallelStrategy(DDPStrategy):
             )
         path = Path(filepath)
         if "optimizer_states" in checkpoint and self.folders():
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"DataParallelStrategy.save_checkpoint: a sharded checkpoint holds one "
+                    f"optimizer, this run has {len(self.optimizers)}; make them one (param "
+                    "groups may name their own class) or save with weights_only=True"
+                )
             prefix, layout, averager = self._place()
             model, optimizer, rank = self.model, self.optimizers[0], self.global_rank
             write_folder(checkpoint, path, model, optimizer, averager, rank, prefix, layout)

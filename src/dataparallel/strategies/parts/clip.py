@@ -73,23 +73,41 @@ def clip_grad_norm_(
 
 
 def clip_shards_(
-    shards: list, params: list, max_norm: float, norm_type: float, comm: Comm, owned=()
+    shards: list,
+    params: list,
+    max_norm: float,
+    norm_type: float,
+    comm: Comm,
+    owned=(),
+    managed: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """Clip the gradients of flat shards, `shards` of (FlatShard, its parameters), held over
     `comm`; `params`: every parameter of the model (their tensor-parallel spreads); `owned`:
     the gradients of the whole masters this rank owns ([Note: optimizer layout] in optimizer_layout.py;
-    one owner per parameter in the group, so each counts once)."""
+    one owner per parameter in the group, so each counts once); `managed`: the ids of every
+    owned parameter, whichever rank owns it: their pieces in the shards are scaled but not
+    counted (the owner's whole gradient counts them; counted twice, Muon's matrices made the
+    norm too large and the clip too strong, 1.5e-3 off one process under Lightning's
+    gradient_clip_val)."""
     spreads = all_spreads(params)
-    if not spreads:  # the whole store at once where it can
+    if not spreads and not managed:  # the whole store at once where it can
         grads = [g for shard, _ in shards for g in shard.grad_tensors()] + list(owned)
         return clip_grad_norm_(grads, max_norm, norm_type, comm)
-    grads, spread = list(owned), [()] * len(owned)
+    grads, spread, scaled = list(owned), [()] * len(owned), []
     for shard, owners in shards:
         for piece, param in zip(shard.pieces, owners, strict=True):
-            if piece is not None and piece.grad is not None:
-                grads.append(piece.grad)
-                spread.append(spread_of(param))
-    return clip_grad_norm_(grads, max_norm, norm_type, comm, spread, spreads)
+            if piece is None or piece.grad is None:
+                continue
+            if id(param) in managed:
+                scaled.append(piece.grad)
+                continue
+            grads.append(piece.grad)
+            spread.append(spread_of(param))
+    total = clip_grad_norm_(grads, max_norm, norm_type, comm, spread, spreads)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in scaled:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total
 
 
 def clip_replicated_(params: list, max_norm: float, norm_type: float) -> torch.Tensor:

@@ -339,8 +339,11 @@ class ZeROStrategy(Strategy):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         shards = [(b.shard, b.params) for b in self.buckets]
         params = list(self.model.parameters())
-        owned = [g for owners in self.built.owners() for g in owners.grads()]
-        return clip_shards_(shards, params, max_norm, norm_type, self.groups.shard, owned)
+        owners = self.built.owners()
+        owned = [g for o in owners for g in o.grads()]
+        managed = frozenset(i for o in owners for i in o.masters())
+        comm = self.groups.shard
+        return clip_shards_(shards, params, max_norm, norm_type, comm, owned, managed)
 
     def shard_holders(self) -> list[BucketShard]:
         return self.buckets

@@ -351,8 +351,11 @@ class ZeRO3Strategy(Strategy):
         """Clip by the global norm: each rank's shard norms, combined over the shard group."""
         shards = [(u.shard, u.params) for u in self.units]
         params = list(self.model.parameters())
-        owned = [g for owners in self.built.owners() for g in owners.grads()]
-        return clip_shards_(shards, params, max_norm, norm_type, self.groups.shard, owned)
+        owners = self.built.owners()
+        owned = [g for o in owners for g in o.grads()]
+        managed = frozenset(i for o in owners for i in o.masters())
+        comm = self.groups.shard
+        return clip_shards_(shards, params, max_norm, norm_type, comm, owned, managed)
 
     def shard_holders(self) -> list[FlatUnit]:
         return self.units

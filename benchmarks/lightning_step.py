@@ -1,0 +1,165 @@
+"""The Lightning strategy's step against the API's step on the same model (issue 41, item 3).
+
+    python benchmarks/lightning_step.py --strategies ddp,zero2,zero3 --rounds 4 --steps 15
+
+One world of 2 CPU ranks (gloo). Each round runs, for every strategy, the two contenders one
+after the other on the same model, data and settings (AdamW, a warm-up scheduler, clip 1.0):
+- "api": `dp.compose` and a hand-written loop (forward, backward, `dp.clip_grad_norm_`,
+  `optimizer.step()`, `scheduler.step()`, `zero_grad`);
+- "lightning": `Trainer(strategy=DataParallelStrategy(name))` over the same LightningModule
+  (progress bar, logger, checkpoints and summary off).
+A step's time is the wall time between two consecutive optimizer steps' ends on rank 0 (the
+first 3 of each run dropped: warm-up); the table gives medians over every round and the ratio
+lightning / api. Prints the table and writes it as JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.multiprocessing as mp
+from torch.nn import functional as F
+
+VOCAB, SEQ, BATCH, WARM = 256, 64, 8, 3
+
+
+def module_class():
+    import lightning as L
+
+    from dataparallel.models import GPT, GPTConfig
+
+    class LitGPT(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=SEQ))
+            self.times: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.times.append(time.perf_counter())
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1)
+            warm = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 10))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": warm, "interval": "step"}}
+
+    return LitGPT
+
+
+def loader(steps: int):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (2 * BATCH * steps, SEQ + 1), generator=g)
+    data = torch.utils.data.TensorDataset(x[:, :-1], x[:, 1:])
+    return torch.utils.data.DataLoader(data, batch_size=BATCH)
+
+
+def run_api(name: str, steps: int) -> list[float]:
+    import dataparallel as dp
+
+    model = module_class()().model  # the same GPT, parallelized itself
+    composed = dp.compose(model, dp.Recipe(strategy=name), torch.optim.AdamW, lr=1e-3)
+    optimizer = composed.optimizer
+    warm = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / 10))
+    sampler = torch.utils.data.DistributedSampler(loader(steps).dataset, shuffle=True, seed=0)
+    data = torch.utils.data.DataLoader(loader(steps).dataset, batch_size=BATCH, sampler=sampler)
+    times = []
+    for x, y in data:
+        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        loss.backward()
+        dp.clip_grad_norm_(model, 1.0)
+        optimizer.step()
+        warm.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter())
+    return times
+
+
+def run_lightning(name: str, steps: int) -> list[float]:
+    import lightning as L
+
+    from dataparallel.lightning import DataParallelStrategy
+
+    module = module_class()()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DataParallelStrategy(name),
+        max_epochs=1,
+        gradient_clip_val=1.0,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader(steps))
+    return module.times
+
+
+def intervals(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times[WARM:-1], times[WARM + 1 :], strict=True)]
+
+
+def worker(rank: int, port: int, args, queue) -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import dataparallel as dp
+
+    dp.init()
+    found: dict[str, dict[str, list[float]]] = {}
+    for _ in range(args.rounds):
+        for name in args.strategies.split(","):
+            row = found.setdefault(name, {"api": [], "lightning": []})
+            row["api"] += intervals(run_api(name, args.steps))
+            row["lightning"] += intervals(run_lightning(name, args.steps))
+    if rank == 0:
+        queue.put(found)
+    dp.destroy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategies", default="ddp,zero2,zero3")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--out", default="lightning_step.json")
+    args = parser.parse_args()
+    import dataparallel as dp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = dp.free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, args, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    found = queue.get()
+    for p in procs:
+        p.join()
+    table = {}
+    print(
+        f"{'strategy':10} {'api ms':>8} {'lightning ms':>13} {'ratio':>7}  (medians of {args.rounds} rounds)"
+    )
+    for name, row in found.items():
+        api, lit = statistics.median(row["api"]) * 1e3, statistics.median(row["lightning"]) * 1e3
+        table[name] = {
+            "api_ms": api,
+            "lightning_ms": lit,
+            "ratio": lit / api,
+            "steps": len(row["api"]),
+        }
+        print(f"{name:10} {api:8.1f} {lit:13.1f} {lit / api:7.3f}")
+    with open(args.out, "w") as handle:
+        json.dump(table, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
