@@ -11,7 +11,9 @@ The module is a small GPT with AdamW, a warm-up scheduler stepped every optimize
 - `save_checkpoint(..., weights_only=True)` is one file whose "state_dict" is the module's own
   keys, whole, equal to the trained weights.
 Muon on the matrices and AdamW on the rest, as one optimizer (a param group naming its class),
-run under DDP and are refused in one line under ZeRO (not exact there yet under Lightning).
+equal under ZeRO-1/2/3 what they do under DDP (which equals one process: test_muon.py); one
+step per batch (Lightning's closure clears the gradients between forward and backward at
+every step) equals one device on every strategy.
 bf16 (autocast) under zero2 stays within Lightning's own "bf16-mixed" on one device; fp16 (the
 engine's fp16 parameters and loss scaler) and bf16-params train to a loss near fp32's; DiLoCo
 (H = 2) leaves both replicas equal after its last round.
@@ -76,7 +78,7 @@ def lit_class():
     return LitGPT
 
 
-def trainer(strategy, devices: int, epochs: int, precision="32-true"):
+def trainer(strategy, devices: int, epochs: int, precision="32-true", acc=2, clip=0.05):
     import lightning as L
 
     return L.Trainer(
@@ -85,8 +87,8 @@ def trainer(strategy, devices: int, epochs: int, precision="32-true"):
         strategy=strategy,
         precision=precision,
         max_epochs=epochs,
-        accumulate_grad_batches=2,
-        gradient_clip_val=0.05,
+        accumulate_grad_batches=acc,
+        gradient_clip_val=clip,
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=False,
@@ -103,17 +105,17 @@ def loader(devices: int):
     return torch.utils.data.DataLoader(ds, batch_size=PER_RANK * (3 - devices), sampler=sampler)
 
 
-def one_device(epochs: int, precision="32-true") -> dict:
+def one_device(epochs: int, precision="32-true", acc=2) -> dict:
     module = lit_class()()
-    trainer("auto", 1, epochs, precision).fit(module, loader(1))
+    trainer("auto", 1, epochs, precision, acc).fit(module, loader(1))
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def fit(name, epochs: int, ckpt=None, seed=0, muon=False, **recipe):
+def fit(name, epochs: int, ckpt=None, seed=0, muon=False, acc=2, clip=0.05, **recipe):
     from dataparallel.lightning import DataParallelStrategy
 
     module = lit_class()(seed, muon)
-    run = trainer(DataParallelStrategy(name, **recipe), 2, epochs)
+    run = trainer(DataParallelStrategy(name, **recipe), 2, epochs, acc=acc, clip=clip)
     run.fit(module, loader(2), ckpt_path=ckpt)
     return run
 
@@ -147,15 +149,19 @@ def world(w, tmp: str) -> dict:
         out["resharded"] = gap(resharded, reference)
     out.update(precisions(w, reference))
     paper = {"outer_compress": "fp32", "fragments": 1, "overlap": 0, "outer_warmup": 0}
-    muon = fit("ddp", 2, muon=True).strategy.lightning_module_state_dict()
-    refused = {}
-    for name in STRATEGIES[1:]:
-        try:
-            fit(name, 1, muon=True)
-        except ValueError as error:
-            refused[name] = str(error)
+    # Muon's orthogonalised update amplifies the clip's summation order (8 steps of batch 4:
+    # DDP and ZeRO-2 alike about 2e-3 off one process with clip 0.05), so without clipping
+    muon = {
+        n: fit(n, 2, muon=True, clip=0.0).strategy.lightning_module_state_dict() for n in STRATEGIES
+    }
+    # Lightning's closure clears the gradients between the forward and the backward: with one
+    # step per batch every step does ([Note: cleared after the forward] in reducer.py)
+    single = one_device(1, acc=1) if w.rank == 0 else None
+    closure = {n: fit(n, 1, acc=1).strategy.lightning_module_state_dict() for n in STRATEGIES}
     if w.rank == 0:
-        out["muon vs adamw"], out["muon refused"] = gap(muon, reference), refused
+        out["muon"] = {n: gap(muon[n], muon["ddp"]) for n in STRATEGIES[1:]}
+        out["muon vs adamw"] = gap(muon["ddp"], reference)
+        out["closure"] = {n: gap(closure[n], single) for n in STRATEGIES}
     diloco = fit("ddp", 2, diloco=2, **paper).strategy.lightning_module_state_dict()
     out["diloco"] = torch.cat([v.flatten() for v in diloco.values()]).tolist()  # no tensors back
     out["diloco vs ddp"] = gap(diloco, reference) if w.rank == 0 else None
@@ -235,7 +241,13 @@ def test_diloco_leaves_both_replicas_equal_after_its_last_round(results):
 
 
 @pytest.mark.parametrize("name", STRATEGIES[1:])
-def test_muon_and_adamw_as_one_optimizer_run_on_ddp_and_are_refused_on_zero(results, name):
-    assert results["muon vs adamw"] > 1e-3  # Muon ran on the matrices under DDP
-    message = results["muon refused"][name]
-    assert "not exact under ZeRO" in message and "\n" not in message
+def test_muon_and_adamw_as_one_optimizer_equal_ddp_on_every_zero(results, name):
+    assert results["muon vs adamw"] > 1e-3  # Muon ran on the matrices
+    assert results["muon"][name] < 1e-5
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_one_step_per_batch_equals_one_device(results, name):
+    """Every step's closure clears the gradients after the forward (before the fix: DDP and
+    ZeRO-1/2 reduced zeros for the parameters whose view it took off)."""
+    assert results["closure"][name] < 1e-5

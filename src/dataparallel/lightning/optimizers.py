@@ -56,15 +56,6 @@ def build_again(
             "are not supported; return one optimizer (param groups may name their own class)"
         )
     declared = {} if reads is None else {"reads": reads}
-    grouped = any("optimizer" in g for o in plain for g in o.param_groups)
-    if grouped and recipe.strategy != "ddp":
-        # Measured: Muon + AdamW as one optimizer under Lightning left ZeRO-1/2/3 1.5e-3 (and
-        # without accumulation 0.1) off the same run under DDP, while dp.compose's own loop
-        # is exact; refused until the cause is found (tests/dist/test_lightning.py).
-        raise ValueError(
-            "configure_optimizers: a param group naming its own class (Muon + AdamW) is not "
-            "exact under ZeRO in the Lightning strategy yet; use strategy='ddp', or one class"
-        )
     cls, groups, kwargs = spelled(plain[0], module)
     composed = dp.compose(model, recipe, cls, params=groups, **declared, **kwargs)
     built = [composed.optimizer]

@@ -251,6 +251,20 @@ class Bucket:
         self.held = [RAW] * len(self.params)  # local sums, divided at launch
         return was_none
 
+    def keep_attached(self, position: int) -> None:
+        """Before autograd adds a gradient on the view path: the parameter's `.grad` is its view
+        again if it was cleared or replaced since the forward ([Note: cleared after the forward]
+        in reducer.py)."""
+        param, view = self.params[position], self.views[position]
+        grad = param.grad
+        if grad is not None and grad.data_ptr() == view.data_ptr():
+            return
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad)
+        param.grad = view
+
     def allocate_attached(self) -> None:
         """A lazy bucket's first gradient on the view path: a zeroed buffer, its views as the
         parameters' `.grad`."""

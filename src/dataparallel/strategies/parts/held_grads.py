@@ -58,6 +58,21 @@ class HeldGrads:
         if shard.pieces[i] is not None:
             shard.pieces[i].grad = None
 
+    def clear_all(self, set_to_none: bool) -> None:
+        """Every parameter's gradient is gone, or zeroed: `model.zero_grad()` wherever the user
+        calls it, between a forward and its backward too, where the placeholders are already
+        off `.grad` and setting it to None would tell nothing ([Note: cleared after the
+        forward] in reducer.py)."""
+        for key, (shard, i) in self.where.items():
+            owned = self.owned.get(key)
+            holder = owned.master if owned is not None else shard.pieces[i]
+            if holder is None or holder.grad is None:
+                continue
+            if set_to_none:
+                holder.grad = None
+            else:
+                holder.grad.zero_()
+
 
 class ShardedGrads:
     """The `ShardedGrad` of each of a strategy's parameters, made once and reused.

@@ -189,6 +189,7 @@ class ModelCalls:
     def __init__(self, model: nn.Module, strategy):
         self.strategy = strategy
         model.load_state_dict = MethodType(self._load, model)
+        model.zero_grad = MethodType(self._zero_grad, model)
         for module in model.modules():
             if module is model or next(module.parameters(recurse=False), None) is None:
                 continue
@@ -196,6 +197,12 @@ class ModelCalls:
         if strategy.placeholders_at_rest:
             for module in model.modules():
                 module.register_state_dict_pre_hook(self._refuse_placeholders)
+
+    def _zero_grad(self, model: nn.Module, set_to_none: bool = True) -> None:
+        """`model.zero_grad()`: the module's own, and the reduced gradients held in the shards
+        with it, in any place of the step ([Note: cleared after the forward] in reducer.py)."""
+        type(model).zero_grad(model, set_to_none)
+        self.strategy.held.clear_all(set_to_none)
 
     def _refuse_placeholders(self, module, prefix, keep_vars) -> None:
         if not keep_vars:
