@@ -6,6 +6,8 @@ One world of 2 CPU ranks (gloo). Each round runs, for every strategy, the two co
 after the other on the same model, data and settings (AdamW, a warm-up scheduler, clip 1.0):
 - "api": `dp.compose` and a hand-written loop (forward, backward, `dp.clip_grad_norm_`,
   `optimizer.step()`, `scheduler.step()`, `zero_grad`);
+- "api-between": the same loop clearing the gradients between the forward and the backward,
+  as Lightning's closure does;
 - "lightning": `Trainer(strategy=DataParallelStrategy(name))` over the same LightningModule
   (progress bar, logger, checkpoints and summary off).
 A step's time is the wall time between two consecutive optimizer steps' ends on rank 0 (the
@@ -62,7 +64,7 @@ def loader(steps: int):
     return torch.utils.data.DataLoader(data, batch_size=BATCH)
 
 
-def run_api(name: str, steps: int) -> list[float]:
+def run_api(name: str, steps: int, between: bool = False) -> list[float]:
     import dataparallel as dp
 
     model = module_class()().model  # the same GPT, parallelized itself
@@ -74,11 +76,14 @@ def run_api(name: str, steps: int) -> list[float]:
     times = []
     for x, y in data:
         loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        if between:  # Lightning's order: the closure clears between forward and backward
+            optimizer.zero_grad(set_to_none=True)
         loss.backward()
         dp.clip_grad_norm_(model, 1.0)
         optimizer.step()
         warm.step()
-        optimizer.zero_grad(set_to_none=True)
+        if not between:
+            optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter())
     return times
 
@@ -115,12 +120,21 @@ def worker(rank: int, port: int, args, queue) -> None:
     import dataparallel as dp
 
     dp.init()
-    found: dict[str, dict[str, list[float]]] = {}
-    for _ in range(args.rounds):
+    found: dict[str, dict[str, list]] = {}
+    kinds = ("api", "api-between", "lightning")
+    for r in range(args.rounds):
         for name in args.strategies.split(","):
-            row = found.setdefault(name, {"api": [], "lightning": []})
-            row["api"] += intervals(run_api(name, args.steps))
-            row["lightning"] += intervals(run_lightning(name, args.steps))
+            row = found.setdefault(name, {kind: [] for kind in (*kinds, "paired")})
+            times = {}
+            for kind in kinds[r % 3 :] + kinds[: r % 3]:  # who runs first rotates
+                if kind == "lightning":
+                    times[kind] = intervals(run_lightning(name, args.steps))
+                else:
+                    times[kind] = intervals(run_api(name, args.steps, kind == "api-between"))
+                row[kind] += times[kind]
+            row["paired"].append(
+                statistics.median(times["lightning"]) / statistics.median(times["api"])
+            )
     if rank == 0:
         queue.put(found)
     dp.destroy()
@@ -146,17 +160,21 @@ def main() -> None:
         p.join()
     table = {}
     print(
-        f"{'strategy':10} {'api ms':>8} {'lightning ms':>13} {'ratio':>7}  (medians of {args.rounds} rounds)"
+        f"{'strategy':10} {'api ms':>8} {'between ms':>11} {'lightning ms':>13} {'ratio':>7} {'paired':>7}"
     )
     for name, row in found.items():
-        api, lit = statistics.median(row["api"]) * 1e3, statistics.median(row["lightning"]) * 1e3
+        api, between, lit = (
+            statistics.median(row[k]) * 1e3 for k in ("api", "api-between", "lightning")
+        )
+        paired = statistics.median(row["paired"])
         table[name] = {
             "api_ms": api,
+            "api_between_ms": between,
             "lightning_ms": lit,
             "ratio": lit / api,
-            "steps": len(row["api"]),
+            "paired": paired,
         }
-        print(f"{name:10} {api:8.1f} {lit:13.1f} {lit / api:7.3f}")
+        print(f"{name:10} {api:8.1f} {between:11.1f} {lit:13.1f} {lit / api:7.3f} {paired:7.3f}")
     with open(args.out, "w") as handle:
         json.dump(table, handle, indent=1)
 
