@@ -162,6 +162,15 @@ def world(w, tmp: str) -> dict:
         out["muon"] = {n: gap(muon[n], muon["ddp"]) for n in STRATEGIES[1:]}
         out["muon vs adamw"] = gap(muon["ddp"], reference)
         out["closure"] = {n: gap(closure[n], single) for n in STRATEGIES}
+    strategy = whole.strategy  # Lightning's collectives, kept from its DDP strategy
+    mine = torch.tensor([float(w.rank + 1)])
+    out["collectives"] = (
+        strategy.reduce(mine.clone(), reduce_op="sum").item(),
+        strategy.reduce(mine.clone()).item(),  # "mean", Lightning's default
+        strategy.all_gather(mine).flatten().tolist(),
+        strategy.broadcast(f"from {w.rank}"),
+        strategy.reduce_boolean_decision(w.rank == 0, all=False),
+    )
     diloco = fit("ddp", 2, diloco=2, **paper).strategy.lightning_module_state_dict()
     out["diloco"] = torch.cat([v.flatten() for v in diloco.values()]).tolist()  # no tensors back
     out["diloco vs ddp"] = gap(diloco, reference) if w.rank == 0 else None
@@ -251,3 +260,8 @@ def test_one_step_per_batch_equals_one_device(results, name):
     """Every step's closure clears the gradients after the forward (before the fix: DDP and
     ZeRO-1/2 reduced zeros for the parameters whose view it took off)."""
     assert results["closure"][name] < 1e-5
+
+
+def test_lightnings_collectives_on_the_world(results):
+    for rank in RESULTS:
+        assert rank["collectives"] == (3.0, 1.5, [1.0, 2.0], "from 0", True)
