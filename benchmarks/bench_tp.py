@@ -5,8 +5,9 @@ planner's prediction (issue 21; docs/core.md, "Hybrid parallelism").
     python benchmarks/bench_tp.py --model gpt-small --nproc 2 --tp 2 --contenders ddp,zero2,zero3
 
 One world of `--nproc` ranks (gloo, one thread each) as dp x tp; the GPT is split over "tp" as
-`dataparallel train --tp` splits it (train/tensor_parallel.py, `split_gpt`). Contenders: ours
-(`dp.parallelize(model, strategy, mesh=mesh["dp"])`) and fsdp2 (`fully_shard` on each block,
+`dataparallel train --tp` splits it (the GPT's `tensor_parallel_plan`). Contenders: ours
+(`dp.compose(model, dp.Recipe(strategy=..., tp=T), mesh=mesh)`: the split, then the strategy
+over mesh["dp"]) and fsdp2 (`fully_shard` on each block,
 then the root, on mesh["dp"], its documented use over tensor parallelism). Each round builds
 every contender afresh and runs `--warmup` untimed then `--steps` timed steps, the contenders
 in a rotated order per round (bench_step.py's interleaving); a step's time is its slowest
@@ -35,18 +36,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from contenders import MODELS, adamw, bench_model, held_bytes, plain_step
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 
 import dataparallel as dp
-from dataparallel.train.tensor_parallel import split_gpt
 
 PROFILE = Path(__file__).resolve().parent.parent / "src/dataparallel/plan/cpu-2core.json"
 
 
 def ours(strategy: str):
     def setup(model, mesh):
-        split_gpt(model, mesh["tp"])
-        dp.parallelize(model, strategy, mesh=mesh["dp"])
-        optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=3e-4)
+        recipe = dp.Recipe(strategy=strategy, tp=mesh["tp"].size())
+        optimizer = dp.compose(model, recipe, torch.optim.AdamW, mesh=mesh, lr=3e-4).optimizer
         return plain_step(model, optimizer), lambda: dp.memory_report(model, optimizer)
 
     return setup
@@ -55,7 +55,7 @@ def ours(strategy: str):
 def fsdp2(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
-    split_gpt(model, mesh["tp"])
+    parallelize_module(model, mesh["tp"], model.tensor_parallel_plan(mesh["tp"].size()))
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])

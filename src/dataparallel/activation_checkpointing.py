@@ -50,20 +50,31 @@ def checkpoint_activations(model: nn.Module, blocks: Wrap = None) -> nn.Module:
     blocks with `blocks=`. A block already checkpointed is left as it is, so a second call
     changes nothing.
     """
+    check_checkpointable(model, blocks)
     if blocks is None and _hugging_face(model) is not None:
         _enable_hugging_face(_hugging_face(model))
         return model
-    selected = select_units(model, blocks)
-    if not selected:
-        raise ValueError(
-            f"checkpoint_activations: blocks selected no module of {type(model).__name__} "
-            "(it has no nn.ModuleList); pass blocks=(YourBlock,) or a callable"
-        )
-    for module in selected:
+    for module in select_units(model, blocks):
         if not getattr(module, _MARK, False):
             module.forward = functools.partial(_recomputed, module.forward)
             setattr(module, _MARK, True)
     return model
+
+
+def check_checkpointable(model: nn.Module, blocks: Wrap = None) -> None:
+    """The ValueError `checkpoint_activations(model, blocks)` would raise, changing nothing
+    (`dp.check_recipe` asks it for `Recipe.activation_checkpointing`)."""
+    hf = _hugging_face(model) if blocks is None else None
+    if hf is not None and not hf.supports_gradient_checkpointing:
+        raise ValueError(
+            f"checkpoint_activations: {type(hf).__name__} does not support transformers' "
+            "activation checkpointing; pass blocks= with its layer class to recompute them"
+        )
+    if hf is None and not select_units(model, blocks):
+        raise ValueError(
+            f"checkpoint_activations: blocks selected no module of {type(model).__name__} "
+            "(it has no nn.ModuleList); pass blocks=(YourBlock,) or a callable"
+        )
 
 
 def is_checkpointed(model: nn.Module) -> bool:
@@ -86,11 +97,6 @@ def _hugging_face(model: nn.Module):
 
 
 def _enable_hugging_face(model) -> None:
-    if not model.supports_gradient_checkpointing:
-        raise ValueError(
-            f"checkpoint_activations: {type(model).__name__} does not support transformers' "
-            "activation checkpointing; pass blocks= with its layer class to recompute them"
-        )
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

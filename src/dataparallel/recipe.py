@@ -1,5 +1,6 @@
-"""The recipe: what `dp.compose` is asked for (strategy, mesh, precision, compression, averager),
-and every rule on it, in one home ([Note: one home for the recipe's rules]).
+"""The recipe: what `dp.compose` is asked for (tensor parallelism, activation checkpointing,
+compile, strategy, mesh, precision, compression, averager), and every rule on it, in one home
+([Note: one home for the recipe's rules]).
 
 `Recipe` checks its fields on construction and `check_recipe` the rules that need the model,
 each raising a `RecipeError` that names its field; `dataparallel train` maps the field to its
@@ -13,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from .activation_checkpointing import check_checkpointable
 from .averaging.streaming import (
     OUTER_COMPRESS,
     RECIPE,
@@ -35,7 +37,18 @@ STRATEGIES = tuple(POLICIES)
 
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """What to compose ([Note: composition]). Every field has the CLI flag of the same name.
+    """What to compose ([Note: composition]). Every field but `compile` has a CLI flag, most
+    of the same name (train/sync.py FIELDS: `tp` is --tp, `shard_size` --shard-group).
+
+    tp: tensor-parallel ranks: above 1, `compose` splits the model over a "tp" dimension of
+        that many ranks with the model's own plan (its `tensor_parallel_plan(tp)`, which the
+        reference GPT has) and runs everything below over the "dp" dimension; 1: off.
+    activation_checkpointing: recompute each block's activations in backward
+        (`dp.checkpoint_activations`: a Hugging Face model's decoder layers, else every child
+        of an `nn.ModuleList`).
+    compile: `torch.compile` each block (as `checkpoint_activations` selects them; the whole
+        model when it has none), as torchtitan does: a block's forward is one graph under
+        every strategy ([Note: compile] in strategies/zero3/strategy.py).
 
     strategy: "ddp", "zero1", "zero2", "zero3", or a policy object (`dp.ZeRO3(wrap=...)`),
         whose precision and communication hook this recipe's fields replace.
@@ -69,6 +82,9 @@ class Recipe:
         elastic, so that `dp.rebind` can move the model to the next generation's mesh.
     """
 
+    tp: int = 1
+    activation_checkpointing: bool = False
+    compile: bool = False
     strategy: object = "ddp"
     shard_size: int = 0
     precision: str = "fp32"
@@ -98,6 +114,11 @@ class Recipe:
             _bad(
                 "precision", f"{self.precision!r} is unknown", f"choose one of {tuple(PRECISIONS)}"
             )
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            _bad("tp", f"{self.tp!r} is not an integer >= 1", "give 1 (off) or more ranks")
+        for name in ("activation_checkpointing", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                _bad(name, f"{getattr(self, name)!r} is not True or False", "give a bool")
         if self.shard_size < 0:
             _bad("shard_size", f"{self.shard_size} is negative", "give 0 (off) or more")
         for name in ("local_sgd", "diloco"):
@@ -237,10 +258,11 @@ def _bad(field_name: str, problem: str, fix: str) -> None:
     raise RecipeError(field_name, problem.replace("{", "{{").replace("}", "}}"), fix)
 
 
-def check_recipe(recipe: Recipe, model: nn.Module) -> None:
-    """The recipe's rules that need the model (a `RecipeError` naming the field); `compose`
-    calls it first, `dataparallel train` before it launches (on the model built on the meta
-    device: only dtypes and shapes are read)."""
+def check_recipe(recipe: Recipe, model: nn.Module, world_size: int | None = None) -> None:
+    """The recipe's rules that need the model, or the world's size when given (a `RecipeError`
+    naming the field); `compose` calls it first, `dataparallel train` before it launches (on
+    the model built on the meta device: only dtypes and shapes are read)."""
+    _check_transforms(recipe, model, world_size)
     if not recipe.compress:
         return
     name, options = parse_spec(recipe.compress)
@@ -262,3 +284,48 @@ def check_recipe(recipe: Recipe, model: nn.Module) -> None:
                 f"(at most {largest}, its smaller side)",
                 f"use rank <= {largest}",
             )
+
+
+def _check_transforms(recipe: Recipe, model: nn.Module, world_size: int | None) -> None:
+    """tp against the world and the model's plan; activation_checkpointing against its blocks."""
+    if recipe.tp > 1 and world_size is not None and world_size % recipe.tp:
+        _bad("tp", f"{recipe.tp} does not divide the {world_size} ranks", "use a divisor of them")
+    if recipe.tp > 1:
+        plan = getattr(model, "tensor_parallel_plan", None)
+        if not callable(plan):
+            _bad(
+                "tp",
+                f"{type(model).__name__} has no tensor-parallel plan",
+                "give it a tensor_parallel_plan(tp) method (parallelize_module's plan), or "
+                "split it yourself and compose over mesh['dp']",
+            )
+        try:
+            plan(recipe.tp)
+        except ValueError as error:
+            _bad("tp", str(error), "use a divisor of them")
+    if recipe.activation_checkpointing:
+        try:
+            check_checkpointable(model)
+        except ValueError as error:
+            problem = str(error).removeprefix("checkpoint_activations: ").split("; ")[0]
+            fix = "drop it, or name the blocks: dp.checkpoint_activations(model, blocks=...)"
+            _bad("activation_checkpointing", problem, fix)
+
+
+def check_tp_mesh(recipe: Recipe, mesh) -> None:
+    """`Recipe.tp` against the DeviceMesh `compose` splits over: a ("dp", "tp") mesh whose "tp"
+    dimension has tp ranks (a 1-D mesh is the "dp" dimension of a model split beforehand)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or names != ("dp", "tp"):
+        _bad(
+            "tp",
+            f"the mesh given is {names or f'{mesh.ndim}-D, unnamed'}, not ('dp', 'tp')",
+            "pass the ('dp', 'tp') DeviceMesh, or none (compose builds it), or drop {tp} to "
+            "compose over mesh['dp'] a model split beforehand",
+        )
+    if mesh["tp"].size() != recipe.tp:
+        _bad(
+            "tp",
+            f"{recipe.tp} differs from the mesh's 'tp' size {mesh['tp'].size()}",
+            "give the mesh's size",
+        )

@@ -138,3 +138,83 @@ def test_the_rules_that_need_the_model_are_the_compositions():
     dp.check_recipe(dp.Recipe(compress="powersgd:rank=4"), model)
     dp.check_recipe(dp.Recipe(compress="powersgd"), model)  # the default rank is cut to fit
     dp.check_recipe(dp.Recipe(compress="bf16", precision="bf16"), model)
+
+
+# One bad value per transform field ([Note: composition] 1-3): the error names it.
+TRANSFORM_CASES = [
+    ({"tp": 0}, "tp", "Recipe.tp: 0 is not an integer >= 1; give 1 (off) or more ranks"),
+    ({"tp": 2.0}, "tp", "Recipe.tp: 2.0 is not an integer >= 1"),
+    ({"tp": True}, "tp", "Recipe.tp: True is not an integer >= 1"),
+    (
+        {"activation_checkpointing": "yes"},
+        "activation_checkpointing",
+        "Recipe.activation_checkpointing: 'yes' is not True or False; give a bool",
+    ),
+    ({"compile": 1}, "compile", "Recipe.compile: 1 is not True or False; give a bool"),
+]
+
+
+@pytest.mark.parametrize("fields, field, message", TRANSFORM_CASES)
+def test_a_transform_field_names_itself(fields, field, message):
+    with pytest.raises(dp.RecipeError) as caught:
+        dp.Recipe(**fields)
+    assert caught.value.field == field
+    assert str(caught.value).startswith(message)
+
+
+def test_the_transform_cases_cover_every_transform_field():
+    assert len(TRANSFORM_CASES) == 5
+    assert {field for _, field, _ in TRANSFORM_CASES} == {
+        "tp",
+        "activation_checkpointing",
+        "compile",
+    }
+    recipe = dp.Recipe()  # off by default: every compose call of before is unchanged
+    assert (recipe.tp, recipe.activation_checkpointing, recipe.compile) == (1, False, False)
+
+
+def test_the_transform_rules_that_need_the_model_or_the_world():
+    """tp needs the model's plan, a tp that divides its heads and the world's ranks;
+    activation_checkpointing needs blocks. dp.check_recipe says so and changes nothing."""
+    import torch
+
+    from dataparallel.activation_checkpointing import is_checkpointed
+    from dataparallel.models import GPT, GPTConfig
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    no_blocks = (
+        "Recipe.activation_checkpointing: blocks selected no module of Sequential (it has no "
+        "nn.ModuleList); drop it, or name the blocks: dp.checkpoint_activations(model, blocks=...)"
+    )
+    refused = [
+        (dp.Recipe(tp=2), mlp, None, "Recipe.tp: Sequential has no tensor-parallel plan; give"),
+        (dp.Recipe(tp=4), gpt, None, "Recipe.tp: 4 does not divide the GPT's 2 heads; use a"),
+        (dp.Recipe(tp=2), gpt, 3, "Recipe.tp: 2 does not divide the 3 ranks; use a divisor"),
+        (dp.Recipe(activation_checkpointing=True), mlp, None, no_blocks),
+    ]
+    for recipe, model, world_size, message in refused:
+        with pytest.raises(dp.RecipeError) as caught:
+            dp.check_recipe(recipe, model, world_size)
+        assert str(caught.value).startswith(message), str(caught.value)
+    assert len(refused) == 4
+    dp.check_recipe(dp.Recipe(tp=2, activation_checkpointing=True, compile=True), gpt, 4)
+    assert not is_checkpointed(gpt)
+    plan = gpt.tensor_parallel_plan(2)
+    split = ("attn.k", "attn.proj", "attn.q", "attn.v", "mlp.0", "mlp.2")
+    assert sorted(plan) == [f"blocks.*.{name}" for name in split]
+
+
+def test_the_job_spells_the_transform_fields_as_its_flags():
+    """--tp and --activation-checkpointing fill Recipe.tp and .activation_checkpointing; their
+    errors name the flag and the TOML key (train/sync.py FIELDS)."""
+    from dataparallel.train.config import ConfigError, RunConfig
+    from dataparallel.train.sync import check_run_recipe, recipe_of
+
+    config = RunConfig().replace(launch={"tp": 2}, train={"activation_checkpointing": True})
+    recipe = recipe_of(config, "ddp")
+    assert (recipe.tp, recipe.activation_checkpointing, recipe.compile) == (2, True, False)
+    with pytest.raises(ConfigError) as cli:
+        check_run_recipe(RunConfig().replace(launch={"tp": 0}))
+    assert cli.value.field == "--tp (launch.tp)"

@@ -76,7 +76,9 @@ class DataParallelStrategy(DDPStrategy):
         `ckpt_path="last"`); live recovery is the job's only.
     reads: what the optimizer's update of one element reads ([Note: optimizer layout]), for a
         class the engine does not know; None: the engine's choice.
-    recipe: the rest of `dp.Recipe` by name (shard_size, compress, local_sgd, diloco, ...).
+    recipe: the rest of `dp.Recipe` by name (shard_size, compress, local_sgd, diloco,
+        activation_checkpointing, compile, ...), but not tp (Lightning's sampler gives every
+        rank its own data).
     The other arguments are Lightning's DDPStrategy's (the launcher, the process group).
     """
 
@@ -104,7 +106,8 @@ class DataParallelStrategy(DDPStrategy):
                 "use 'restart' (Lightning's loop owns the step: for live recovery run "
                 "dataparallel train --recovery live)"
             )
-        fields = set(dp.Recipe.__dataclass_fields__) - {"strategy", "precision"}
+        # not tp: Lightning's sampler splits the data over every rank, tp peers need the same
+        fields = set(dp.Recipe.__dataclass_fields__) - {"strategy", "precision", "tp"}
         unknown = sorted(set(recipe) - fields)
         if unknown:
             raise TypeError(

@@ -50,7 +50,7 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate query, key and value projections.
 
-    [Note: local heads] Under tensor parallelism (train/tensor_parallel.py) q, k and v are
+    [Note: local heads] Under tensor parallelism (`GPT.tensor_parallel_plan`) q, k and v are
     split by output rows (ColwiseParallel) and `proj` by input columns (RowwiseParallel), so a
     rank holds whole heads: the forward reads the number of heads from the output width it
     computed (the local one), never from the config. Separate q, k, v (rather than one fused
@@ -148,6 +148,29 @@ class GPT(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def tensor_parallel_plan(self, tp: int) -> dict:
+        """PyTorch's `parallelize_module` plan that splits the model over a "tp" mesh dimension
+        of `tp` ranks (`dp.Recipe(tp=...)`, [Note: local heads]): in each block q, k, v and the
+        MLP's first linear by output rows (ColwiseParallel), the attention's output projection
+        and the MLP's second linear by input columns (RowwiseParallel), so each rank computes its
+        heads and its slice of the MLP and one all-reduce per sub-layer and direction joins
+        them. Embeddings, norms and the head stay whole (replicated over "tp"). ValueError when
+        `tp` does not divide the heads (and so the width)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        for what, size in (("heads", self.config.n_head), ("width", self.config.n_embd)):
+            if size % tp:
+                raise ValueError(f"{tp} does not divide the GPT's {size} {what}")
+        block = {
+            "attn.q": ColwiseParallel(),
+            "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(),
+            "mlp.0": ColwiseParallel(),
+            "mlp.2": RowwiseParallel(),
+        }
+        return {f"blocks.*.{name}": style for name, style in block.items()}  # every block
 
     @torch.no_grad()
     def generate(

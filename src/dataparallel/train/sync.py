@@ -5,8 +5,9 @@ The rules on the [sync] section (and on the precision and the mesh they combine 
 library's, in one home ([Note: one home for the recipe's rules] in dataparallel/recipe.py):
 `dp.Recipe` checks its fields, `dp.check_recipe` the ones that need the model; each raises a
 `dp.RecipeError` naming its field, which `check_run_recipe` below turns into the one-line
-`ConfigError` of the field's flag. The composition itself (in which order precision, the mesh,
-compression and an averager apply) is [Note: composition], which the trainer calls.
+`ConfigError` of the field's flag. The composition itself (in which order tensor parallelism,
+activation checkpointing, precision, the mesh, compression and an averager apply) is
+[Note: composition], which the trainer calls.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from .config import ConfigError, RunConfig, SyncConfig, field_label, flag_name
 # dp.Recipe field -> the config's (section, field) that gives it; "elastic" is
 # `launch.recovery == "live"`.
 FIELDS: dict[str, tuple[str, str]] = {
+    "tp": ("launch", "tp"),  # [Note: composition] 1-2: the split and the recompute
+    "activation_checkpointing": ("train", "activation_checkpointing"),
     "strategy": ("launch", "strategy"),
     "shard_size": ("launch", "shard_group"),
     "precision": ("train", "precision"),
@@ -34,9 +37,10 @@ FLAGS = {name: flag_name(*where) for name, where in FIELDS.items()}
 
 
 def recipe_of(config: RunConfig, strategy) -> dp.Recipe:
-    """What `dp.compose` is given for this run ([Note: composition]): the [sync] section, the
-    precision and the mesh; `strategy` is the config's name or the policy the model needs.
-    A `dp.RecipeError` if a field breaks a rule (`check_run_recipe` spells it with the flags)."""
+    """What `dp.compose` is given for this run ([Note: composition]): --tp,
+    --activation-checkpointing, the [sync] section, the precision and the mesh; `strategy` is
+    the config's name or the policy the model needs. A `dp.RecipeError` if a field breaks a
+    rule (`check_run_recipe` spells it with the flags)."""
     given = {name: getattr(getattr(config, s), n) for name, (s, n) in FIELDS.items()}
     given.update(strategy=strategy, elastic=config.launch.recovery == "live")
     return dp.Recipe(**given)

@@ -1,15 +1,16 @@
-"""`dataparallel train --tp T`: the ("dp", "tp") mesh, the reference GPT's tensor-parallel plan,
-and which ranks read which data.
+"""`dataparallel train --tp T`: the ("dp", "tp") mesh, the checks of --tp, and which ranks read
+which data.
 
 [Note: the job's mesh] A world of N ranks is a DeviceMesh of dp = N / T rows and tp = T columns,
 rank r at (r // T, r % T): tensor-parallel peers are consecutive ranks, so on several hosts the
-activation all-reduces (two per block and direction) stay inside a host. The reference GPT is
-split over mesh["tp"] first (PyTorch's `parallelize_module`, `split_gpt`), then `dp.compose`
-runs the strategy over mesh["dp"] only (its `mesh=`; [Note: tensor-parallel parameters] in
-strategies/parts/tensor_parallel.py). The data rank is the dp coordinate: the T peers of a row
-read the same windows and compute the same loss: [Note: loss normalisation] scales by the dp
-size, and in the sums the trainer makes over every rank (target tokens, the loss, validation)
-only the first rank of each row counts them. With T = 1 all of this is the plain 1-D world.
+activation all-reduces (two per block and direction) stay inside a host. The job builds it and
+gives it to `dp.compose` with `Recipe.tp` = T, which splits the reference GPT over mesh["tp"]
+first (PyTorch's `parallelize_module` with `GPT.tensor_parallel_plan`), then runs the strategy
+over mesh["dp"] only ([Note: composition] in compose.py; [Note: tensor-parallel parameters] in
+strategies/parts/tensor_parallel.py); `dp.compose` builds the same mesh when given none. The
+data rank is the dp coordinate: the T peers of a row read the same windows and compute the same
+loss: [Note: loss normalisation] scales by the dp size, and in the sums the trainer makes over
+every rank (target tokens, the loss, validation) only the first rank of each row counts them. With T = 1 all of this is the plain 1-D world.
 """
 
 from __future__ import annotations
@@ -66,43 +67,6 @@ def data_ranks(world: dp.World, mesh: DeviceMesh | None) -> DataRanks:
         return DataRanks(world.rank, world.world_size)
     rows = mesh["dp"]
     return DataRanks(rows.get_local_rank(), rows.size(), mesh["tp"].get_local_rank() == 0)
-
-
-def split_gpt(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Split each block of the reference GPT over `tp_mesh` ([Note: local heads] in
-    models/gpt.py): q, k, v and the MLP's first linear by output rows (ColwiseParallel), the
-    attention's output projection and the MLP's second linear by input columns
-    (RowwiseParallel), so each rank computes its heads and its quarter-width slice of the MLP
-    and one all-reduce per sub-layer and direction joins them. Embeddings, norms and the head
-    stay whole (replicated over "tp")."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    plan = {
-        "attn.q": ColwiseParallel(),
-        "attn.k": ColwiseParallel(),
-        "attn.v": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(),
-        "mlp.0": ColwiseParallel(),
-        "mlp.2": RowwiseParallel(),
-    }
-    for block in model.blocks:
-        parallelize_module(block, tp_mesh, plan)
-
-
-def split_for_run(
-    model: nn.Module, world: dp.World, tp: int
-) -> tuple[DeviceMesh | None, DataRanks]:
-    """Split the run's GPT over "tp" ([Note: the job's mesh]); return mesh["dp"], for
-    `dp.compose(mesh=)` (None for tp 1: the whole world), and this rank's data ranks."""
-    mesh = build_mesh(world, tp)
-    if mesh is None:
-        return None, data_ranks(world, None)
-    split_gpt(model, mesh["tp"])
-    return mesh["dp"], data_ranks(world, mesh)
 
 
 def mesh_text(world_size: int, tp: int) -> str:

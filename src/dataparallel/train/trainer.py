@@ -45,7 +45,7 @@ from .optimizers import choose_optimizer
 from .state import TrainState
 from .step import Vote, forward_backward, own_verdict, set_lr, take_batch, update
 from .sync import recipe_of
-from .tensor_parallel import split_for_run
+from .tensor_parallel import build_mesh, data_ranks
 
 
 def setup(
@@ -81,9 +81,8 @@ def setup(
     else:
         built = BuiltModel(model.to(world.device), launch.strategy, None, type(model).__name__)
     model, model_name = built.model, built.name
-    if config.train.activation_checkpointing:  # before the strategy's hooks, which stay outside
-        dp.checkpoint_activations(model)  # [Note: checkpoint inside the unit]
-    dp_mesh, data = split_for_run(model, world, config.launch.tp)  # [Note: the job's mesh]
+    mesh = build_mesh(world, config.launch.tp)  # [Note: the job's mesh]: None for --tp 1
+    data = data_ranks(world, mesh)
     recipe = recipe_of(config, built.strategy)  # the CLI's flags as a dp.Recipe
     optim = config.optim
     train = config.train
@@ -99,7 +98,9 @@ def setup(
         scaling=optim.lr_scaling,
         base_batch=optim.lr_base_batch,
     )
-    # [Note: composition] in dataparallel/compose.py: what a script calling dp.compose gets
+    # [Note: composition] in dataparallel/compose.py: what a script calling dp.compose gets;
+    # it splits the model over mesh["tp"] (--tp), recomputes its blocks
+    # (--activation-checkpointing) and runs the strategy over mesh["dp"], in that order
     choice = choose_optimizer(optim, model, peak_lr)  # [Note: the job's optimizers]
     composed = dp.compose(
         model,
@@ -107,7 +108,7 @@ def setup(
         choice.cls,
         params=choice.groups,
         group=world.group,
-        mesh=dp_mesh,
+        mesh=mesh,
         **choice.kwargs,
     )
     schedule = WarmupCosine(
