@@ -120,6 +120,14 @@ def fit(name, epochs: int, ckpt=None, seed=0, muon=False, acc=2, clip=0.05, **re
     return run
 
 
+def module_state_of(module) -> dict:
+    """The LightningModule's whole weights after a fit (collective under ZeRO-3)."""
+    import dataparallel as dp
+
+    wrapped = module._dataparallel_wrapped
+    return {k.removeprefix("module."): v for k, v in dp.full_state_dict(wrapped).items()}
+
+
 def gap(a: dict, b: dict) -> float:
     assert sorted(a) == sorted(b) and a
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
@@ -162,6 +170,29 @@ def world(w, tmp: str) -> dict:
         out["muon"] = {n: gap(muon[n], muon["ddp"]) for n in STRATEGIES[1:]}
         out["muon vs adamw"] = gap(muon["ddp"], reference)
         out["closure"] = {n: gap(closure[n], single) for n in STRATEGIES}
+    again = {}  # a module fitted by one Trainer, then by another (fresh optimizer, new loop)
+    once = one_device(1) if w.rank == 0 else None
+    twice = lit_class()()
+    for run in (trainer("auto", 1, 1), trainer("auto", 1, 1)):
+        run.fit(twice, loader(1))
+    for name in STRATEGIES:
+        from dataparallel.lightning import DataParallelStrategy
+
+        module = lit_class()()
+        trainer(DataParallelStrategy(name), 2, 1).fit(module, loader(2))
+        try:
+            trainer(DataParallelStrategy(name), 2, 1).fit(module, loader(2))
+        except ValueError as error:  # ZeRO: the first optimizer holds the shards
+            again[name] = str(error)
+            continue
+        again[name] = gap(module_state_of(module), twice.state_dict()) if w.rank == 0 else None
+    try:  # a module parallelized under DDP, then fitted under ZeRO-1
+        ddp_module = lit_class()()
+        trainer(DataParallelStrategy("ddp"), 2, 1).fit(ddp_module, loader(2))
+        trainer(DataParallelStrategy("zero1"), 2, 1).fit(ddp_module, loader(2))
+    except ValueError as error:
+        again["other strategy"] = str(error)
+    out["again"], out["again moved"] = again, gap(twice.state_dict(), once) if once else None
     strategy = whole.strategy  # Lightning's collectives, kept from its DDP strategy
     mine = torch.tensor([float(w.rank + 1)])
     out["collectives"] = (
@@ -265,3 +296,16 @@ def test_one_step_per_batch_equals_one_device(results, name):
 def test_lightnings_collectives_on_the_world(results):
     for rank in RESULTS:
         assert rank["collectives"] == (3.0, 1.5, [1.0, 2.0], "from 0", True)
+
+
+def test_a_second_trainer_fits_the_same_module_as_on_one_device_under_ddp(results):
+    assert results["again moved"] > 1e-3  # the second fit trained on
+    assert results["again"]["ddp"] < 1e-5
+    message = results["again"]["other strategy"]  # another strategy: one line
+    assert "was parallelized under 'ddp'/'fp32', not 'zero1'/'fp32'" in message
+
+
+@pytest.mark.parametrize("name", STRATEGIES[1:])
+def test_a_second_trainer_on_a_zero_module_is_one_line(results, name):
+    message = results["again"][name]
+    assert "fit a fresh module, resuming with ckpt_path" in message and "\n" not in message

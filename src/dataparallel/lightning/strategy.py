@@ -153,12 +153,20 @@ class DataParallelStrategy(DDPStrategy):
         precision = recipe_precision(self.precision_plugin, self.precision_given)
         recipe = replace(self.recipe, precision=precision)
         module = self.lightning_module
-        module.to(self.root_device)
         wrapped = getattr(module, _WRAPPED, None)
         fresh = wrapped is None
-        if fresh:
+        if fresh:  # a parallelized one stays where its buffers are
+            module.to(self.root_device)
             wrapped = Wrapped(module)
             object.__setattr__(module, _WRAPPED, wrapped)  # not a submodule: no cycle
+            wrapped.recipe = recipe
+        elif wrapped.recipe != recipe:
+            raise ValueError(
+                f"DataParallelStrategy: this LightningModule was parallelized under "
+                f"{wrapped.recipe.strategy!r}/{wrapped.recipe.precision!r}, not "
+                f"{recipe.strategy!r}/{recipe.precision!r}; use the same strategy, or fit a "
+                "fresh module resuming with ckpt_path"
+            )
         scaler = None
         if trainer.state.fn == TrainerFn.FITTING:
             plain, configs = _init_optimizers_and_lr_schedulers(module)
@@ -179,15 +187,26 @@ class DataParallelStrategy(DDPStrategy):
     def _build(self, wrapped, recipe, plain, module, fresh):
         if fresh:
             return build_again(wrapped, recipe, plain, module, self.reads)
-        # fit again on a module already parallelized: new optimizers on the same model
-        composed, built = self.composed, []
+        # A module parallelized before (a fit or validate of another Trainer): under DDP new
+        # optimizers on the same model; ZeRO's shards belong to the first optimizer built.
+        if recipe.local_sgd or recipe.diloco or dp.geometry(wrapped).group is not None:
+            raise ValueError(
+                "DataParallelStrategy: this LightningModule was trained by another Trainer "
+                "under ZeRO or an averager, whose optimizer holds its shards; fit a fresh "
+                "module, resuming with ckpt_path"
+            )
+        built = []
         for optimizer in plain:
             cls, groups, kwargs = spelled(optimizer, module)
-            built.append(dp.build_optimizer(wrapped, cls, params=groups, **kwargs))
-        return replace(composed, optimizer=built[0]), built
+            declared = {} if self.reads is None else {"reads": self.reads}
+            built.append(dp.build_optimizer(wrapped, cls, params=groups, **declared, **kwargs))
+        device = self.root_device.type
+        scaler = torch.amp.GradScaler(device) if dp.PRECISIONS[recipe.precision][2] else None
+        return dp.Composed(wrapped, built[0], None, None, scaler, recipe), built
 
     def model_to_device(self) -> None:
-        self.lightning_module.to(self.root_device)
+        if getattr(self.lightning_module, _WRAPPED, None) is None:  # not yet parallelized
+            self.lightning_module.to(self.root_device)
 
     @contextmanager
     def block_backward_sync(self):
