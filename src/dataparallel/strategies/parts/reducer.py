@@ -49,7 +49,11 @@ step, then zero_grad, then backward). Autograd would then store a fresh `.grad` 
 view, and the bucket would reduce the view's zeros: DDP 0.08 off one process after 4 steps of
 gpt-like training, ZeRO-1/2 likewise. So the hook, before autograd accumulates, puts a
 parameter's view back as its `.grad` when it is no longer (zeroed when the grad was cleared,
-the user's tensor copied in when one was set), as the forward's attach would have.
+the user's tensor copied in when one was set), as the forward's attach would have. A parameter
+this rank did not use gets no hook: a bucket launched late zeroes such a cleared view first
+(else the cleared gradient went into the reduction), and after the round a parameter another
+rank used gets its view back as `.grad` (else this rank's optimizer skipped it and the replicas
+parted: tests/dist/test_clear_after_forward.py's branchy model, 7e-4 off).
 
 Sharded strategies extend the reducer without branching it: `on_bucket_reduced(bucket)` is
 called on the training thread for each bucket once its reduction has arrived, in launch order
@@ -248,7 +252,9 @@ class GradientReducer:
 
     def _finish(self) -> None:
         self.comm.tracer.mark("backward_end")
-        for bucket in self.buckets[self.next_launch :]:
+        for bucket in self.buckets[self.next_launch :]:  # some gradient never came
+            if bucket.grad_views:
+                self._zero_cleared(bucket)
             self._launch(bucket, late=True)
         agreement = None if self.flat_shards else self.round.start_agreement()
         for bucket in self.buckets[self.next_collect :]:
@@ -259,6 +265,8 @@ class GradientReducer:
         self.comm.tracer.mark("reduce_end")
         for bucket in self.buckets:
             bucket.reattach()
+        if self.round.used.count(1) != used.count(True):  # one another rank used, not this one
+            self._give_back_views(used)
         for i, was_used in enumerate(used):
             if not was_used and self.was_none[i]:
                 self.params[i].grad = None
@@ -270,6 +278,29 @@ class GradientReducer:
             self.arrival = None
         if self.on_round_end is not None:
             self.on_round_end(used)
+
+    def _zero_cleared(self, bucket: Bucket) -> None:
+        """[Note: cleared after the forward] A view no gradient reached this round whose `.grad`
+        a clear after the forward took away still holds what the user cleared: zeros, as that
+        rank's contribution, before it is reduced."""
+        if bucket.buffer is None:
+            return
+        for position, i in enumerate(bucket.spec.param_indices):
+            if not self.round.used[i] and bucket.params[position].grad is None:
+                bucket.views[position].zero_()
+
+    def _give_back_views(self, used: list[bool]) -> None:
+        """[Note: cleared after the forward] A parameter another rank used and this one did
+        not, whose view a clear after the forward took off `.grad`: no hook of this rank saw
+        it, so its view (the reduced gradient) becomes its `.grad` here, as on the ranks that
+        used it (else this rank's optimizer skipped it and the replicas parted)."""
+        for bucket in self.buckets:
+            if not bucket.grad_views or bucket.buffer is None:
+                continue
+            for position, i in enumerate(bucket.spec.param_indices):
+                param = bucket.params[position]
+                if used[i] and param.grad is None:
+                    param.grad = bucket.views[position]
 
     def rebind(self, divisor: int) -> None:
         """After the Comm moved to another group: forget any round in flight on the old one
