@@ -191,9 +191,9 @@ class DataParallelStrategy(DDPStrategy):
         # optimizers on the same model; ZeRO's shards belong to the first optimizer built.
         if recipe.local_sgd or recipe.diloco or dp.geometry(wrapped).group is not None:
             raise ValueError(
-                "DataParallelStrategy: this LightningModule was trained by another Trainer "
-                "under ZeRO or an averager, whose optimizer holds its shards; fit a fresh "
-                "module, resuming with ckpt_path"
+                "DataParallelStrategy: this LightningModule was parallelized by another "
+                "Trainer (fit or validate) under ZeRO or an averager, whose layout holds its "
+                "shards; fit a fresh module, resuming with ckpt_path"
             )
         built = []
         for optimizer in plain:
