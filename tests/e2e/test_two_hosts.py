@@ -27,7 +27,9 @@ import pytest
 from safetensors.torch import load_file
 from worker_pids import children, live_workers, workers_by_rank
 
+from dataparallel.checkpoint import complete_checkpoints, step_name
 from dataparallel.train.metrics import read_metrics
+from dataparallel.train.run_dir import CHECKPOINTS
 
 from .helpers import (
     CORPUS,
@@ -103,13 +105,17 @@ def test_a_failed_run_leaves_no_namespace(tmp_path):
 
 
 def _kill_when(run: Path, step: int, caught: list):
-    """A `during` for two_hosts: once the metrics show `step`, SIGKILL the worker on the second
-    host (the child of node 1's launcher with RANK 1); its pid goes into `caught`."""
+    """A `during` for two_hosts: once the metrics show `step` and the checkpoint of the step
+    before is committed (a save may still be in flight when the next step's record is written:
+    a kill before its commit resumed from scratch, once in four full suites), SIGKILL the worker
+    on the second host (the child of node 1's launcher with RANK 1); its pid goes into `caught`."""
+    saved = run / CHECKPOINTS / step_name(step - 1)
 
     def kill(procs):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-            if any(r.get("step", 0) >= step for r in read_metrics(run)):  # whole lines only
+            reached = any(r.get("step", 0) >= step for r in read_metrics(run))  # whole lines
+            if reached and saved in complete_checkpoints(run / CHECKPOINTS):
                 victim = workers_by_rank(procs[1].pid).get(1)
                 if victim:
                     os.kill(victim, signal.SIGKILL)
