@@ -58,11 +58,17 @@ def build_again(
     declared = {} if reads is None else {"reads": reads}
     cls, groups, kwargs = spelled(plain[0], module)
     composed = dp.compose(model, recipe, cls, params=groups, **declared, **kwargs)
-    built = [composed.optimizer]
-    for other in plain[1:]:
-        cls, groups, kwargs = spelled(other, module)
+    return composed, [composed.optimizer, *build_each(model, plain[1:], module, reads)]
+
+
+def build_each(model: nn.Module, plain: list, module: nn.Module, reads) -> list:
+    """`dp.build_optimizer` for each of `plain` on the parallelized `model`."""
+    declared = {} if reads is None else {"reads": reads}
+    built = []
+    for optimizer in plain:
+        cls, groups, kwargs = spelled(optimizer, module)
         built.append(dp.build_optimizer(model, cls, params=groups, **declared, **kwargs))
-    return composed, built
+    return built
 
 
 def point_schedulers(configs: list, plain: list, built: list) -> None:

@@ -48,7 +48,7 @@ from .checkpoints import (
     write_file,
     write_folder,
 )
-from .optimizers import build_again, point_schedulers, spelled
+from .optimizers import build_again, build_each, point_schedulers
 from .precision import precision_plugin, recipe_precision
 
 _WRAPPED = "_dataparallel_wrapped"  # the LightningModule's wrapper, kept across fit/validate
@@ -195,11 +195,7 @@ class DataParallelStrategy(DDPStrategy):
                 "Trainer (fit or validate) under ZeRO or an averager, whose layout holds its "
                 "shards; fit a fresh module, resuming with ckpt_path"
             )
-        built = []
-        for optimizer in plain:
-            cls, groups, kwargs = spelled(optimizer, module)
-            declared = {} if self.reads is None else {"reads": self.reads}
-            built.append(dp.build_optimizer(wrapped, cls, params=groups, **declared, **kwargs))
+        built = build_each(wrapped, plain, module, self.reads)
         device = self.root_device.type
         scaler = torch.amp.GradScaler(device) if dp.PRECISIONS[recipe.precision][2] else None
         return dp.Composed(wrapped, built[0], None, None, scaler, recipe), built
