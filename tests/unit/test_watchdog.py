@@ -165,6 +165,12 @@ class _Store:
     def check(self, keys):
         return all(k in self.data for k in keys)
 
+    def compare_set(self, key, expected, desired):  # torch's: "" expects no key
+        current = self.data.get(key, b"")
+        if current == expected.encode():
+            self.data[key] = desired.encode()
+        return self.data.get(key, current)
+
 
 def test_the_watchdog_fires_after_the_timeout_naming_the_silent_rank():
     store, progress, lines = _Store(), Progress(), []
@@ -238,10 +244,32 @@ def test_only_the_lowest_live_rank_reports_at_once():
     assert dogs[0].report_grace_s == pytest.approx(0.3)
     assert 0.3 <= fired[0] < 0.6, fired
     assert fired[1] - fired[0] >= 0.3 - 0.05, fired
-    for rank, dog in enumerate(dogs):
-        assert dog.fired.startswith(
-            f"collective timeout: rank 2 never arrived at broadcast #3 on ranks 0-2: rank {rank} "
-        )
+    assert dogs[0].fired.startswith(
+        "collective timeout: rank 2 never arrived at broadcast #3 on ranks 0-2: rank 0 "
+    )
+    # Rank 1, not ended by a launcher here, points at rank 0's line rather than repeating it.
+    assert dogs[1].fired == (
+        "watchdog: rank 1 ends too, its collective left waiting by rank 0's collective timeout "
+        "above"
+    )
+
+
+def test_a_rank_firing_after_another_reported_points_at_it():
+    """A stopped rank continued by the launcher fires on the rank that already reported and
+    ended: one verdict per attempt, in a real torch Store ([Note: watchdog exit])."""
+    store = torch.distributed.HashStore()
+    dogs = [Watchdog(store, rank, 2, 1.0, prefix="w/0") for rank in (0, 1)]
+    assert dogs[0].claim("collective timeout: rank 1 never arrived") == (
+        "collective timeout: rank 1 never arrived"
+    )
+    assert dogs[0].claim("again") == "again"  # its own claim stands
+    assert dogs[1].claim("collective timeout: rank 0 stopped responding") == (
+        "watchdog: rank 1 ends too, its collective left waiting by rank 0's collective timeout "
+        "above"
+    )
+    # A restarted attempt (another prefix) starts with no report.
+    fresh = Watchdog(store, 1, 2, 1.0, prefix="w/1")
+    assert fresh.claim("collective timeout: x") == "collective timeout: x"
 
 
 def _wait(condition, seconds: float) -> None:

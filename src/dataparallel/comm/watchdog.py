@@ -21,7 +21,12 @@ process with `os._exit(1)`, without unwinding. The launcher (torchrun's agent) t
 other workers. Every rank of the group that is still alive fires about together; so that the
 run prints one line rather than one per rank, the lowest-numbered live rank reports at once and
 the others wait `report_grace_s` first (normally ending, stopped by the launcher, before they
-print; if not, they print theirs).
+print; if not, they print theirs). A rank that fires after another's report is in the store
+(`prefix/reported`) ends with a short line pointing at it instead of a second verdict: a worker
+stopped inside a collective and continued by the launcher to take its SIGTERM cannot run its
+handler (the training thread is in the backend), so its watchdog fires on the rank that has
+already reported and ended ("rank 0 stopped responding"), a false second line beside the true
+one (tests/e2e/test_hang.py, once in a full suite).
 
 [Note: a paused watcher] A process stopped (SIGSTOP) and continued, or starved of the CPU for
 seconds, comes back to a wait that looks old by the time it did not run; its watchdog would
@@ -215,9 +220,25 @@ class Watchdog:
             self.publish()
             message = self.check()
             if message is not None and not self._stop.is_set():
-                self.fired = message
-                self.report(message)
+                self.fired = self.claim(message)
+                self.report(self.fired)
                 return
+
+    def claim(self, message: str) -> str:
+        """`message`, published as the run's report; or, when another rank reported first, the
+        short line that points at it ([Note: watchdog exit])."""
+        key = f"{self.prefix}/reported"
+        try:
+            first = self.store.compare_set(key, "", str(self.rank))
+        except (RuntimeError, dist.DistStoreError):
+            return message  # the store is gone: say what this rank sees
+        first = first.decode() if isinstance(first, bytes) else str(first)
+        if first in ("", str(self.rank)):
+            return message
+        return (
+            f"watchdog: rank {self.rank} ends too, its collective left waiting by rank {first}'s "
+            "collective timeout above"
+        )
 
     def tick(self, now: float) -> None:
         """Note the time of a tick; one much later than due ends a pause of this process: its
