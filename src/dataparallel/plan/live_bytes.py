@@ -40,10 +40,15 @@ def engine_made() -> bool:
 
 class LiveBytes(TorchDispatchMode):
     """Meta storages seen, the peak of their live bytes while `measuring`, and the storages
-    alive at that peak with their tags ([Note: meta peak])."""
+    alive at that peak with their tags ([Note: meta peak]).
 
-    def __init__(self):
+    device: the device type whose storages count: "meta" in a dry run; "cpu" where a test
+        measures a real run the same way (tests/dist/test_held_once.py).
+    """
+
+    def __init__(self, device: str = "meta"):
         super().__init__()
+        self.device = device
         self.storages: dict[int, weakref.ref] = {}
         self.tags: dict[int, str] = {}
         self.tag = "before the step"
@@ -54,7 +59,7 @@ class LiveBytes(TorchDispatchMode):
 
     def note(self, tensor: torch.Tensor) -> None:
         """Count `tensor`'s storage from now on (a tensor made before the mode was entered)."""
-        if tensor.is_meta:
+        if tensor.device.type == self.device:
             storage = tensor.untyped_storage()
             key = storage_id(storage)
             known = self.storages.get(key)
@@ -65,7 +70,7 @@ class LiveBytes(TorchDispatchMode):
     def label(self, tensor: torch.Tensor | None, tag: str) -> None:
         """Tag `tensor`'s storage `tag`, at the peak already recorded too if it was alive
         there (a gradient made in backward before the peak and labelled after it)."""
-        if tensor is None or not tensor.is_meta:
+        if tensor is None or tensor.device.type != self.device:
             return
         self.note(tensor)
         storage = tensor.untyped_storage()

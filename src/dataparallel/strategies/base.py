@@ -139,6 +139,7 @@ class Strategy:
         self.groups = groups
         self.sync_enabled = True
         self.hook = None  # the communication hook the strategy reduces gradients with
+        self.reducer = None  # the bucketed strategies' GradientReducer (DDP, ZeRO-1/2)
 
     # -- the calls the public API forwards ---------------------------------------------------
     def build_optimizer(
@@ -168,6 +169,8 @@ class Strategy:
 
     def _set_sync(self, enabled: bool) -> None:
         self.sync_enabled = enabled
+        if self.reducer is not None:
+            self.reducer.sync_enabled = enabled
 
     def finish_param_gather(self) -> None:
         """Wait for parameter communication still in flight (none, unless a strategy says so)."""

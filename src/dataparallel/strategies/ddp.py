@@ -205,10 +205,6 @@ class DDPStrategy(Strategy):
             if self.policy.broadcast_buffers:
                 broadcast_buffers(module, self.buffers, self.comm)
 
-    def _set_sync(self, enabled: bool) -> None:
-        self.sync_enabled = enabled
-        self.reducer.sync_enabled = enabled
-
     def build_optimizer(
         self, optimizer_cls, params=None, *, reads: str | list[str] = "element", **kwargs
     ) -> torch.optim.Optimizer:

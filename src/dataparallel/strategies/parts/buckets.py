@@ -50,7 +50,8 @@ class BucketSpec:
     numel: elements in the flat buffer, including padding.
     dtype: gradient dtype shared by all its parameters.
     device: device shared by all its parameters.
-    group: the group (e.g. optimizer param group) shared by all its parameters.
+    group: the group (e.g. optimizer param group) shared by all its parameters; None for
+        parameters in no optimizer's group (sharded strategies: not stepped).
     """
 
     index: int
@@ -59,7 +60,7 @@ class BucketSpec:
     numel: int
     dtype: torch.dtype
     device: torch.device
-    group: int = 0
+    group: int | None = 0
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -137,6 +138,8 @@ class Bucket:
         divided by it, so the hook only sums), 1 for a plain sum.
     lazy: hold no buffer between rounds ([Note: lazy buckets]).
     shard: this rank's [start, stop) of the buffer when only that slice is kept, or None.
+    flat_shard: the optimizer's `FlatShard` that slice is reduced into (ZeRO-1/2; the stage's
+        keeper moves it there, parts/keepers.py), or None.
     grad_views: whether the parameters' `.grad` are views into the buffer ([Note: gradient
         views]); only possible when the buffer has the parameters' dtype. Otherwise (a wider
         `reduce_dtype`) each gradient is added into the buffer and `.grad` goes back to None.
@@ -149,8 +152,10 @@ class Bucket:
         lazy: bool = False,
         divisor: int = 1,
         shard: tuple[int, int] | None = None,
+        flat_shard=None,
     ):
         self.spec = spec
+        self.flat_shard = flat_shard
         self.index = spec.index
         self.params = params
         self.divisor = divisor
@@ -164,7 +169,6 @@ class Bucket:
             self.allocate()
         self.pending = len(params)
         self.future = None
-        self.detached: int | None = None  # the position `take_last` took off `.grad`
 
     def allocate(self) -> None:
         """Create the flat buffer (padding zeroed) and the per-parameter views into it."""
@@ -273,31 +277,6 @@ class Bucket:
         for param, view in zip(self.params, self.views, strict=True):
             param.grad = view
         self.held = [RAW] * len(self.params)
-
-    def take_last(self, position: int, grad: torch.Tensor) -> None:
-        """The bucket's last gradient, handed over before autograd accumulates it: added into
-        the view here, and the view taken off `.grad` so that autograd stores the gradient
-        elsewhere (no copy) instead of adding into a buffer being reduced
-        ([Note: attached views] in reducer.py). `reattach` puts the view back."""
-        self.views[position].add_(grad)
-        self.params[position].grad = None
-        self.detached = position
-
-    def drop_detached(self) -> None:
-        """A round that failed (its collectives never completed): the view taken off by
-        `take_last` does not come back as `.grad`, so the caller's dropped gradients stay
-        dropped (reattached, it carried the failed step's partial sum into the next step)."""
-        if self.detached is not None:
-            self.params[self.detached].grad = None
-            self.detached = None
-
-    def reattach(self) -> None:
-        """After the round: the view taken off by `take_last` is `.grad` again (None when a
-        lazy bucket was released)."""
-        if self.detached is not None:
-            param = self.params[self.detached]
-            param.grad = self.views[self.detached] if self.buffer is not None else None
-            self.detached = None
 
     def adopt_grad(self, position: int, divide: bool = True) -> None:
         """Bring the grad autograd just produced into the buffer.

@@ -22,16 +22,27 @@ per gradient is the counting hook, a pre-hook of the parameter's AccumulateGrad 
 autograd calls just before it runs, after the parameter's tensor hooks (so a user's hook that
 changes the gradient is seen); it marks the parameter used and counts its bucket down, no tensor
 operation. What runs per
-bucket: the last gradient's hook adds that gradient into its view itself and takes the view off
-`.grad` for this once (AccumulateGrad then stores the gradient on the side without a copy, and
-the view is put back at the round's end: adding into a buffer already being reduced would race
-with the collective); then the launch, one division of the whole buffer for the mean and the
-hook. Per step: the zeroing, one memset per bucket after the usual `zero_grad()`. This replaced
+bucket: the last gradient's hook only notes the bucket due, and the next hook (or the end of
+the backward) launches it, once autograd has added that gradient in place: one division of the
+whole buffer for the mean, and the hook ([Note: launched at the next hook]). Per step: the zeroing, one memset per bucket after the usual `zero_grad()`. This replaced
 a post-accumulate-grad hook per parameter that copied autograd's fresh gradient into its view
 (divided on the way) from Python: on gpt-deep-narrow (292 tensors) that was a kernel launched
 from Python and the bookkeeping around it per gradient. Buckets of a wider dtype keep that copy
 (the widening) and that hook. ZeRO-2's lazy buckets allocate and attach at their first
 gradient ([Note: lazy buckets] in buckets.py).
+
+[Note: launched at the next hook] The counting hook runs before autograd adds the gradient,
+so the bucket its count completes cannot be reduced yet: adding into a buffer already being
+reduced would race with the collective. It was launched at once, with the last gradient added
+into its view by the hook and the view taken off `.grad` for that once; autograd then stored
+its gradient as `.grad`, beside the bucket, until the round's end: every bucket's last gradient
+held twice at the end of the backward, the peak. A parameter larger than a bucket is alone in
+its own, so its whole gradient was: on llama-8b in bf16 under DDP and ZeRO-1, 15.5 GB (the
+dry run, docs/plan.md; tests/dist/test_held_once.py measures it on CPU). Now the bucket is
+launched at the next hook, which autograd runs only after the one before has accumulated (one
+engine thread per device, in order; on a GPU the collective is ordered after the add by the
+stream), or at the backward's end for the last one: its reduction starts one node later.
+The hook's work per gradient is unchanged.
 
 [Note: arrival order] Buckets are first planned in reverse registration order ([Note: bucket
 order] in buckets.py), a guess at the order backward produces gradients. With
@@ -55,10 +66,12 @@ this rank did not use gets no hook: a bucket launched late zeroes such a cleared
 rank used gets its view back as `.grad` (else this rank's optimizer skipped it and the replicas
 parted: tests/dist/test_clear_after_forward.py's branchy model, 7e-4 off).
 
-Sharded strategies extend the reducer without branching it: `on_bucket_reduced(bucket)` is
-called on the training thread for each bucket once its reduction has arrived, in launch order
-(during backward for those already done, the rest at the end), and `on_round_end(used)` after
-each synchronised round with, per parameter, whether any rank used it. With
+Sharded strategies extend the reducer without branching it: they give it their stage's
+`keeper` (parts/keepers.py) and each bucket its `FlatShard`; the reducer calls
+`keeper.reduced(bucket)` on the training thread for each bucket once its reduction has arrived,
+in launch order (during backward for those already done, the rest at the end), and
+`keeper.after_round(bucket)` for each at the round's end; then `on_round_end(used)`, with, per
+parameter, whether any rank used it. With
 `max_in_flight=k`, launching a bucket first collects (waiting if need be) the oldest ones until
 at most k are uncollected, also for the buckets launched late at the end of backward: it
 bounds the reductions in flight, and the memory they hold (ZeRO-2's full-size buckets, a
@@ -94,9 +107,15 @@ class GradientReducer:
     divisor: the ranks the mean divides by (1 for a sum).
     shards: per bucket, this rank's [start, stop) when it keeps only that slice (sharded
         strategies), or None for the whole bucket.
-    flat_shards: a sharded strategy's FlatShards, whose gradients the round's agreement checks
-        for inf/NaN once every bucket is collected ([Note: found inf] in round.py); None: the
-        flags are agreed while the last buckets are still being reduced.
+    flat_shards: per bucket, a sharded strategy's FlatShard the bucket is reduced into (its
+        `flat_shard`); the round's agreement checks their gradients for inf/NaN once every
+        bucket is collected ([Note: found inf] in round.py); None: no shards, and the flags are
+        agreed while the last buckets are still being reduced.
+    keeper: what the stage keeps of a reduced bucket (parts/keepers.py); its `lazy` buckets
+        hold no buffer between rounds ([Note: lazy buckets] in buckets.py). None: the buckets
+        stay, reduced in place (DDP).
+    on_round_end: called with, per parameter, whether any rank used it, after each
+        synchronised round.
     """
 
     def __init__(
@@ -109,8 +128,7 @@ class GradientReducer:
         *,
         divisor: int = 1,
         shards: list[tuple[int, int] | None] | None = None,
-        lazy_buffers: bool = False,
-        on_bucket_reduced: Callable[[Bucket], None] | None = None,
+        keeper=None,
         on_round_end: Callable[[list[bool]], None] | None = None,
         max_in_flight: int | None = None,
         flat_shards: list | None = None,
@@ -121,15 +139,18 @@ class GradientReducer:
         self.comm = world
         self.hook = hook
         self.hook_state = hook_state
-        self.on_bucket_reduced = on_bucket_reduced
+        self.keeper = keeper
         self.on_round_end = on_round_end
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"GradientReducer: max_in_flight={max_in_flight} must be >= 1 or None")
         self.max_in_flight = max_in_flight
         shards = shards or [None] * len(specs)
+        lazy = keeper is not None and keeper.lazy
         self.buckets = [
-            Bucket(s, [params[i] for i in s.param_indices], lazy_buffers, divisor, shard)
-            for s, shard in zip(specs, shards, strict=True)
+            Bucket(s, [params[i] for i in s.param_indices], lazy, divisor, shard, flat)
+            for s, shard, flat in zip(
+                specs, shards, flat_shards or [None] * len(specs), strict=True
+            )
         ]
         self.location: dict[int, tuple[Bucket, int]] = {}
         for bucket in self.buckets:
@@ -143,6 +164,7 @@ class GradientReducer:
         self.round_open = False
         self.next_launch = 0
         self.next_collect = 0
+        self.launch_due = False  # a bucket completed, launched at the next hook
         self.planned_order = [i for b in self.buckets for i in b.spec.param_indices]
         self.handles = []
         self.accumulators = []  # held, so that autograd keeps these nodes and their hooks
@@ -166,8 +188,6 @@ class GradientReducer:
             # buckets) and start the next round clean instead of half-way through this one.
             for bucket in self.buckets[: self.next_launch]:
                 bucket.wait()
-            for bucket in self.buckets:
-                bucket.reattach()
             self._reset()
         was_none = [
             flag
@@ -195,12 +215,14 @@ class GradientReducer:
             return
         if not self.round.queued:
             self.round.open(self._finish)
+        if self.launch_due:  # the gradient before this one is in its bucket now
+            self.launch_due = False
+            self._launch_ready()
         if self.comm.tracer.enabled:
             self.comm.tracer.mark("grad_ready", param=i)
         bucket.pending -= 1
-        if bucket.pending == 0:
-            bucket.take_last(position, grads[0])
-            self._launch_ready()
+        # Launched once autograd has added this gradient ([Note: launched at the next hook]).
+        self.launch_due = bucket.pending == 0
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         bucket, position = self.location[i]
@@ -223,7 +245,7 @@ class GradientReducer:
             if bucket.pending:
                 break
             self._launch(bucket)
-        if self.on_bucket_reduced is not None:
+        if self.keeper is not None:
             self._collect_arrived()
 
     def _launch(self, bucket: Bucket, late: bool = False) -> None:
@@ -247,11 +269,14 @@ class GradientReducer:
         bucket.wait()
         self.comm.tracer.mark("bucket_reduced", bucket=bucket.index)
         self.next_collect += 1
-        if self.on_bucket_reduced is not None:
-            self.on_bucket_reduced(bucket)
+        if self.keeper is not None:
+            self.keeper.reduced(bucket)
 
     def _finish(self) -> None:
         self.comm.tracer.mark("backward_end")
+        if self.launch_due:  # the backward's last gradient completed its bucket
+            self.launch_due = False
+            self._launch_ready()
         for bucket in self.buckets[self.next_launch :]:  # some gradient never came
             if bucket.grad_views:
                 self._zero_cleared(bucket)
@@ -263,8 +288,6 @@ class GradientReducer:
             agreement = self.round.start_agreement(self.flat_shards)
         used = self.round.finish_agreement(agreement)
         self.comm.tracer.mark("reduce_end")
-        for bucket in self.buckets:
-            bucket.reattach()
         if self.round.used.count(1) != used.count(True):  # one another rank used, not this one
             self._give_back_views(used)
         for i, was_used in enumerate(used):
@@ -276,6 +299,9 @@ class GradientReducer:
             missing = [i for i in range(len(self.params)) if i not in seen]
             self.arrival_order = list(dict.fromkeys(self.arrival)) + missing
             self.arrival = None
+        if self.keeper is not None:
+            for bucket in self.buckets:
+                self.keeper.after_round(bucket)
         if self.on_round_end is not None:
             self.on_round_end(used)
 
@@ -308,7 +334,6 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.divisor = divisor
             bucket.held = [EMPTY] * len(bucket.params)
-            bucket.drop_detached()  # live recovery: 3e-3 off when the failed step's came back
         self._reset()
 
     def _reset(self) -> None:
@@ -317,6 +342,7 @@ class GradientReducer:
         self.round.reset()
         self.next_launch = 0
         self.next_collect = 0
+        self.launch_due = False
         self.round_open = False
 
     def remove(self) -> None:

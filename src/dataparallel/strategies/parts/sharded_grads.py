@@ -6,7 +6,7 @@ whole tensor on its owner ([Note: whole parameters] in owners.py): no rank holds
 scripts read the model's `.grad` with PyTorch's own lines, `torch.nn.utils.clip_grad_norm_(
 model.parameters(), ...)`, `clip_grad_value_`, a logged `p.grad.norm()`. Left None, they
 clipped nothing and returned 0 without a word (issue 29); left as the local sums, they read the
-wrong gradient ([Note: consumed sums] in zero12/keepers.py). So each parameter that some rank
+wrong gradient ([Note: consumed sums] in parts/keepers.py). So each parameter that some rank
 used in the round gets a `ShardedGrad` as `.grad`: a tensor of the parameter's shape, dtype and
 device (no memory of its own) that reads this rank's runs of the reduced gradient when it is
 used, as FSDP2's DTensor gradients do:

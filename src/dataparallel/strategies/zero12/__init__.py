@@ -3,7 +3,7 @@ time.
 
 policy.py   `ZeRO1(...)`, `ZeRO2(...)`: what the policies take, check and build
 strategy.py `ZeROStrategy`: buckets, one flat shard per bucket, and the policy's keeper
-keepers.py  what a stage keeps of its reduced buckets: ZeRO-1 keeps them, ZeRO-2 frees each
+            (parts/keepers.py: what a stage keeps of its reduced buckets; the reducer calls it)
 step.py     the flat parameter buffers, and the optimizer step over this rank's shards of them
 
 The contract is strategy.py's module docstring; docs/zero.md has it in full.

@@ -15,9 +15,9 @@ from torch import nn
 
 from ..parts.buckets import MB
 from ..parts.footprint import Footprint, bucketed
+from ..parts.keepers import FreeBuckets, KeepBuckets
 from ..parts.mesh import Groups
 from ..parts.precision import MixedPrecision, check_precision
-from .keepers import FreeBuckets, KeepBuckets
 from .strategy import MAX_IN_FLIGHT, ZeROStrategy
 
 

@@ -35,12 +35,15 @@ class BucketShard:
     shard: the optimizer's view of the slice (`own`, or an fp32 master copy).
     params: the model parameters in the bucket, in layout order.
     optimized: whether the optimizer steps it (False for parameters outside every group).
+    grads: the reducer's gradient `Bucket` of the same parameters (set once the reducer is
+        built), which the stage's keeper reduces into `shard`.
     """
 
     def __init__(self, flat, layout: ShardLayout, rank: int, master, params, optimized: bool):
         self.flat = flat
         self.params = params
         self.optimized = optimized
+        self.grads = None
         start, stop = layout.shard_range(rank)
         self.own = flat[start:stop]
         data = self.own if master is None else master

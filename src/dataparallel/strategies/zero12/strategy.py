@@ -42,7 +42,7 @@ from ..base import (
     normalize_param_groups,
     verify_same_model,
 )
-from ..parts.buckets import MB, Bucket, plan_buckets
+from ..parts.buckets import MB, plan_buckets
 from ..parts.built import Built, BuiltOptimizers, check_new_groups
 from ..parts.clip import clip_shards_
 from ..parts.geometry import Geometry, build_geometry, local_optimizer_state, optimized_ids
@@ -79,7 +79,6 @@ class ZeROStrategy(Strategy):
         self.norms = norm_params(model)  # held in fp32 ([Note: mixed precision])
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.built = BuiltOptimizers(self.name)  # [Note: built optimizers] in parts/built.py
-        self.reducer: GradientReducer | None = None
         self.buckets: list[BucketShard] = []
         self.round_done = False  # a synchronised backward ended, no forward since
         self.held = None  # where the reduced gradients live ([Note: sharded gradients])
@@ -102,12 +101,12 @@ class ZeROStrategy(Strategy):
         if self.reducer is not None:
             self.reducer.remove()
         self.groups_ids = [[id(p) for p in g] for g in groups]
-        group_of = {id(p): g for g, params in enumerate(groups) for p in params}
+        group_of = {id(p): g for g, params in enumerate(groups) for p in params}  # else None
         planned = list(reversed(self.trainable))  # [Note: bucket order]
         self.planned = planned
         shard_comm = self.groups.shard
         specs = plan_buckets(
-            [(p.numel(), self._dtype_of(p), p.device, group_of.get(id(p), -1)) for p in planned],
+            [(p.numel(), self._dtype_of(p), p.device, group_of.get(id(p))) for p in planned],
             bucket_bytes=int(self.policy.bucket_mb * MB),
             first_bucket_bytes=int(self.policy.first_bucket_mb * MB),
             pad_to=shard_comm.world_size,
@@ -120,7 +119,7 @@ class ZeROStrategy(Strategy):
             self.buckets.append(
                 flatten_bucket(
                     spec, params, values, shard_comm.rank, shard_comm.world_size, masters,
-                    optimized=spec.group >= 0,
+                    optimized=spec.group is not None,
                 )
             )  # fmt: skip
         for p in planned:
@@ -148,12 +147,13 @@ class ZeROStrategy(Strategy):
             state,
             divisor=self.groups.divisor,
             shards=shards,
-            lazy_buffers=self.keeper.lazy,
+            keeper=self.keeper,
             max_in_flight=MAX_IN_FLIGHT,
-            on_bucket_reduced=self._on_bucket_reduced,
             on_round_end=self._on_round_end,
             flat_shards=[b.shard for b in self.buckets],
         )
+        for bucket, grads in zip(self.buckets, self.reducer.buckets, strict=True):
+            bucket.grads = grads  # one object: the parameters' buffer, its shard, its gradients
         self.reducer.sync_enabled = self.sync_enabled
         if self.held is None:
             self.held = HeldGrads(self.buckets, self.built.owned_of, shard_comm)
@@ -165,19 +165,15 @@ class ZeROStrategy(Strategy):
             self.sharded_grads.drop()
             if self.round_done:
                 self.round_done = False
-                for bucket, grads in zip(self.buckets, self.reducer.buckets, strict=True):
-                    self.keeper.before_round(bucket.shard, grads)
+                for bucket in self.buckets:
+                    self.keeper.before_round(bucket.grads)
             self.reducer.prepare()
             if self.policy.broadcast_buffers:
                 broadcast_buffers(module, self.buffers, self.comm)
 
-    def _on_bucket_reduced(self, bucket: Bucket) -> None:
-        self.keeper.reduced(self.buckets[bucket.index].shard, bucket)
-
     def _on_round_end(self, used: list[bool]) -> None:
-        for bucket, grads in zip(self.buckets, self.reducer.buckets, strict=True):
-            bucket.shard.attach_grads([used[i] for i in grads.spec.param_indices])
-            self.keeper.after_round(bucket.shard, grads)
+        for bucket in self.buckets:
+            bucket.shard.attach_grads([used[i] for i in bucket.grads.spec.param_indices])
         if self.built.owners():  # [Note: whole parameters]: the reduced pieces to the owners
             self.built.collect_grads({id(p) for p, u in zip(self.planned, used, strict=True) if u})
         self.built.verdict(self.reducer.round.nonfinite)  # [Note: torch's own calls]
@@ -189,10 +185,6 @@ class ZeROStrategy(Strategy):
         round that failed half-way is dropped (the caller drops the gradients too)."""
         self.groups.rebind(group, self.name)
         self.reducer.rebind(divisor=self.groups.divisor)
-
-    def _set_sync(self, enabled: bool) -> None:
-        self.sync_enabled = enabled
-        self.reducer.sync_enabled = enabled
 
     # -- the calls the public API forwards ---------------------------------------------------
     def build_optimizer(
@@ -254,12 +246,7 @@ class ZeROStrategy(Strategy):
         optimizer steps: the pieces of the group's buckets, or the masters this rank owns."""
         count = len(built.user_groups)
         chosen = [
-            [
-                t
-                for b, grads in zip(self.buckets, self.reducer.buckets, strict=True)
-                if grads.spec.group == first + g
-                for t in b.shard.params
-            ]
+            [t for b in self.buckets if b.grads.spec.group == first + g for t in b.shard.params]
             for g in range(count)
         ]
         built.owners = None
@@ -281,9 +268,7 @@ class ZeROStrategy(Strategy):
 
     def _sharded_step(self, first: int, count: int) -> ShardedStep:
         mine = [
-            b
-            for b, grads in zip(self.buckets, self.reducer.buckets, strict=True)
-            if first <= grads.spec.group < first + count
+            b for b in self.buckets if b.optimized and first <= b.grads.spec.group < first + count
         ]
         overlap_with = self.model if self.policy.overlap_param_gather else None
         return ShardedStep(mine, self.groups.shard, overlap_with)
@@ -367,5 +352,5 @@ class ZeROStrategy(Strategy):
         return self.built.of(optimizer).user_groups
 
     def working_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        grads = [b.buffer for b in self.reducer.buckets] + [b.shard.store for b in self.buckets]
+        grads = [b.grads.buffer for b in self.buckets] + [b.shard.store for b in self.buckets]
         return [p.data for p in self.model.parameters()], grads

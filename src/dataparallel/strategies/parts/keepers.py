@@ -1,11 +1,12 @@
 """What a ZeRO stage keeps of its gradient buckets: ZeRO-1 keeps them, ZeRO-2 frees each once
-its shard is kept ([Note: lazy buckets] in parts/buckets.py). The stage's policy names one
-(`ZeROPolicy.keeper`); the strategy calls its verbs around each synchronised round."""
+its shard is kept ([Note: lazy buckets] in buckets.py). The stage's policy names one
+(`ZeROPolicy.keeper`); the reducer calls its verbs on each bucket as the bucket's reduction
+arrives and at the round's end, and the strategy at the first forward after a round. Each
+bucket carries the flat shard it reduces into (`Bucket.flat_shard`)."""
 
 from __future__ import annotations
 
-from ..parts.buckets import Bucket
-from ..parts.flat_shard import FlatShard
+from .buckets import Bucket
 
 
 class KeepBuckets:
@@ -15,10 +16,10 @@ class KeepBuckets:
 
     lazy = False
 
-    def reduced(self, shard: FlatShard, bucket: Bucket) -> None:
-        shard.take_reduced(bucket.reduced(), borrow=True)
+    def reduced(self, bucket: Bucket) -> None:
+        bucket.flat_shard.take_reduced(bucket.reduced(), borrow=True)
 
-    def after_round(self, shard: FlatShard, bucket: Bucket) -> None:
+    def after_round(self, bucket: Bucket) -> None:
         """[Note: consumed sums] What the buckets hold outside this rank's slice are its local
         sums, already reduced into other ranks' slices, and the slice itself is the shard's
         gradient. Left as the model's `.grad`, code that reads them would see neither the
@@ -28,30 +29,30 @@ class KeepBuckets:
         factor, 6e-2 off one process where torch's DDP is 2.8e-4 (tests/dist/test_amp.py).
         So they go: the reduced gradient is the optimizer's (its pieces' `.grad`), and the
         strategy then gives the model's parameters `ShardedGrad`s that read it where it lives
-        ([Note: sharded gradients] in parts/sharded_grads.py): the same recipe now clips the
+        ([Note: sharded gradients] in sharded_grads.py): the same recipe now clips the
         unscaled reduced gradient by its global norm, as in one process."""
         for param in bucket.params:
             param.grad = None
 
-    def before_round(self, shard: FlatShard, bucket: Bucket) -> None:
+    def before_round(self, bucket: Bucket) -> None:
         """First forward after a synchronised round: the next backward writes into the bucket,
         so the shard's gradient moves out of it if the pieces still hold it (accumulating
         across synchronised backwards)."""
-        shard.stop_borrowing()
+        bucket.flat_shard.stop_borrowing()
 
 
 class FreeBuckets:
     """ZeRO-2: a bucket lives only from its first gradient to its reduction; the shard keeps a
-    copy of its slice ([Note: lazy buckets] in parts/buckets.py)."""
+    copy of its slice ([Note: lazy buckets] in buckets.py)."""
 
     lazy = True
 
-    def reduced(self, shard: FlatShard, bucket: Bucket) -> None:
-        shard.take_reduced(bucket.reduced())
+    def reduced(self, bucket: Bucket) -> None:
+        bucket.flat_shard.take_reduced(bucket.reduced())
         bucket.release()
 
-    def after_round(self, shard: FlatShard, bucket: Bucket) -> None:
+    def after_round(self, bucket: Bucket) -> None:
         pass
 
-    def before_round(self, shard: FlatShard, bucket: Bucket) -> None:
+    def before_round(self, bucket: Bucket) -> None:
         pass
