@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test test-ray lint bench gpu-check clean
+.PHONY: train test test-ray lint bench gpu-check gpu-throughput clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -42,6 +42,14 @@ bench: $(VENV)/.installed
 GPU_PYTHON ?= python3
 gpu-check:
 	PYTHONPATH=$(CURDIR)/src:$$PYTHONPATH $(GPU_PYTHON) benchmarks/gpu_check.py $(ARGS)
+
+# Issue 40's throughput run (benchmarks/gpu_throughput.py) on the same machine, the same way: a
+# Llama 3.2 1B at sequence 2048 under the bound, PyTorch DDP and FSDP2, the Hugging Face
+# Trainer, our API and our job (tokens/s, MFU, the CUDA peak against the plan's), AdamW's
+# step alone, and a LoRA fine-tune of a random Llama 3 8B; within --budget (330 s), the table
+# rewritten to gpu_throughput.md after each contender (ARGS="--out FILE --json FILE").
+gpu-throughput:
+	PYTHONPATH=$(CURDIR)/src:$$PYTHONPATH $(GPU_PYTHON) benchmarks/gpu_throughput.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -204,19 +204,11 @@ def builtin_shape(
     """A model of dataparallel.models (or a Llama of llama.py), built and traced on meta; with
     `tp` > 1 the part one rank holds ([Note: planner tensor parallelism])."""
     from ..models import MODEL_CONFIGS, build_model
-    from .llama import LLAMA_CONFIGS, Llama
+    from .llama import LLAMA_CONFIGS
     from .tensor_parallel import narrow
 
     if name in LLAMA_CONFIGS:
-        config = LLAMA_CONFIGS[name]
-        with torch.device("meta"):
-            model = narrow(Llama(config).to(compute), tp, config.n_heads, config.n_kv_heads)
-        shape = shape_of_module(
-            model, name=name, seq_len=seq_len or config.seq_len, layers=config.n_layer,
-            width=config.dim, vocab=config.vocab_size,
-        )  # fmt: skip
-        activations = llama_activations(shape, config, compute, autocast, tp)
-        return traced_peak(activations, model, autocast)
+        return llama_shape(name, LLAMA_CONFIGS[name], seq_len, compute, autocast, tp)
     if name not in MODEL_CONFIGS or not hasattr(MODEL_CONFIGS[name], "n_layer"):
         gpts = [n for n, c in MODEL_CONFIGS.items() if hasattr(c, "n_layer")]
         known = ", ".join(sorted([*gpts, *LLAMA_CONFIGS]))
@@ -239,6 +231,33 @@ def builtin_shape(
                                   seq_len, itemsize),
     )  # fmt: skip
     return traced_peak(shape, model, autocast)
+
+
+def llama_shape(
+    name: str,
+    config,
+    seq_len: int | None,
+    compute: torch.dtype,
+    autocast: torch.dtype | None,
+    tp: int = 1,
+) -> ModelShape:
+    """A Llama of llama.py with `config` (a `LlamaConfig`, a built-in one or any other),
+    built and traced on meta; with `tp` > 1 the part one rank holds."""
+    from .llama import Llama
+    from .tensor_parallel import narrow
+
+    with torch.device("meta"):
+        model = narrow(Llama(config).to(compute), tp, config.n_heads, config.n_kv_heads)
+    shape = shape_of_module(
+        model,
+        name=name,
+        seq_len=seq_len or config.seq_len,
+        layers=config.n_layer,
+        width=config.dim,
+        vocab=config.vocab_size,
+    )
+    activations = llama_activations(shape, config, compute, autocast, tp)
+    return traced_peak(activations, model, autocast)
 
 
 def traced_peak(shape: ModelShape, model: nn.Module, autocast) -> ModelShape:
