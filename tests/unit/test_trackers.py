@@ -90,3 +90,44 @@ def test_the_config_flattens_to_parameters(tmp_path):
     assert params["run_dir"] == str(tmp_path.resolve())
     fields = sum(len(values) for values in config.to_dict().values())
     assert len(params) == fields + 1 == 61
+
+
+class _Recorder:
+    """A backend that keeps what it is sent."""
+
+    sent: list = []
+
+    def start(self, run_dir, *, purge_step):
+        pass
+
+    def log_scalars(self, values, step):
+        _Recorder.sent.append((step, sorted(values)))
+
+    def log_params(self, params):
+        pass
+
+    def finish(self, ok):
+        pass
+
+
+def test_train_steps_go_at_the_cadence_evaluations_always_and_the_last_at_the_end(
+    tmp_path, monkeypatch
+):
+    """[Note: the trackers' cadence]: at every=3, of steps 1-8 and evaluations at 0 and 4, the
+    backends get steps 1, 3, 6 and the last (8, sent when the writer stops) and both evaluations."""
+    from dataparallel.train import trackers as module
+
+    monkeypatch.setitem(module.BACKENDS, "recorder", _Recorder)
+    _Recorder.sent = []
+    trackers = module.Trackers(("recorder",), tmp_path, every=3)
+    trackers.start(RunConfig(), purge_step=0)
+    train = dict(kind="train", loss=1.0, lr=0.1, grad_norm=2.0, tokens_per_s=5.0)
+    trackers.log_record({"kind": "val", "step": 0, "val_loss": 3.0})
+    for step in range(1, 9):
+        trackers.log_record({**train, "step": step})
+        if step == 4:
+            trackers.log_record({"kind": "val", "step": 4, "val_loss": 2.5})
+    trackers.finish()
+    assert [step for step, _ in _Recorder.sent] == [0, 1, 3, 4, 6, 8]
+    assert [keys for step, keys in _Recorder.sent if step == 4] == [["val/loss"]]
+    assert len(_Recorder.sent) == 6

@@ -126,7 +126,8 @@ class TrainConfig:
         give the same loss curve.
     eval_every: steps between validation passes (also at step 0 and at the end); 0: only at
         the end.
-    log_every: steps between progress lines when the output is not a terminal.
+    log_every: steps between progress lines when the output is not a terminal, and between
+        the train scalars `report_to`'s trackers get (metrics.jsonl has every step).
     checkpoint_every: steps between checkpoints for --resume (one is always written at the
         end); 0: only at the end. Each rank writes only what it holds (docs/faults.md).
     checkpoint_save: "async": training goes on while the files are written (the state is

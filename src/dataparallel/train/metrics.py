@@ -105,11 +105,14 @@ class MetricsLogger(Callback):
     run_dir: the run directory.
     trackers: the backends' names (trackers.BACKENDS): TensorBoard's events under
         run_dir/tensorboard by default.
+    every: steps between the train scalars the trackers get ([Note: the trackers' cadence]).
     """
 
-    def __init__(self, run_dir: Path, *, trackers: tuple[str, ...] = ("tensorboard",)):
+    def __init__(
+        self, run_dir: Path, *, trackers: tuple[str, ...] = ("tensorboard",), every: int = 1
+    ):
         self.run_dir = Path(run_dir)
-        self.trackers = Trackers(trackers, self.run_dir)
+        self.trackers = Trackers(trackers, self.run_dir, every)
         self.handle = None
 
     def on_start(self, state: TrainState) -> None:

@@ -68,7 +68,8 @@ class RecordsWriter(Callback):
     info: run.json as this process made it at its start: written when the session starts, and
         by a writer taking over if the file is missing; None (a live run's replacement, which
         starts after the run): this process never writes it.
-    log_every: steps between progress lines (ProgressBar).
+    log_every: steps between progress lines (ProgressBar) and between the train scalars the
+        trackers get ([Note: the trackers' cadence] in trackers.py).
     threads: this process's threads, for the progress header.
     report_to: the trackers that also get the metrics, the config and the report's plots
         (trackers.py; checked before the run: `check_trackers`).
@@ -85,7 +86,8 @@ class RecordsWriter(Callback):
     ):
         self.run_dir, self.info = Path(run_dir), info
         self.progress = ProgressBar(log_every=log_every, threads=threads)
-        self.metrics = MetricsLogger(self.run_dir, trackers=tracker_names(report_to))
+        trackers = tracker_names(report_to)
+        self.metrics = MetricsLogger(self.run_dir, trackers=trackers, every=log_every)
         self.blame = Blame()  # stragglers and non-finite gradients, by rank ([Note: blame])
         self.role = Role.WAITING
 
