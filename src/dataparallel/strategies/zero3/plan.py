@@ -32,6 +32,7 @@ from torch import nn
 
 from ...torch_internals import registered_children
 from ..parts.footprint import ParamShapes
+from ..parts.precision import is_norm
 
 Wrap = Callable[[nn.Module], bool] | tuple[type, ...] | None
 
@@ -62,6 +63,14 @@ class UnitPlan:
     def module(self) -> nn.Module:
         """The first module (the only one unless grouped)."""
         return self.modules[0]
+
+
+def with_norms(model: nn.Module, wrap: Wrap) -> Callable[[nn.Module], bool]:
+    """`wrap`'s units plus every normalisation layer: under a low param_dtype the norms are
+    units of their own, held in fp32 ([Note: mixed precision] in parts/precision.py)."""
+    chosen = {id(m) for m in select_units(model, wrap)}
+    chosen |= {id(m) for m in model.modules() if m is not model and is_norm(m)}
+    return lambda m: id(m) in chosen
 
 
 def select_units(model: nn.Module, wrap: Wrap) -> list[nn.Module]:

@@ -36,12 +36,11 @@ graph); collectives never enter a graph.
 Mixed precision ([Note: mixed precision] in parts/precision.py): with
 `MixedPrecision(param_dtype=torch.bfloat16)` the gathered parameters, the gradients and their
 reduction are bf16 (the reduction in `reduce_dtype` when one is set): each shard is cast just
-before its all-gather, and gradients are divided before the sum. Master weights, gradient
-shards and optimizer state stay fp32: 4 + 4 + 8 = 16 bytes per parameter / S, as in the ZeRO
-paper (there 2 + 2 + 12: bf16 parameter and gradient shards where we keep one fp32 gradient
-shard; our bf16 parameters exist only while gathered). Normalisation layers become units of
-their own, held in fp32. Under a 2-D mesh ([Note: mesh] in parts/mesh.py) units shard over the
-S ranks of a shard group and each reduced shard is all-reduced across the replicas.
+before its all-gather, and gradients are divided before the sum. Masters, gradient shards
+and optimizer state stay fp32: 4 + 4 + 8 = 16 bytes per parameter / S (the ZeRO paper's 2 + 2
++ 12 keeps bf16 parameter and gradient shards; ours exist only while gathered). Norms are units
+of their own, in fp32. Under a 2-D mesh ([Note: mesh] in parts/mesh.py) units shard over the S
+ranks of a shard group and each reduced shard is all-reduced across the replicas.
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ from ..parts.precision import cast_floats, install_casts, is_norm
 from ..parts.round import BackwardRound
 from ..parts.torch_calls import ModelCalls, OptimizerCalls
 from .group import GroupedUnits, MemberRun
-from .plan import plan_units, select_units
+from .plan import plan_units, with_norms
 from .schedule import Schedule
 from .unit import FlatUnit, PostBackward
 
@@ -104,16 +103,10 @@ class ZeRO3Strategy(Strategy):
         self.reduce = reduce
         self.hook = policy.comm_hook or default_hook(reduce, precision.wire_dtype(self.compute))
         self.hook_state = policy.hook_state or HookState(groups.shard, groups.replicate)
-        plans = plan_units(model, self._wrap(model, model_dtype), policy.min_unit_params)
-        self.units = []
-        for i, plan in enumerate(plans):
-            norm = is_norm(plan.module) and precision.masters(model_dtype) is not None
-            compute = model_dtype if norm else self.compute  # norms stay fp32
-            bucket = precision.bucket_dtype(compute)
-            if lazy:  # [Note: parameters on the meta device] in models/hf.py
-                policy.materialize(plan.params)
-                broadcast_values([p.data for p in plan.params], groups.world)
-            self.units.append(FlatUnit(i, plan, groups.shard, compute, bucket, groups.divisor))
+        norms_apart = precision.masters(model_dtype) is not None  # held in fp32
+        wrap = with_norms(model, policy.wrap) if norms_apart else policy.wrap
+        plans = plan_units(model, wrap, policy.min_unit_params)
+        self.units = [self._unit(i, plan, model_dtype, lazy) for i, plan in enumerate(plans)]
         self.round = BackwardRound(sum(len(u.params) for u in self.units), groups.world)
         self.first_index = [0]
         for u in self.units:
@@ -137,7 +130,25 @@ class ZeRO3Strategy(Strategy):
         for unit in self.units:
             unit.sharded_grads.source = self.held
         self.handles = []
-        self.grouped = GroupedUnits([plan.parent for plan in plans])  # [Note: members in order]
+        self._hook_modules(plans)
+        self._hook_params()
+        ModelCalls(model, self)  # [Note: torch's own calls] in parts/torch_calls.py
+
+    def _unit(self, i: int, plan, model_dtype: torch.dtype, lazy: bool) -> FlatUnit:
+        """Unit `i` of the plan, its parameters first materialized and broadcast when `lazy`."""
+        precision, groups = self.precision, self.groups
+        norm = is_norm(plan.module) and precision.masters(model_dtype) is not None
+        compute = model_dtype if norm else self.compute  # norms stay fp32
+        bucket = precision.bucket_dtype(compute)
+        if lazy:  # [Note: parameters on the meta device] in models/hf.py
+            self.policy.materialize(plan.params)
+            broadcast_values([p.data for p in plan.params], groups.world)
+        return FlatUnit(i, plan, groups.shard, compute, bucket, groups.divisor)
+
+    def _hook_modules(self, plans) -> None:
+        """Each unit's module gets the forward hooks that gather and free it; a unit whose
+        members are several modules, one pair per member ([Note: members in order])."""
+        self.grouped = GroupedUnits([plan.parent for plan in plans])
         of_module: dict[int, list[FlatUnit]] = {}  # a module's units ([Note: frozen parameters])
         for unit, plan in zip(self.units, plans, strict=True):
             of_module.setdefault(id(plan.module), []).append(unit)
@@ -157,6 +168,10 @@ class ZeRO3Strategy(Strategy):
                 post = opaque(partial(self._post_forward_member, units, run, member))
                 self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 self.handles.append(module.register_forward_hook(post))
+
+    def _hook_params(self) -> None:
+        """Each parameter's gradient hook: counted before autograd adds into an attached view,
+        or handed to its unit after autograd accumulates it."""
         for unit in self.units:
             for position, p in enumerate(unit.params):
                 if unit.attached:  # [Note: attached views] in parts/reducer.py
@@ -166,16 +181,6 @@ class ZeRO3Strategy(Strategy):
                 elif p.requires_grad:
                     hook = partial(self._on_grad, unit, position)
                     self.handles.append(p.register_post_accumulate_grad_hook(hook))
-        ModelCalls(model, self)  # [Note: torch's own calls] in parts/torch_calls.py
-
-    def _wrap(self, model: nn.Module, model_dtype: torch.dtype):
-        """The policy's units, plus every normalisation layer under a low param_dtype (held
-        in fp32, [Note: mixed precision])."""
-        if self.precision.masters(model_dtype) is None:
-            return self.policy.wrap
-        chosen = {id(m) for m in select_units(model, self.policy.wrap)}
-        chosen |= {id(m) for m in model.modules() if m is not model and is_norm(m)}
-        return lambda m: id(m) in chosen
 
     def _on_grad_arriving(self, unit: FlatUnit, index: int, grad) -> None:
         """Before autograd adds `grad` into its attached view: only checked and counted."""
