@@ -99,9 +99,11 @@ def plan(
     shape = model_shape(model, params, layers, width, seq_len, vocab, loss_fn, inputs)
     if not whole:
         return make_plan(shape, hw, inputs)
-    tokens = inputs.micro_batch * inputs.accumulation * inputs.data_ranks * shape.seq_len
-    parts = whole_parameters(str(optimizer), shape, masters=inputs.masters,
-                             tokens_per_step=tokens, ranks=inputs.data_ranks)  # fmt: skip
+    data_size = inputs.parallel_layout().data_size  # [Note: layout]
+    tokens = inputs.micro_batch * inputs.accumulation * data_size * shape.seq_len
+    parts = whole_parameters(
+        str(optimizer), shape, masters=inputs.masters, tokens_per_step=tokens, ranks=data_size
+    )
     inputs = replace(inputs, optimizer_bytes=parts.state_bytes_per_param)
     return replace(make_plan(shape, hw, inputs), whole=parts)
 

@@ -12,6 +12,7 @@ from ..averaging.streaming import (
     check_streaming,
     short_run_recipe,
 )
+from ..strategies import Layout, LayoutError
 from .errors import PlanError
 
 # name -> (compute/param bytes, gradient bytes on the wire and in buckets, fp32 masters,
@@ -82,11 +83,12 @@ class PlanInputs:
 
     def __post_init__(self):
         _count("--tp", self.tp, "give tensor-parallel ranks >= 1 (1: none)")
-        if self.ranks % self.tp:
-            raise PlanError("--tp", f"{self.tp} does not divide the {self.ranks} ranks",
-                            f"give a divisor of {self.ranks}")  # fmt: skip
-        _count("--ranks", self.ranks, "give a positive number of ranks (or --nodes and "
-               "--ranks-per-node)")  # fmt: skip
+        _count(
+            "--ranks",
+            self.ranks,
+            "give a positive number of ranks (or --nodes and --ranks-per-node)",
+        )
+        self.parallel_layout()  # --tp against --ranks ([Note: layout])
         _count("--micro-batch", self.micro_batch, "give samples per rank per forward, >= 1")
         _count("--accumulation", self.accumulation, "give micro-batches per step, >= 1")
         _count("--diloco-steps", self.diloco_steps, "give inner steps per outer step, >= 1")
@@ -109,11 +111,7 @@ class PlanInputs:
                 )  # fmt: skip
         for s in self.shard_sizes or ():
             _count("--shard-size", s, f"give a divisor of --ranks {self.ranks}")
-            if self.data_ranks % s:
-                raise PlanError(
-                    "--shard-size", f"{s} does not divide the {self.data_ranks} data ranks",
-                    f"give a divisor of {self.data_ranks}",
-                )  # fmt: skip
+            self.parallel_layout(s)
         if self.compress not in COMPRESSORS:
             raise PlanError(
                 "--compress", f"unknown compressor {self.compress!r}",
@@ -152,10 +150,11 @@ class PlanInputs:
                             "see docs/compression.md, Streaming DiLoCo") from None  # fmt: skip
         return settings
 
-    @property
-    def data_ranks(self) -> int:
-        """The data-parallel ranks: ranks / tp."""
-        return self.ranks // self.tp
+    def parallel_layout(self, shard_size: int = 0, strategy: str = "zero3") -> Layout:
+        """The layout a candidate trains on ([Note: layout] in
+        strategies/parts/parallel_layout.py): --ranks, --tp, its shard size, DiLoCo's replicas
+        averaged; a `PlanError` naming the flag when the degrees do not fit."""
+        return plan_layout(self.ranks, self.tp, shard_size, strategy)
 
     @property
     def param_bytes(self) -> int:
@@ -172,6 +171,16 @@ class PlanInputs:
     @property
     def autocast(self) -> bool:
         return PRECISIONS[self.precision][3]
+
+
+def plan_layout(ranks: int, tp: int = 1, shard_size: int = 0, strategy: str = "zero3") -> Layout:
+    """The `dp.Layout` of `strategy` on --ranks, --tp and --shard-size (DiLoCo's replicas
+    averaged); a `PlanError` naming the flag when the degrees do not fit."""
+    try:
+        return Layout(ranks, tp, shard_size, strategy != "ddp", strategy == "diloco")
+    except LayoutError as error:
+        flag = {"world": "--ranks", "tp": "--tp", "shard_size": "--shard-size"}[error.field]
+        raise PlanError(flag, error.problem, error.fix) from None
 
 
 def _count(field: str, value, fix: str) -> None:

@@ -112,7 +112,8 @@ def policy_of(c: Candidate, x: PlanInputs):
 
 def footprint(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) -> Footprint:
     """[Note: planner memory] and the collectives of one step, for candidate `c`."""
-    n, s, t = x.data_ranks, c.shard_size, x.tp  # dp groups: ranks t apart
+    layout = x.parallel_layout(c.shard_size, c.strategy)  # [Note: layout]
+    n, s, t = layout.data_size, layout.shard, x.tp  # dp groups: ranks t apart
     policy = policy_of(c, x)
     if isinstance(policy, DDP):
         held = policy.footprint(m.param_shapes, optimizer_bytes=x.optimizer_bytes)
@@ -122,7 +123,7 @@ def footprint(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) -
                                 optimizer_bytes=x.optimizer_bytes)  # fmt: skip
     world = span(n, t, x.ranks, hw.ranks_per_node)
     shard = span(s, t, x.ranks, hw.ranks_per_node)
-    replicas = world if s == 1 else span(n // s, s * t, x.ranks, hw.ranks_per_node)
+    replicas = world if s == 1 else span(layout.replicas, s * t, x.ranks, hw.ranks_per_node)
     grads, calls = sum(held.reductions), len(held.reductions)
     f = Footprint(rank=held)
     if c.strategy in ("zero3", "diloco"):

@@ -10,6 +10,7 @@ from .parts.geometry import SCALAR_STATE_KEYS, Geometry, elementwise
 from .parts.mesh import Groups, Mesh, as_layout, init_mesh
 from .parts.optimizer_layout import ELEMENTWISE, READS, layout_of
 from .parts.owners import assign_owners
+from .parts.parallel_layout import Layout, LayoutError
 from .parts.precision import MixedPrecision
 from .parts.tensor_parallel import (
     bind_dtensor_views,
@@ -28,6 +29,8 @@ __all__ = [
     "READS",
     "Geometry",
     "Groups",
+    "Layout",
+    "LayoutError",
     "Mesh",
     "MixedPrecision",
     "POLICIES",

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 
+import dataparallel as dp
+
 from ..launch.config import (  # noqa: F401 (imported from here by the train modules)
     ConfigError,
     LaunchConfig,
@@ -240,15 +242,30 @@ class RunConfig:
         return self.launch.nproc * self.launch.nnodes
 
     @property
-    def data_ranks(self) -> int:
-        """Ranks that read different data: the world size / tp."""
-        return self.world_size // max(self.launch.tp, 1)
+    def layout(self) -> dp.Layout:
+        """The run's parallel layout ([Note: layout] in dataparallel): --nproc x --nnodes ranks,
+        --tp, --shard-group, the strategy, an averager; a `ConfigError` naming the flag when
+        the degrees do not fit. `dp.compose` builds the same one from the run's recipe."""
+        launch, sync = self.launch, self.sync
+        try:
+            return dp.Layout(
+                self.world_size,
+                launch.tp,
+                launch.shard_group,
+                sharded=launch.strategy != "ddp",
+                averaged=bool(sync.local_sgd or sync.diloco),
+            )
+        except dp.LayoutError as error:
+            where = LAYOUT_FIELDS[error.field]
+            raise ConfigError(field_label(*where), error.problem, error.fix) from None
 
     @property
     def global_batch(self) -> int:
         """Windows per optimizer step: train.global_batch when set, else batch x accum x data
         ranks."""
-        return self.train.global_batch or self.train.batch * self.train.accum * self.data_ranks
+        if self.train.global_batch:
+            return self.train.global_batch
+        return self.train.batch * self.train.accum * self.layout.data_size
 
     def replace(self, **changes: dict) -> RunConfig:
         """A copy with some fields of some sections changed: replace(train={"steps": 5})."""
@@ -261,6 +278,13 @@ class RunConfig:
     def to_dict(self) -> dict[str, dict]:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in fields(self)}
 
+
+# dp.Layout field -> the config's (section, field) that gives it
+LAYOUT_FIELDS = {
+    "world": ("launch", "nproc"),
+    "tp": ("launch", "tp"),
+    "shard_size": ("launch", "shard_group"),
+}
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
