@@ -143,7 +143,7 @@ def compose(
     optimizer = build_optimizer(model, optimizer_cls, params=params, **optimizer_kwargs)  # 5.
     averager = _averager(recipe, model, optimizer, replicas, tracer) if replicas else None
     scaler = None
-    if PRECISIONS[recipe.precision][2]:
+    if PRECISIONS[recipe.precision].scaling:
         scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
     return Composed(model, optimizer, averager, two_d, scaler, recipe, tracer, device_mesh, layout)
 

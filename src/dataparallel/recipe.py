@@ -23,15 +23,10 @@ from .averaging.streaming import (
     short_run_recipe,
 )
 from .compression import SPEC_HELP, PowerSGD, build_hook, parse_spec
-from .strategies import DDP, POLICIES, Layout, LayoutError, MixedPrecision, resolve_policy
+from .strategies import DDP, POLICIES, PRECISIONS, Layout, LayoutError, resolve_policy
 
-# --precision name -> (the strategy's MixedPrecision or None, autocast dtype or None, scaling)
-PRECISIONS: dict[str, tuple] = {
-    "fp32": (None, None, False),
-    "bf16": (None, torch.bfloat16, False),
-    "bf16-params": (MixedPrecision(param_dtype=torch.bfloat16), None, False),
-    "fp16": (MixedPrecision(param_dtype=torch.float16), None, True),
-}
+# PRECISIONS: a precision's name -> its `Precision` (strategies/parts/precision.py), the one
+# table the engine and the planner read
 STRATEGIES = tuple(POLICIES)
 
 
@@ -221,7 +216,7 @@ class Recipe:
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return PRECISIONS[self.precision][1]
+        return PRECISIONS[self.precision].autocast
 
     def layout(self, world_size: int) -> Layout:
         """The parallel layout this recipe gives a world of `world_size` ranks ([Note: layout]
@@ -237,7 +232,7 @@ class Recipe:
         """The strategy's policy with this recipe's precision and communication hook."""
         hook = build_hook(self.compress) if self.compress else None
         policy = resolve_policy(self.strategy)
-        return replace(policy, precision=PRECISIONS[self.precision][0], comm_hook=hook)
+        return replace(policy, precision=PRECISIONS[self.precision].policy, comm_hook=hook)
 
 
 class RecipeError(ValueError):

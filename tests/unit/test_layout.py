@@ -126,7 +126,7 @@ def test_each_front_end_names_its_own_field():
         config.layout  # noqa: B018
     with pytest.raises(PlanError, match=r"^--shard-size: 4 does not divide the 6 ranks"):
         PlanInputs(ranks=6, shard_sizes=(4,))
-    two = PlanInputs(ranks=8, tp=2)
+    two = PlanInputs(ranks=8, recipe=dp.Recipe(tp=2, diloco=100))
     assert two.parallel_layout(2, "diloco").saved_replicas == 2
 
 

@@ -197,7 +197,7 @@ class DataParallelStrategy(DDPStrategy):
             )
         built = build_each(wrapped, plain, module, self.reads)
         device = self.root_device.type
-        scaler = torch.amp.GradScaler(device) if dp.PRECISIONS[recipe.precision][2] else None
+        scaler = torch.amp.GradScaler(device) if dp.PRECISIONS[recipe.precision].scaling else None
         return dp.Composed(wrapped, built[0], None, None, scaler, recipe), built
 
     def model_to_device(self) -> None:

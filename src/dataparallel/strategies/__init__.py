@@ -11,7 +11,7 @@ from .parts.mesh import Groups, Mesh, as_layout, init_mesh
 from .parts.optimizer_layout import ELEMENTWISE, READS, layout_of
 from .parts.owners import assign_owners
 from .parts.parallel_layout import Layout, LayoutError
-from .parts.precision import MixedPrecision
+from .parts.precision import PRECISIONS, MixedPrecision, Precision
 from .parts.tensor_parallel import (
     bind_dtensor_views,
     check_apart,
@@ -34,6 +34,8 @@ __all__ = [
     "Mesh",
     "MixedPrecision",
     "POLICIES",
+    "PRECISIONS",
+    "Precision",
     "SCALAR_STATE_KEYS",
     "Strategy",
     "ZeRO1",

@@ -152,8 +152,8 @@ class TrainConfig:
     batch: int = 16
     global_batch: int = 0
     accum: int = 1
-    precision: str = "fp32"
-    activation_checkpointing: bool = False
+    precision: str = dp.Recipe.precision  # the recipe's default, written there
+    activation_checkpointing: bool = dp.Recipe.activation_checkpointing
     seed: int = 1337
     eval_every: int = 100
     log_every: int = 25
@@ -165,7 +165,36 @@ class TrainConfig:
     report_to: tuple[str, ...] = ("tensorboard",)
 
 
-@dataclass(frozen=True, kw_only=True)
+def recipe_section(*names: str):
+    """A config section of `dp.Recipe` fields: each field's type and default are the recipe's
+    (written once, recipe.py); the class docstring holds their flags' --help texts."""
+    recipe = {f.name: f for f in fields(dp.Recipe)}
+
+    def build(cls: type) -> type:
+        cls.__annotations__ = {name: recipe[name].type for name in names}
+        for name in names:
+            setattr(cls, name, recipe[name].default)
+        return dataclass(frozen=True, kw_only=True)(cls)
+
+    return build
+
+
+# the [sync] section: the dp.Recipe fields of how the replicas synchronise, in this order
+SYNC_FIELDS = (
+    "compress",
+    "local_sgd",
+    "diloco",
+    "outer_lr",
+    "outer_momentum",
+    "outer_compress",
+    "fragments",
+    "overlap",
+    "mix",
+    "outer_warmup",
+)
+
+
+@recipe_section(*SYNC_FIELDS)
 class SyncConfig:
     """How the ranks synchronise: exact by default; compressed, or every few steps, over slow
     links (docs/compression.md says when each pays).
@@ -205,17 +234,6 @@ class SyncConfig:
         the outer steps start after it; -1: the recipe's (the longer of --warmup-steps, the
         learning rate's warm-up, and a tenth of --steps).
     """
-
-    compress: str = ""
-    local_sgd: int = 0
-    diloco: int = 0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_compress: str = "recipe"
-    fragments: int = -1
-    overlap: int = -1
-    mix: float = 0.5
-    outer_warmup: int = -1
 
 
 @dataclass(frozen=True, kw_only=True)
