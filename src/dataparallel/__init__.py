@@ -43,7 +43,17 @@ from .ema import EMA
 from .plan import plan
 from .recipe import PRECISIONS, STRATEGIES, Recipe, RecipeError, check_recipe
 from .runtime import World, destroy, free_port, init, init_fake, regroup
-from .strategies import DDP, Mesh, MixedPrecision, ZeRO1, ZeRO2, ZeRO3, init_mesh
+from .strategies import (
+    DDP,
+    Layout,
+    LayoutError,
+    Mesh,
+    MixedPrecision,
+    ZeRO1,
+    ZeRO2,
+    ZeRO3,
+    init_mesh,
+)
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
@@ -54,6 +64,8 @@ __all__ = [
     "RecipeError",
     "STRATEGIES",
     "DDP",
+    "Layout",
+    "LayoutError",
     "DiLoCo",
     "EMA",
     "LocalSGD",

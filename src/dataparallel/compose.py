@@ -57,7 +57,7 @@ from .api import build_optimizer, parallelize
 from .averaging import DiLoCo, LocalSGD
 from .comm import Tracer
 from .recipe import PRECISIONS, Recipe, RecipeError, check_recipe, check_tp_mesh
-from .strategies import Mesh, init_mesh
+from .strategies import Layout, Mesh, init_mesh
 from .strategies.zero3.plan import select_units
 
 
@@ -74,6 +74,9 @@ class Composed:
     recipe: what was composed.
     tracer: records the collectives.
     device_mesh: the ("dp", "tp") DeviceMesh the model was split over (`Recipe.tp`), or None.
+    layout: the parallel layout of the composed world ([Note: layout] in
+        strategies/parts/parallel_layout.py): which ranks read which data, shard, replicate
+        and count the loss; what the job, its checkpoints and live recovery read.
     """
 
     model: nn.Module
@@ -84,6 +87,7 @@ class Composed:
     recipe: Recipe
     tracer: Tracer = field(default_factory=Tracer)
     device_mesh: DeviceMesh | None = None
+    layout: Layout | None = None
 
     def autocast(self):
         """The forward's autocast context for the recipe's precision (a no-op without one)."""
@@ -116,6 +120,7 @@ def compose(
     Collective: every rank calls it with the same model and recipe."""
     world_size = dist.get_world_size(group) if mesh is None else mesh.size()
     check_recipe(recipe, model, world_size)
+    layout = recipe.layout(world_size)  # [Note: layout]: built here, once
     if mesh is not None and recipe.tp > 1:
         check_tp_mesh(recipe, mesh)
     elif mesh is not None and mesh.ndim != 1:
@@ -133,14 +138,14 @@ def compose(
             block.compile()
     if mesh is not None:  # [Note: device mesh] in strategies/parts/mesh.py: 1-D = its group
         group = mesh.get_group()
-    layout, replicas = _data_parallel(model, recipe, group, tracer)  # 4.
+    two_d, replicas = _data_parallel(model, recipe, layout, group, tracer)  # 4.
     params = _rebind(params, names, model)
     optimizer = build_optimizer(model, optimizer_cls, params=params, **optimizer_kwargs)  # 5.
     averager = _averager(recipe, model, optimizer, replicas, tracer) if replicas else None
     scaler = None
-    if PRECISIONS[recipe.precision][2]:
+    if PRECISIONS[recipe.precision].scaling:
         scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
-    return Composed(model, optimizer, averager, layout, scaler, recipe, tracer, device_mesh)
+    return Composed(model, optimizer, averager, two_d, scaler, recipe, tracer, device_mesh, layout)
 
 
 def _split(model: nn.Module, recipe: Recipe, group, mesh: DeviceMesh | None):
@@ -163,19 +168,19 @@ def _split(model: nn.Module, recipe: Recipe, group, mesh: DeviceMesh | None):
     return mesh, mesh["dp"]
 
 
-def _data_parallel(model: nn.Module, recipe: Recipe, group, tracer: Tracer):
-    """4. The strategy over `group` with the recipe's precision and compression: return the
-    replicate x shard layout (or None) and the replicas an averager runs across (or None)."""
+def _data_parallel(model: nn.Module, recipe: Recipe, layout: Layout, group, tracer: Tracer):
+    """4. The strategy over `group` (the layout's data ranks) with the recipe's precision and
+    compression: return the replicate x shard mesh (or None) and the replicas an averager runs
+    across (or None)."""
     policy = recipe.policy()  # 4a. precision, 4c. compression: the strategy's own fields
-    world_size = dist.get_world_size(group)
-    if recipe.averaging:  # 4b. the strategy runs inside each replica; 6. the averager across
-        layout = init_mesh(recipe.shard_size or 1, group)
-        parallelize(model, policy, group=layout.shard_group, tracer=tracer)
-        return layout, layout.replicate_group
-    if 0 < recipe.shard_size < world_size or recipe.elastic and recipe.shard_size > 1:
-        layout = init_mesh(recipe.shard_size, group, elastic=recipe.elastic)  # 4b. 2-D (HSDP)
-        parallelize(model, policy, mesh=layout, tracer=tracer)
-        return layout, None
+    if layout.averaged:  # 4b. the strategy runs inside each replica; 6. the averager across
+        mesh = init_mesh(layout.shard, group)
+        parallelize(model, policy, group=mesh.shard_group, tracer=tracer)
+        return mesh, mesh.replicate_group
+    if layout.hsdp or recipe.elastic and layout.shard_size > 1:
+        mesh = init_mesh(layout.shard_size, group, elastic=recipe.elastic)  # 4b. 2-D (HSDP)
+        parallelize(model, policy, mesh=mesh, tracer=tracer)
+        return mesh, None
     parallelize(model, policy, group=group, tracer=tracer)
     return None, None
 

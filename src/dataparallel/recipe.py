@@ -23,15 +23,10 @@ from .averaging.streaming import (
     short_run_recipe,
 )
 from .compression import SPEC_HELP, PowerSGD, build_hook, parse_spec
-from .strategies import POLICIES, MixedPrecision, resolve_policy
+from .strategies import DDP, POLICIES, PRECISIONS, Layout, LayoutError, resolve_policy
 
-# --precision name -> (the strategy's MixedPrecision or None, autocast dtype or None, scaling)
-PRECISIONS: dict[str, tuple] = {
-    "fp32": (None, None, False),
-    "bf16": (None, torch.bfloat16, False),
-    "bf16-params": (MixedPrecision(param_dtype=torch.bfloat16), None, False),
-    "fp16": (MixedPrecision(param_dtype=torch.float16), None, True),
-}
+# PRECISIONS: a precision's name -> its `Precision` (strategies/parts/precision.py), the one
+# table the engine and the planner read
 STRATEGIES = tuple(POLICIES)
 
 
@@ -221,13 +216,23 @@ class Recipe:
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return PRECISIONS[self.precision][1]
+        return PRECISIONS[self.precision].autocast
+
+    def layout(self, world_size: int) -> Layout:
+        """The parallel layout this recipe gives a world of `world_size` ranks ([Note: layout]
+        in strategies/parts/parallel_layout.py); a `RecipeError` naming `tp` or `shard_size`
+        when the degrees do not fit it."""
+        sharded = not isinstance(resolve_policy(self.strategy), DDP)
+        try:
+            return Layout(world_size, self.tp, self.shard_size, sharded, self.averaging)
+        except LayoutError as error:
+            raise RecipeError(error.field, error.problem, error.fix) from None
 
     def policy(self):
         """The strategy's policy with this recipe's precision and communication hook."""
         hook = build_hook(self.compress) if self.compress else None
         policy = resolve_policy(self.strategy)
-        return replace(policy, precision=PRECISIONS[self.precision][0], comm_hook=hook)
+        return replace(policy, precision=PRECISIONS[self.precision].policy, comm_hook=hook)
 
 
 class RecipeError(ValueError):
@@ -287,9 +292,9 @@ def check_recipe(recipe: Recipe, model: nn.Module, world_size: int | None = None
 
 
 def _check_transforms(recipe: Recipe, model: nn.Module, world_size: int | None) -> None:
-    """tp against the world and the model's plan; activation_checkpointing against its blocks."""
-    if recipe.tp > 1 and world_size is not None and world_size % recipe.tp:
-        _bad("tp", f"{recipe.tp} does not divide the {world_size} ranks", "use a divisor of them")
+    """tp and shard_size against the world, tp against the model's plan; activation_checkpointing against its blocks."""
+    if world_size is not None:
+        recipe.layout(world_size)  # tp and shard_size against the world ([Note: layout])
     if recipe.tp > 1:
         plan = getattr(model, "tensor_parallel_plan", None)
         if not callable(plan):

@@ -197,7 +197,7 @@ class DataParallelStrategy(DDPStrategy):
             )
         built = build_each(wrapped, plain, module, self.reads)
         device = self.root_device.type
-        scaler = torch.amp.GradScaler(device) if dp.PRECISIONS[recipe.precision][2] else None
+        scaler = torch.amp.GradScaler(device) if dp.PRECISIONS[recipe.precision].scaling else None
         return dp.Composed(wrapped, built[0], None, None, scaler, recipe), built
 
     def model_to_device(self) -> None:
@@ -236,12 +236,13 @@ class DataParallelStrategy(DDPStrategy):
         return averaged or dp.geometry(self.model).group is not None
 
     def layout(self) -> dict:
-        """What the ranks' own state depends on, and the replicas an averager keeps."""
+        """What the ranks' own state depends on, and the replicas an averager keeps (the
+        composed `dp.Layout`'s saved replicas)."""
         recipe = self.recipe_in_use
         replicas, replica = 1, 0
-        if self.composed is not None and self.composed.averager is not None:
-            mesh = self.composed.mesh
-            replicas, replica = mesh.replicate_size, dist.get_rank(mesh.replicate_group)
+        if self.composed is not None:
+            layout = self.composed.layout
+            replicas, replica = layout.saved_replicas, layout.saved_replica_of(self.global_rank)
         strategy = recipe.strategy if isinstance(recipe.strategy, str) else repr(recipe.strategy)
         fields = {**recipe.__dict__, "strategy": strategy}
         recipe = repr(fields)

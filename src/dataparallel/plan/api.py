@@ -9,8 +9,16 @@ import torch
 from torch import nn
 
 from ..averaging.streaming import RECIPE
+from ..recipe import Recipe
 from .errors import PlanError
-from .inputs import STRATEGIES, PlanInputs, optimizer_bytes, parse_compress
+from .inputs import (
+    DILOCO_STEPS,
+    STRATEGIES,
+    PlanInputs,
+    optimizer_bytes,
+    parse_compress,
+    plan_recipe,
+)
 from .model import ModelShape, bare_shape, builtin_shape, saved_bytes, shape_of_module
 from .planner import Plan, make_plan
 from .profiles import get_profile
@@ -38,7 +46,7 @@ def plan(
     shard_sizes: Sequence[int] | None = None,
     compress: str = "none",
     compress_arg: float = 0.0,
-    diloco_steps: int = 100,
+    diloco_steps: int = DILOCO_STEPS,
     fragments: int = RECIPE,
     overlap: int = RECIPE,
     outer_compress: str = "recipe",
@@ -46,6 +54,7 @@ def plan(
     layout: str = "dataparallel",
     bucket_mb: float | None = None,
     tp: int = 1,
+    recipe: Recipe | None = None,
 ) -> Plan:
     """Predict memory per rank, bytes sent and step time of every strategy, and pick one.
 
@@ -59,6 +68,9 @@ def plan(
     optimizer: adam, adamw, sgd, bytes of state per parameter, or muon / adafactor: the job's
         recipes, whole parameters owned per shard group (whole_parameters.py: the busiest
         owner's memory, Muon's compute; `Plan.whole`).
+    recipe: a `dp.Recipe` instead of precision, tp, activation_checkpointing, compress and
+        DiLoCo's diloco_steps (its `diloco`), fragments, overlap and outer_compress: what the
+        job or a script would compose.
     Others: see PlanInputs (inputs.py). Bad input raises PlanError naming the field.
     """
     if ranks is None:
@@ -74,12 +86,24 @@ def plan(
         if isinstance(ranks_per_node, bool) or ranks_per_node < 1:
             raise PlanError("--ranks-per-node", f"{ranks_per_node}", "give a positive integer")
         hw = replace(hw, ranks_per_node=ranks_per_node)
+    if recipe is None:
+        recipe = plan_recipe(
+            precision=precision,
+            tp=tp,
+            activation_checkpointing=activation_checkpointing,
+            diloco=_steps(diloco_steps),
+            fragments=fragments,
+            overlap=overlap,
+            outer_compress=outer_compress,
+        )
+    elif recipe.compress:  # the DiLoCo candidates' recipe holds none ([Note: planner memory])
+        compress, recipe = recipe.compress, replace(recipe, compress="")
     if ":" in compress:  # a --compress spec ("topk:ratio=0.01"), as `dataparallel train` takes
         compress, compress_arg = parse_compress(compress)
     whole = str(optimizer) in WHOLE_PARAMETER_OPTIMIZERS
     inputs = PlanInputs(
         ranks=ranks,
-        precision=precision,
+        recipe=recipe,
         optimizer_bytes=optimizer_bytes("adamw" if whole else str(optimizer)),
         micro_batch=micro_batch,
         accumulation=accumulation,
@@ -87,21 +111,17 @@ def plan(
         shard_sizes=tuple(shard_sizes) if shard_sizes else None,
         compress=compress,
         compress_arg=compress_arg,
-        diloco_steps=diloco_steps,
-        fragments=fragments,
-        overlap=overlap,
-        outer_compress=outer_compress,
-        activation_checkpointing=activation_checkpointing,
         layout=layout,
         bucket_mb=bucket_mb,
-        tp=tp,
     )
     shape = model_shape(model, params, layers, width, seq_len, vocab, loss_fn, inputs)
     if not whole:
         return make_plan(shape, hw, inputs)
-    tokens = inputs.micro_batch * inputs.accumulation * inputs.data_ranks * shape.seq_len
-    parts = whole_parameters(str(optimizer), shape, masters=inputs.masters,
-                             tokens_per_step=tokens, ranks=inputs.data_ranks)  # fmt: skip
+    data_size = inputs.parallel_layout().data_size  # [Note: layout]
+    tokens = inputs.micro_batch * inputs.accumulation * data_size * shape.seq_len
+    parts = whole_parameters(
+        str(optimizer), shape, masters=inputs.masters, tokens_per_step=tokens, ranks=data_size
+    )
     inputs = replace(inputs, optimizer_bytes=parts.state_bytes_per_param)
     return replace(make_plan(shape, hw, inputs), whole=parts)
 
@@ -140,3 +160,11 @@ def model_shape(model, params, layers, width, seq_len, vocab, loss_fn, x: PlanIn
 
 
 __all__ = ["ModelShape", "Plan", "plan"]
+
+
+def _steps(diloco_steps) -> int:
+    """--diloco-steps: a recipe's `diloco` H, at least 1 here (0 would turn DiLoCo off)."""
+    if isinstance(diloco_steps, bool) or not isinstance(diloco_steps, int) or diloco_steps < 1:
+        given = f"must be a positive integer, got {diloco_steps!r}"
+        raise PlanError("--diloco-steps", given, "give inner steps per outer step, >= 1")
+    return diloco_steps

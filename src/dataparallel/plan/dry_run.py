@@ -41,6 +41,7 @@ from .dry_engine import (
 )
 from .dry_roles import chosen_roles, role_ranks
 from .errors import PlanError
+from .inputs import plan_layout
 from .strategies import policy_of
 
 # the peak is compared where the plan models what is in flight at it ([Note: peak terms]):
@@ -113,8 +114,7 @@ def dry_run(
         raise PlanError(
             "--optimizer", f"{optimizer!r}: {why}", f"give one of {', '.join(DRY_OPTIMIZERS)}"
         )
-    data_ranks = ranks // tp if tp >= 1 else ranks
-    s = 1 if strategy == "ddp" else (shard_size or data_ranks)
+    s = plan_layout(ranks, tp, 0 if strategy == "ddp" else shard_size or 0, strategy).shard
     result = plan(
         model,
         ranks=ranks,

@@ -118,7 +118,8 @@ class Plan:
 def candidates(x: PlanInputs, hw: HardwareProfile) -> list[Candidate]:
     """ddp, each sharded strategy on every shard size asked for, DiLoCo over single ranks and
     over nodes; each again with the compressor when one is given."""
-    n = x.data_ranks  # the strategies run over "dp" ([Note: planner tensor parallelism])
+    # the strategies run over "dp" ([Note: planner tensor parallelism])
+    n = x.parallel_layout().data_size
     sizes = x.shard_sizes or tuple(s for s in range(2, n + 1) if n % s == 0)
     # S = 1 is DDP's layout; a sharded strategy on it only makes sense in a world of one.
     sizes = tuple(s for s in sizes if s > 1 or n == 1) or (n,)

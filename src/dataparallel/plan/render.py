@@ -65,7 +65,11 @@ def _whole_json(p: Plan) -> dict:
 
 def _world(p: Plan) -> str:
     x = p.inputs
-    return f"{x.ranks} ranks" if x.tp == 1 else f"{x.ranks} ranks = dp {x.data_ranks} x tp {x.tp}"
+    return (
+        f"{x.ranks} ranks"
+        if x.tp == 1
+        else f"{x.ranks} ranks = dp {x.parallel_layout().data_size} x tp {x.tp}"
+    )
 
 
 def as_table(p: Plan) -> str:

@@ -34,9 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from ..strategies import DDP, POLICIES, MixedPrecision
+from ..strategies import DDP, POLICIES, PRECISIONS
 from ..strategies.parts.footprint import Footprint as RankFootprint
 from .collectives import Collective, compressed_bytes, span
 from .hardware import HardwareProfile
@@ -46,8 +44,6 @@ from .tensor_parallel import activation_all_reduces
 
 # bytes per value of DiLoCo's outer gradients on the wire (None: fp32)
 OUTER_VALUE_BYTES = {None: 4, "bf16": 2, "int8": 1, "fp8": 1, "int4": 0.5}
-# --precision names with a low param_dtype (fp32 masters); the others train in fp32.
-PARAM_DTYPES = {"bf16-params": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,8 +99,9 @@ def policy_of(c: Candidate, x: PlanInputs):
     """The policy candidate `c` trains with: its strategy's own defaults (DiLoCo's inner
     steps: ZeRO-3), the precision `x.precision` names, and `x.bucket_mb` when given."""
     name = "zero3" if c.strategy == "diloco" else c.strategy
-    param_dtype = PARAM_DTYPES.get(x.precision)
-    options = {"precision": MixedPrecision(param_dtype=param_dtype) if param_dtype else None}
+    options = {
+        "precision": PRECISIONS[x.precision].policy
+    }  # the engine's ([Note: mixed precision])
     if x.bucket_mb is not None and name != "zero3":
         options["bucket_mb"] = x.bucket_mb
     return POLICIES[name](**options)
@@ -112,7 +109,8 @@ def policy_of(c: Candidate, x: PlanInputs):
 
 def footprint(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) -> Footprint:
     """[Note: planner memory] and the collectives of one step, for candidate `c`."""
-    n, s, t = x.data_ranks, c.shard_size, x.tp  # dp groups: ranks t apart
+    layout = x.parallel_layout(c.shard_size, c.strategy)  # [Note: layout]
+    n, s, t = layout.data_size, layout.shard, x.tp  # dp groups: ranks t apart
     policy = policy_of(c, x)
     if isinstance(policy, DDP):
         held = policy.footprint(m.param_shapes, optimizer_bytes=x.optimizer_bytes)
@@ -122,7 +120,7 @@ def footprint(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) -
                                 optimizer_bytes=x.optimizer_bytes)  # fmt: skip
     world = span(n, t, x.ranks, hw.ranks_per_node)
     shard = span(s, t, x.ranks, hw.ranks_per_node)
-    replicas = world if s == 1 else span(n // s, s * t, x.ranks, hw.ranks_per_node)
+    replicas = world if s == 1 else span(layout.replicas, s * t, x.ranks, hw.ranks_per_node)
     grads, calls = sum(held.reductions), len(held.reductions)
     f = Footprint(rank=held)
     if c.strategy in ("zero3", "diloco"):

@@ -10,7 +10,8 @@ from .parts.geometry import SCALAR_STATE_KEYS, Geometry, elementwise
 from .parts.mesh import Groups, Mesh, as_layout, init_mesh
 from .parts.optimizer_layout import ELEMENTWISE, READS, layout_of
 from .parts.owners import assign_owners
-from .parts.precision import MixedPrecision
+from .parts.parallel_layout import Layout, LayoutError
+from .parts.precision import PRECISIONS, MixedPrecision, Precision
 from .parts.tensor_parallel import (
     bind_dtensor_views,
     check_apart,
@@ -28,9 +29,13 @@ __all__ = [
     "READS",
     "Geometry",
     "Groups",
+    "Layout",
+    "LayoutError",
     "Mesh",
     "MixedPrecision",
     "POLICIES",
+    "PRECISIONS",
+    "Precision",
     "SCALAR_STATE_KEYS",
     "Strategy",
     "ZeRO1",

@@ -76,36 +76,31 @@ def weights_metadata(state: TrainState) -> dict:
     }
 
 
-def replica_of(state: TrainState) -> tuple[int, int]:
-    """(this rank's replica, replicas): with an averager each replica keeps its own parameters
-    and optimizer state; otherwise one replica (checkpoint/state.py)."""
-    if state.averager is None:
-        return 0, 1
-    size = state.config.launch.shard_group or 1  # replicas of dp ranks under --tp
-    return state.data.rank // size, state.data.size // size
-
-
 def replica_prefix(state: TrainState) -> str:
-    """The name prefix of this rank's replica's state ("" with one replica)."""
-    replica, replicas = replica_of(state)
-    return f"replica{replica}/" if replicas > 1 else ""
+    """The name prefix of this rank's replica's state ("" with one saved replica: with an
+    averager each replica keeps its own parameters and optimizer state, checkpoint/state.py)."""
+    layout = state.layout  # [Note: layout]
+    return (
+        f"replica{layout.saved_replica_of(state.world.rank)}/" if layout.saved_replicas > 1 else ""
+    )
 
 
-def layout(state: TrainState) -> dict:
-    """What rank-local state (compression residuals) depends on: equal layouts can reuse it."""
-    config = state.config
+def layout_record(state: TrainState) -> dict:
+    """The layout that wrote a checkpoint, as its run state records it: what rank-local state
+    (compression residuals) depends on, so equal records can reuse it."""
+    layout = state.layout
     return {
-        "world_size": state.world.world_size,
-        "strategy": config.launch.strategy,
-        "shard_group": config.launch.shard_group,
-        "tp": config.launch.tp,
-        "sync": dataclasses.asdict(config.sync),
+        "world_size": layout.world,
+        "strategy": state.config.launch.strategy,
+        "shard_group": layout.shard_size,
+        "tp": layout.tp,
+        "sync": dataclasses.asdict(state.config.sync),
     }
 
 
 def run_state(state: TrainState) -> dict:
     """The plain (JSON) part of a checkpoint."""
-    _, replicas = replica_of(state)
+    replicas = state.layout.saved_replicas
     prefix = "replica0/" if replicas > 1 else ""  # the export takes replica 0's weights
     names = dp.geometry(state.model).names
     weights = []
@@ -118,7 +113,7 @@ def run_state(state: TrainState) -> dict:
         "ledger": state.ledger.state_dict(),
         "global_batch": state.config.global_batch,
         "replicas": replicas,
-        "layout": layout(state),
+        "layout": layout_record(state),
         "scaler": state.scaler.state_dict() if state.scaler is not None else None,
         "shapes": model_shapes(state.model),
         "weights": weights,
@@ -281,7 +276,7 @@ def restore(state: TrainState, run_dir: Path, name: str = "") -> None:
             f"the checkpoint was trained with a global batch of {plain['global_batch']} windows, "
             f"this run has {state.config.global_batch}; keep the global batch (docs/faults.md)"
         )
-    _, replicas = replica_of(state)
+    replicas = state.layout.saved_replicas
     if plain["replicas"] != replicas:
         raise CheckpointError(
             f"the checkpoint holds {plain['replicas']} replicas (--local-sgd/--diloco), this run "
@@ -295,7 +290,7 @@ def restore(state: TrainState, run_dir: Path, name: str = "") -> None:
         rank=state.world.rank,
         group=state.world.group if state.world.world_size > 1 else None,
         prefix=replica_prefix(state),
-        local=plain["layout"] == layout(state),
+        local=plain["layout"] == layout_record(state),
     )
     state.ledger.load_state_dict(saved_ledger(plain))
     if state.scaler is not None and plain["scaler"]:

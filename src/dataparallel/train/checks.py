@@ -49,9 +49,10 @@ def resolve_batch(config: RunConfig) -> RunConfig:
     other flags derives nothing stale. Otherwise the micro-batches differ by at most one window
     ([Note: uneven batches] in trainer.py): batch records the largest and global_batch stays.
     """
-    train, world = config.train, config.data_ranks  # tp peers read the same slice
+    train = config.train
     if train.global_batch <= 0:
         return config
+    world = config.layout.data_size  # tp peers read the same slice
     parts = train.accum * world
     if train.global_batch < parts:
         raise ConfigError(
@@ -191,17 +192,14 @@ def check_values(config: RunConfig, source: RunModel | None = None) -> None:
     _check_trace(config)
     check_trackers(config.train.report_to)  # looked up, not imported
     check_launch(config.launch)
-    world = config.data_ranks  # the shard group lies within mesh["dp"]
     # Under local SGD / DiLoCo the shard group is a replica, which may run DDP inside.
-    ddp_alone = launch.strategy == "ddp" and not averaging(config)
-    if launch.shard_group and (world % launch.shard_group or ddp_alone):
-        why = (
-            "ddp replicates everything and takes no shard group"
-            if ddp_alone
-            else f"{launch.shard_group} does not divide the {world} ranks"
+    if launch.shard_group and launch.strategy == "ddp" and not averaging(config):
+        raise ConfigError(
+            field_label("launch", "shard_group"),
+            "ddp replicates everything and takes no shard group",
+            "use zero1, zero2 or zero3, or 0 for none",
         )
-        fix = "use zero1, zero2 or zero3" if ddp_alone else "use a divisor"
-        raise ConfigError(field_label("launch", "shard_group"), why, f"{fix}, or 0 for none")
+    config.layout  # noqa: B018 - --tp and --shard-group against the ranks ([Note: layout])
     check_tp(config)
     source = source or RunModel(config.model)
     check_run_recipe(config, check_model(config, source))  # reads an hf:DIR's config, tokenizer
@@ -307,7 +305,7 @@ def keep_global_batch(base: RunConfig, config: RunConfig, flags: dict) -> RunCon
     with `accum` lowered if it would leave a micro-batch empty. Only more ranks than windows
     is refused.
     """
-    target, ranks = base.global_batch, config.data_ranks
+    target, ranks = base.global_batch, config.layout.data_size
     if config.global_batch == target:
         return config
     if {"batch", "accum", "global_batch"} & set(flags):

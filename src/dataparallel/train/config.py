@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 
+import dataparallel as dp
+
 from ..launch.config import (  # noqa: F401 (imported from here by the train modules)
     ConfigError,
     LaunchConfig,
@@ -151,8 +153,8 @@ class TrainConfig:
     batch: int = 16
     global_batch: int = 0
     accum: int = 1
-    precision: str = "fp32"
-    activation_checkpointing: bool = False
+    precision: str = dp.Recipe.precision  # the recipe's default, written there
+    activation_checkpointing: bool = dp.Recipe.activation_checkpointing
     seed: int = 1337
     eval_every: int = 100
     log_every: int = 25
@@ -164,7 +166,36 @@ class TrainConfig:
     report_to: tuple[str, ...] = ("tensorboard",)
 
 
-@dataclass(frozen=True, kw_only=True)
+def recipe_section(*names: str):
+    """A config section of `dp.Recipe` fields: each field's type and default are the recipe's
+    (written once, recipe.py); the class docstring holds their flags' --help texts."""
+    recipe = {f.name: f for f in fields(dp.Recipe)}
+
+    def build(cls: type) -> type:
+        cls.__annotations__ = {name: recipe[name].type for name in names}
+        for name in names:
+            setattr(cls, name, recipe[name].default)
+        return dataclass(frozen=True, kw_only=True)(cls)
+
+    return build
+
+
+# the [sync] section: the dp.Recipe fields of how the replicas synchronise, in this order
+SYNC_FIELDS = (
+    "compress",
+    "local_sgd",
+    "diloco",
+    "outer_lr",
+    "outer_momentum",
+    "outer_compress",
+    "fragments",
+    "overlap",
+    "mix",
+    "outer_warmup",
+)
+
+
+@recipe_section(*SYNC_FIELDS)
 class SyncConfig:
     """How the ranks synchronise: exact by default; compressed, or every few steps, over slow
     links (docs/compression.md says when each pays).
@@ -205,17 +236,6 @@ class SyncConfig:
         learning rate's warm-up, and a tenth of --steps).
     """
 
-    compress: str = ""
-    local_sgd: int = 0
-    diloco: int = 0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_compress: str = "recipe"
-    fragments: int = -1
-    overlap: int = -1
-    mix: float = 0.5
-    outer_warmup: int = -1
-
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -241,15 +261,30 @@ class RunConfig:
         return self.launch.nproc * self.launch.nnodes
 
     @property
-    def data_ranks(self) -> int:
-        """Ranks that read different data: the world size / tp."""
-        return self.world_size // max(self.launch.tp, 1)
+    def layout(self) -> dp.Layout:
+        """The run's parallel layout ([Note: layout] in dataparallel): --nproc x --nnodes ranks,
+        --tp, --shard-group, the strategy, an averager; a `ConfigError` naming the flag when
+        the degrees do not fit. `dp.compose` builds the same one from the run's recipe."""
+        launch, sync = self.launch, self.sync
+        try:
+            return dp.Layout(
+                self.world_size,
+                launch.tp,
+                launch.shard_group,
+                sharded=launch.strategy != "ddp",
+                averaged=bool(sync.local_sgd or sync.diloco),
+            )
+        except dp.LayoutError as error:
+            where = LAYOUT_FIELDS[error.field]
+            raise ConfigError(field_label(*where), error.problem, error.fix) from None
 
     @property
     def global_batch(self) -> int:
         """Windows per optimizer step: train.global_batch when set, else batch x accum x data
         ranks."""
-        return self.train.global_batch or self.train.batch * self.train.accum * self.data_ranks
+        if self.train.global_batch:
+            return self.train.global_batch
+        return self.train.batch * self.train.accum * self.layout.data_size
 
     def replace(self, **changes: dict) -> RunConfig:
         """A copy with some fields of some sections changed: replace(train={"steps": 5})."""
@@ -262,6 +297,13 @@ class RunConfig:
     def to_dict(self) -> dict[str, dict]:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in fields(self)}
 
+
+# dp.Layout field -> the config's (section, field) that gives it
+LAYOUT_FIELDS = {
+    "world": ("launch", "nproc"),
+    "tp": ("launch", "tp"),
+    "shard_size": ("launch", "shard_group"),
+}
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,

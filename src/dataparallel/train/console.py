@@ -72,7 +72,7 @@ def describe_run(state: TrainState, threads: int) -> list[str]:
         f"world   {mesh_text(world.world_size, config.launch.tp)} ({config.launch.strategy}, "
         f"{world.backend}, "
         f"{world.device.type}, {plural(threads, 'thread')} each){_sync_text(config)}",
-        _batch_text(train, state.data.size, global_batch, block, config.launch.tp),
+        _batch_text(train, state.layout.data_size, global_batch, block, config.launch.tp),
         f"optim   {optim.optimizer}, lr peak {state.peak_lr:.3g} ({scaling}), {optim.warmup_steps} warm-up steps, "
         f"cosine to {state.peak_lr * optim.min_lr_ratio:.3g} at step {train.steps}",
     ]

@@ -21,32 +21,12 @@ from .ledger import Ledger
 from .lr_schedule import WarmupCosine
 
 
-@dataclass(frozen=True)
-class DataRanks:
-    """The ranks that read different data ([Note: the job's mesh]).
-
-    rank: this rank's data coordinate (its dp coordinate; its rank without tensor parallelism).
-    size: how many different data slices a step reads (the dp size).
-    counts: whether this rank's token and loss sums count in the sums over every rank: only
-        the first rank of each tp row's do (its peers hold the same).
-    """
-
-    rank: int
-    size: int
-    counts: bool = True
-
-    @property
-    def weight(self) -> int:
-        """1 for a rank whose sums count, else 0."""
-        return int(self.counts)
-
-
 @dataclass(kw_only=True)
 class TrainState:
     """A run: what is built once (the configs, the world, the model and its optimizer, the
     data), and its ledger, how far it has got ([Note: the ledger] in ledger.py).
 
-    The built part changes only when a live run regroups (`world`, `data`: [Note: live
+    The built part changes only when a live run regroups (`world`, `layout`: [Note: live
     recovery] in live/recovery.py); the ledger changes with every step.
     """
 
@@ -60,7 +40,7 @@ class TrainState:
     train_windows: TokenWindows | PackedWindows
     val_windows: TokenWindows | PackedWindows
     corpus: Corpus | DataInfo  # what the records name: sha256, source, num_files, num_tokens
-    data: DataRanks  # the ranks that read different data: the dp ones ([Note: the job's mesh])
+    layout: dp.Layout  # who reads which data, shards, counts the loss ([Note: layout])
     ledger: Ledger  # the step, the skips, the data position, ... ([Note: the ledger])
     scaler: torch.amp.GradScaler | None = None
     averager: dp.LocalSGD | None = None  # local SGD or DiLoCo (dp.compose), or None
@@ -78,7 +58,18 @@ class TrainState:
     def global_batch(self) -> int:
         """Windows per optimizer step over all ranks ([Note: uneven batches])."""
         train = self.config.train
-        return train.global_batch or train.batch * train.accum * self.data.size
+        return train.global_batch or train.batch * train.accum * self.layout.data_size
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of a step's samples this rank reads (its dp coordinate under --tp)."""
+        return self.layout.data_rank(self.world.rank)
+
+    @property
+    def loss_weight(self) -> int:
+        """1 where this rank's token and loss sums count in the sums over every rank, else 0
+        (a tp row's peers hold the same: [Note: the job's mesh])."""
+        return self.layout.loss_weight(self.world.rank)
 
     @property
     def last_step(self) -> int:

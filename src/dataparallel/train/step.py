@@ -37,14 +37,14 @@ class Batch:
 def take_batch(state: TrainState) -> Batch:
     """This rank's share of the step's samples, in micro-batches, and the global token count
     (one all-reduce); the ledger's data position moves on by the global batch."""
-    data = state.data  # the dp coordinate under --tp
-    indices = state.ledger.samples.take_share(state.global_batch, data.rank, data.size)
+    size = state.layout.data_size  # [Note: layout]: the dp ranks under --tp
+    indices = state.ledger.samples.take_share(state.global_batch, state.data_rank, size)
     parts = split_evenly(indices, state.config.train.accum)
     micro = [state.train_windows.batch(part) for part in parts]
     local_tokens = sum(int((targets != IGNORE).sum()) for _, targets in micro)
-    (global_tokens,) = all_reduce_sum([local_tokens * data.weight], state.world, state.tracer)
+    (global_tokens,) = all_reduce_sum([local_tokens * state.loss_weight], state.world, state.tracer)
     # [Note: loss normalisation]; a step of prompts only counts 0 tokens: a zero gradient
-    return Batch(micro, global_tokens, data.size / max(global_tokens, 1))
+    return Batch(micro, global_tokens, size / max(global_tokens, 1))
 
 
 def set_lr(state: TrainState) -> float:
@@ -103,7 +103,7 @@ class Vote:
         with state.tracer.span("loss"):  # each rank's time and verdict in its own slots
             sums = all_reduce_sum(
                 [
-                    float(loss_sum) * state.data.weight,
+                    float(loss_sum) * state.loss_weight,
                     *_slot(work_s, world),
                     *_slot(float(bad), world),
                 ],

@@ -5,7 +5,8 @@ The rules on the [sync] section (and on the precision and the mesh they combine 
 library's, in one home ([Note: one home for the recipe's rules] in dataparallel/recipe.py):
 `dp.Recipe` checks its fields, `dp.check_recipe` the ones that need the model; each raises a
 `dp.RecipeError` naming its field, which `check_run_recipe` below turns into the one-line
-`ConfigError` of the field's flag. The composition itself (in which order tensor parallelism,
+`ConfigError` of the field's flag. The [sync] section itself is Recipe fields with the Recipe's
+defaults (`SyncConfig`, built by `recipe_section` in config.py). The composition itself (in which order tensor parallelism,
 activation checkpointing, precision, the mesh, compression and an averager apply) is
 [Note: composition], which the trainer calls.
 """

@@ -23,20 +23,14 @@ import dataparallel as dp
 
 from ..models import MODEL_CONFIGS, build_model
 from .config import ConfigError, RunConfig, field_label
-from .state import DataRanks
 
 
 def check_tp(config: RunConfig) -> None:
-    """One-line errors for a --tp that cannot split this run (no I/O but an hf:DIR's config)."""
-    tp, label = config.launch.tp, field_label("launch", "tp")
-    if tp < 1:
-        raise ConfigError(label, f"{tp} is below 1", "use 1 (no tensor parallelism) or more")
+    """One-line errors for a --tp that cannot split this run's model (no I/O but an hf:DIR's
+    config); --tp against the ranks is the layout's rule (`RunConfig.layout`)."""
+    tp, label = config.layout.tp, field_label("launch", "tp")
     if tp == 1:
         return
-    if config.world_size % tp:
-        raise ConfigError(
-            label, f"{tp} does not divide the {config.world_size} ranks", "use a divisor of them"
-        )
     shape = MODEL_CONFIGS.get(config.model.name)
     if not hasattr(shape, "n_head"):
         raise ConfigError(
@@ -59,14 +53,6 @@ def build_mesh(world: dp.World, tp: int) -> DeviceMesh | None:
         return None
     shape = (world.world_size // tp, tp)
     return init_device_mesh(world.device.type, shape, mesh_dim_names=("dp", "tp"))
-
-
-def data_ranks(world: dp.World, mesh: DeviceMesh | None) -> DataRanks:
-    """This rank's data coordinate, the number of data slices, and whether its sums count."""
-    if mesh is None:
-        return DataRanks(world.rank, world.world_size)
-    rows = mesh["dp"]
-    return DataRanks(rows.get_local_rank(), rows.size(), mesh["tp"].get_local_rank() == 0)
 
 
 def mesh_text(world_size: int, tp: int) -> str:

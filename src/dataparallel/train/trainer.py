@@ -45,7 +45,7 @@ from .optimizers import choose_optimizer
 from .state import TrainState
 from .step import Vote, forward_backward, own_verdict, set_lr, take_batch, update
 from .sync import recipe_of
-from .tensor_parallel import build_mesh, data_ranks
+from .tensor_parallel import build_mesh
 
 
 def setup(
@@ -82,15 +82,15 @@ def setup(
         built = BuiltModel(model.to(world.device), launch.strategy, None, type(model).__name__)
     model, model_name = built.model, built.name
     mesh = build_mesh(world, config.launch.tp)  # [Note: the job's mesh]: None for --tp 1
-    data = data_ranks(world, mesh)
     recipe = recipe_of(config, built.strategy)  # the CLI's flags as a dp.Recipe
+    data_size = recipe.layout(world.world_size).data_size  # compose's ([Note: layout])
     optim = config.optim
     train = config.train
-    global_batch = train.global_batch or train.batch * train.accum * data.size
-    if global_batch < train.accum * data.size:
+    global_batch = train.global_batch or train.batch * train.accum * data_size
+    if global_batch < train.accum * data_size:
         raise ValueError(
             f"a global batch of {global_batch} windows leaves a micro-batch of accum "
-            f"{train.accum} x {data.size} ranks empty"
+            f"{train.accum} x {data_size} ranks empty"
         )
     peak_lr = scaled_lr(
         optim.lr,
@@ -128,7 +128,7 @@ def setup(
         train_windows=train_windows,
         val_windows=val_windows,
         corpus=corpus,
-        data=data,
+        layout=composed.layout,
         ledger=Ledger(samples=samples),
         scaler=composed.scaler,
         averager=composed.averager,
@@ -142,7 +142,7 @@ def setup(
 def next_indices(state: TrainState, count: int) -> list[int]:
     """This rank's next `count` samples; the stream then counts exactly the samples trained on
     (every rank's), so its state_dict is the resume point with no prefetch to correct for."""
-    return state.ledger.samples.take(count, state.data.rank, state.data.size)
+    return state.ledger.samples.take(count, state.data_rank, state.layout.data_size)
 
 
 def bytes_sent(state) -> tuple[int, int]:
@@ -222,10 +222,10 @@ def evaluate(state: TrainState) -> EvalRecord:
     leave the others waiting. A rank whose shard has run out scores a stand-in window and drops it.
     """
     started = time.perf_counter()
-    config, world, data = state.config, state.world, state.data
+    config, world, size = state.config, state.world, state.layout.data_size
     chosen = evenly_spaced(config.data.eval_windows, len(state.val_windows))
-    mine = chosen[data.rank :: data.size]
-    longest = -(-len(chosen) // data.size)  # the longest rank's share
+    mine = chosen[state.data_rank :: size]
+    longest = -(-len(chosen) // size)  # the longest rank's share
     state.model.eval()
     loss_sum, tokens = 0.0, 0
     try:
@@ -238,7 +238,7 @@ def evaluate(state: TrainState) -> EvalRecord:
                 tokens += int((targets != IGNORE).sum())
     finally:
         state.model.train()
-    weight = data.weight
+    weight = state.loss_weight
     total_loss, total_tokens = all_reduce_sum([loss_sum * weight, tokens * weight], world)
     return EvalRecord(
         step=state.step,

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ...comm import Comm, Tracer
 from ...comm.groups import subgroup
+from .parallel_layout import Layout
 
 
 @dataclass(frozen=True)
@@ -134,9 +135,9 @@ def init_mesh(
             f"of {n}"
         )
     ranks = [dist.get_global_rank(group, r) for r in range(n)]
-    me = dist.get_rank(group)
-    row = ranks[me - me % shard_size : me - me % shard_size + shard_size]
-    column = ranks[me % shard_size :: shard_size]
+    layout, me = Layout(n, shard_size=shard_size), dist.get_rank(group)  # [Note: layout]
+    row = [ranks[r] for r in layout.shard_ranks(me)]
+    column = [ranks[r] for r in layout.replicate_ranks(me)]
     return Mesh(
         shard_size=shard_size,
         replicate_size=n // shard_size,

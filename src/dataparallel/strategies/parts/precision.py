@@ -151,3 +151,48 @@ def check_precision(policy, who: str) -> MixedPrecision:
             f"{who}: precision={policy!r} must be a dataparallel.MixedPrecision or None"
         )
     return policy
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a precision name means, for the engine (`dp.Recipe.precision`, `dp.compose`) and
+    the planner alike: one table, `PRECISIONS`; the byte counts follow from the dtypes.
+
+    policy: the strategy's `MixedPrecision`, or None (the model's own fp32 parameters).
+    autocast: the forward's autocast dtype, or None.
+    scaling: whether a loss scaler runs (`torch.amp.GradScaler`, for fp16).
+    """
+
+    policy: MixedPrecision | None
+    autocast: torch.dtype | None = None
+    scaling: bool = False
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per parameter the strategy computes with (its buckets' parameters)."""
+        return self._compute.itemsize
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient value in the buckets and on the wire."""
+        if self.policy is None:
+            return self._compute.itemsize
+        return self.policy.bucket_dtype(self._compute).itemsize
+
+    @property
+    def masters(self) -> bool:
+        """Whether fp32 master weights are kept beside the parameters (for the optimizer)."""
+        return self.policy is not None and self.policy.masters(torch.float32) is not None
+
+    @property
+    def _compute(self) -> torch.dtype:
+        return self.policy.compute_dtype(torch.float32) if self.policy else torch.float32
+
+
+# --precision name -> what it means ([Note: mixed precision]); fp32 models throughout
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision(None),
+    "bf16": Precision(None, autocast=torch.bfloat16),  # fp32 weights, gradients and state
+    "bf16-params": Precision(MixedPrecision(param_dtype=torch.bfloat16)),
+    "fp16": Precision(MixedPrecision(param_dtype=torch.float16), scaling=True),
+}

@@ -167,7 +167,7 @@ def join(run_dir: Path, secret: Path) -> int:
     from ..handoff import decode_run
 
     try:
-        shard = max(decode_run(read_run(store, secret))[0].launch.shard_group, 1)
+        shard = decode_run(read_run(store, secret))[0].layout.shard  # processes per replica
     except Refused as refused:  # someone but the launcher wrote the run: train nothing of it
         print(f"dataparallel join: error: the run in the store: {refused}", file=sys.stderr)
         return 1

@@ -74,7 +74,7 @@ class LiveLauncher:
 
     def __init__(self, config: RunConfig, env: dict[str, str], run: str, poll_s: float = 0.02):
         self.config, self.env, self.run_text, self.poll_s = config, env, run, poll_s
-        self.shard = max(config.launch.shard_group, 1)  # processes per replica
+        self.shard = config.layout.shard  # processes per replica ([Note: layout])
         self.slots = config.launch.nproc // self.shard
         self.starts = 0  # replicas started: each replacement replica meets its own ranks
         # A member blocked on another member reports once its collective times out.

@@ -61,7 +61,7 @@ from ...comm.plain import broadcast_plain
 from ..config import LaunchConfig
 from ..ledger import EvalRecord, StepRecord
 from ..loop import Rewound, Steps
-from ..state import DataRanks, TrainState
+from ..state import TrainState
 from ..trainer import evaluate, train_step
 from .groups import Abandoned, move_to_world
 from .membership import EVAL, JOIN, LEAVE, STEP, Membership, Report
@@ -318,7 +318,7 @@ class LiveRecovery(Steps):
             ),  # fmt: skip
         )
         state.world = self._form(state.world, membership)
-        state.data = DataRanks(rank=state.world.rank, size=state.world.world_size)
+        state.layout = state.layout.resized(state.world.world_size)  # [Note: layout]
         move_to_world(state, self.seat)
         self.marks.forget()
         self._heal(state, membership)
