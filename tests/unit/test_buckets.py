@@ -47,33 +47,30 @@ def _attached_bucket(lazy=False):
 
 
 def test_attached_views_let_autograd_add_and_divide_once_at_launch():
-    """[Note: attached views]: .grad are the views, autograd adds into them, the last gradient
-    is added by hand with its view off .grad until `reattach`; `complete` divides once."""
+    """[Note: attached views]: .grad are the views and autograd adds every gradient into them,
+    the bucket's last one too ([Note: launched at the next hook]: held once, never beside the
+    bucket); `complete` divides once."""
     bucket, (w, b) = _attached_bucket()
     b.grad = torch.full((4,), 3.0)  # a kept gradient is copied in; a None one zeroed
     assert bucket.attach_views() == [True, False]
     assert w.grad.data_ptr() == bucket.buffer.data_ptr() and b.grad.tolist() == [3.0] * 4
     (w.sum() * 2).backward()  # autograd adds into the view in place
+    b.sum().backward()  # the last gradient as well
     assert w.grad.data_ptr() == bucket.buffer.data_ptr()
-    bucket.take_last(1, torch.ones(4))
-    assert b.grad is None and bucket.detached == 1
+    assert b.grad.data_ptr() == bucket.views[1].data_ptr()
     bucket.complete()
     assert bucket.buffer.tolist() == [1.0] * 6 + [2.0] * 4 + [0.0] * 2  # halved, padding zero
-    bucket.reattach()
-    assert b.grad.tolist() == [2.0] * 4 and bucket.detached is None
+    assert b.grad.tolist() == [2.0] * 4
 
 
 def test_a_failed_round_leaves_its_partial_sums_behind():
-    """Live recovery drops a failed step's gradients, then regroups (reducer.rebind): the view
-    its last gradient took off `.grad` must not come back with the partial sum in it (it did,
-    and the next step added onto it: test_live_recovery 3.0e-3 off)."""
+    """Live recovery drops a failed step's gradients, then regroups (reducer.rebind): the next
+    step's views start from zeros, not from the failed step's partial sums (they did once, and
+    the next step added onto them: test_live_recovery 3.0e-3 off)."""
     bucket, (w, b) = _attached_bucket()
     assert bucket.attach_views() == [True, True]
-    (w.sum() * 2).backward()
-    bucket.take_last(1, torch.ones(4))  # launched; its collective then fails
-    w.grad = None  # the rewind's zero_grad(set_to_none=True)
-    bucket.drop_detached()
-    assert w.grad is None and b.grad is None and bucket.detached is None
+    (w.sum() * 2 + b.sum()).backward()  # launched; its collective then fails
+    w.grad = b.grad = None  # the rewind's zero_grad(set_to_none=True)
     assert bucket.attach_views() == [True, True]  # the next step starts from zeros
     assert bucket.buffer.tolist() == [0.0] * 12
 
@@ -84,5 +81,4 @@ def test_lazy_attached_bucket_allocates_zeroed_at_its_first_gradient():
     bucket.allocate_attached()
     assert bucket.buffer.tolist() == [0.0] * 12 and b.grad.data_ptr() != w.grad.data_ptr()
     bucket.release()
-    bucket.reattach()
     assert bucket.buffer is None and w.grad is None and b.grad is None
