@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dataparallel import Recipe
 from dataparallel.plan.flops import module_flops_per_token
 from dataparallel.plan.inputs import PlanInputs
 from dataparallel.plan.llama import LLAMA_CONFIGS, LlamaConfig
@@ -125,9 +126,8 @@ def planned_peak(size: Size, strategy: str, precision: str, hardware: str = "h20
     which the planner cannot plan (it counts trainable parameters only: no frozen base)."""
     if size.lora:
         return 0.0
-    inputs = PlanInputs(
-        ranks=1, precision=precision, micro_batch=size.batch, strategies=(strategy,)
-    )
+    recipe = Recipe(precision=precision)
+    inputs = PlanInputs(ranks=1, recipe=recipe, micro_batch=size.batch, strategies=(strategy,))
     compute = torch.bfloat16 if inputs.param_bytes == 2 else torch.float32
     autocast = torch.bfloat16 if inputs.autocast else None
     shape = llama_shape(size.name, size.config, size.config.seq_len, compute, autocast)
