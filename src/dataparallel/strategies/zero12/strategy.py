@@ -36,7 +36,6 @@ from torch import nn
 from ...comm import HookState
 from ...comm.hooks import default_hook
 from ..base import (
-    Strategy,
     broadcast_buffers,
     broadcast_model,
     normalize_param_groups,
@@ -44,8 +43,7 @@ from ..base import (
 )
 from ..parts.buckets import MB, plan_buckets
 from ..parts.built import Built, BuiltOptimizers, check_new_groups
-from ..parts.clip import clip_shards_
-from ..parts.geometry import Geometry, build_geometry, local_optimizer_state, optimized_ids
+from ..parts.geometry import Geometry, build_geometry, optimized_ids
 from ..parts.held_grads import HeldGrads, ShardedGrads
 from ..parts.mesh import Groups
 from ..parts.opaque import opaque
@@ -54,6 +52,7 @@ from ..parts.precision import install_casts, norm_params
 from ..parts.reducer import GradientReducer
 from ..parts.tensor_parallel import to_local
 from ..parts.torch_calls import ModelCalls, OptimizerCalls, is_carrier
+from ..sharded import ShardedStrategy
 from .step import BucketShard, ShardedStep, flatten_bucket
 
 # Bucket reductions in flight at once in backward: bounds ZeRO-2's full-size buckets and the
@@ -61,7 +60,7 @@ from .step import BucketShard, ShardedStep, flatten_bucket
 MAX_IN_FLIGHT = 2
 
 
-class ZeROStrategy(Strategy):
+class ZeROStrategy(ShardedStrategy):
     """ZeRO-1 or ZeRO-2 on one model: buckets, their shards, and the policy's keeper."""
 
     def __init__(self, model: nn.Module, groups: Groups, policy, name=None):  # a ZeRO1/ZeRO2
@@ -292,11 +291,6 @@ class ZeROStrategy(Strategy):
         built.after_step(self.groups.shard)  # the owners' values into the shards
         built.step.after(optimizer, args, kwargs)
 
-    def _to_local(self, optimizer, state: dict) -> dict:
-        """[Note: torch's own calls]: a plain state dict as this rank's."""
-        built = self.built.of(optimizer)
-        return local_optimizer_state(self.geometry(optimizer), optimizer, built.user_groups, state)
-
     def finish_param_gather(self) -> None:
         for built in self.built.all:
             built.step.gather.finish()
@@ -321,20 +315,8 @@ class ZeROStrategy(Strategy):
         # A tensor-parallel parameter holds its local part of the whole tensor.
         return {id(p): to_local(p, full[names[id(p)]]).to(p.device) for p in self.trainable}
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        shards = [(b.shard, b.params) for b in self.buckets]
-        params = list(self.model.parameters())
-        owners = self.built.owners()
-        owned = [g for o in owners for g in o.grads()]
-        managed = frozenset(i for o in owners for i in o.masters())
-        comm = self.groups.shard
-        return clip_shards_(shards, params, max_norm, norm_type, comm, owned, managed)
-
     def shard_holders(self) -> list[BucketShard]:
         return self.buckets
-
-    def owned_runs(self) -> list:
-        return [run for owners in self.built.owners() for run in owners.runs()]
 
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """The buckets' shard pieces (masters in mixed precision), frozen parameters whole
@@ -347,9 +329,6 @@ class ZeROStrategy(Strategy):
         return build_geometry(
             self.model, shards, self.groups.shard, optimized, self.original_dtypes, owned
         )
-
-    def user_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
-        return self.built.of(optimizer).user_groups
 
     def working_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         grads = [b.grads.buffer for b in self.buckets] + [b.shard.store for b in self.buckets]

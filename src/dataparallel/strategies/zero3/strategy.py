@@ -55,15 +55,13 @@ from ...comm import HookState
 from ...comm.hooks import default_hook
 from ...torch_internals import tree_flatten, tree_unflatten
 from ..base import (
-    Strategy,
     broadcast_model,
     broadcast_values,
     normalize_param_groups,
     verify_same_model,
 )
 from ..parts.built import Built, BuiltOptimizers, check_new_groups
-from ..parts.clip import clip_shards_
-from ..parts.geometry import Geometry, build_geometry, local_optimizer_state, optimized_ids
+from ..parts.geometry import Geometry, build_geometry, optimized_ids
 from ..parts.held_grads import HeldGrads
 from ..parts.mesh import Groups
 from ..parts.opaque import opaque
@@ -71,13 +69,14 @@ from ..parts.owners import own_groups
 from ..parts.precision import cast_floats, install_casts, is_norm
 from ..parts.round import BackwardRound
 from ..parts.torch_calls import ModelCalls, OptimizerCalls
+from ..sharded import ShardedStrategy
 from .group import GroupedUnits, MemberRun
 from .plan import plan_units, with_norms
 from .schedule import Schedule
 from .unit import FlatUnit, PostBackward
 
 
-class ZeRO3Strategy(Strategy):
+class ZeRO3Strategy(ShardedStrategy):
     """Wiring: module and gradient hooks that call the units' verbs and the schedule."""
 
     name = "zero3"
@@ -347,26 +346,8 @@ class ZeRO3Strategy(Strategy):
         for unit in self.units:
             unit.sharded_grads.reconcile()
 
-    def _to_local(self, optimizer, state: dict) -> dict:
-        """[Note: torch's own calls]: a plain state dict as this rank's."""
-        built = self.built.of(optimizer)
-        return local_optimizer_state(self.geometry(optimizer), optimizer, built.user_groups, state)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global norm: each rank's shard norms, combined over the shard group."""
-        shards = [(u.shard, u.params) for u in self.units]
-        params = list(self.model.parameters())
-        owners = self.built.owners()
-        owned = [g for o in owners for g in o.grads()]
-        managed = frozenset(i for o in owners for i in o.masters())
-        comm = self.groups.shard
-        return clip_shards_(shards, params, max_norm, norm_type, comm, owned, managed)
-
     def shard_holders(self) -> list[FlatUnit]:
         return self.units
-
-    def owned_runs(self) -> list:
-        return [run for owners in self.built.owners() for run in owners.runs()]
 
     def geometry(self, optimizer: torch.optim.Optimizer | None = None) -> Geometry:
         """Each unit's shard pieces, in the units' master dtype ([Note: geometry])."""
@@ -378,9 +359,6 @@ class ZeRO3Strategy(Strategy):
         return build_geometry(
             self.model, shards, self.groups.shard, optimized_ids(optimizer), dtypes, owned
         )
-
-    def user_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
-        return self.built.of(optimizer).user_groups
 
     def refresh_params(self) -> None:
         for owners in self.built.owners():  # the owners' masters into the shards
