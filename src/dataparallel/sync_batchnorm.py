@@ -39,8 +39,15 @@ class SyncBatchNorm(BatchNormBase):
     Other arguments are those of `torch.nn.BatchNorm1d`.
     """
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True, group=None):  # fmt: skip
+    def __init__(
+        self,
+        num_features,
+        eps=1e-5,
+        momentum=0.1,
+        affine=True,
+        track_running_stats=True,
+        group=None,
+    ):
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.group = group
 
@@ -88,9 +95,13 @@ def convert_sync_batchnorm(module: nn.Module, group=None) -> nn.Module:
     """
     if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):
         converted = SyncBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine,
-            module.track_running_stats, group,
-        )  # fmt: skip
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            group,
+        )
         converted.load_state_dict(module.state_dict())
         converted.train(module.training)
         if module.affine:

@@ -44,11 +44,12 @@ class LlamaConfig:
 
 
 LLAMA_CONFIGS = {
-    "llama-1b": LlamaConfig(dim=2048, n_layer=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-                            tie_weights=True),
+    "llama-1b": LlamaConfig(
+        dim=2048, n_layer=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, tie_weights=True
+    ),
     "llama-8b": LlamaConfig(dim=4096, n_layer=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
     "llama-70b": LlamaConfig(dim=8192, n_layer=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
-}  # fmt: skip
+}
 
 
 def rotary(seq_len: int, head_dim: int, device, theta: float = ROPE_THETA):

@@ -217,19 +217,26 @@ def builtin_shape(
     seq_len = seq_len or config.block_size
     if seq_len > config.block_size:
         raise PlanError(
-            "--seq-len", f"{seq_len} exceeds {name}'s block_size {config.block_size}",
+            "--seq-len",
+            f"{seq_len} exceeds {name}'s block_size {config.block_size}",
             f"give at most {config.block_size}",
-        )  # fmt: skip
+        )
     with torch.device("meta"):
         model = narrow(build_model(name).to(compute), tp, config.n_head)
     kept = saved_bytes(model, lm_run(seq_len, 1, config.vocab_size, autocast))
     itemsize = (autocast or compute).itemsize
     shape = shape_of_module(
-        model, name=name, seq_len=seq_len, layers=config.n_layer, width=config.n_embd,
-        vocab=config.vocab_size, activation_bytes=kept,
-        largest_activation=widest(config.n_embd, 4 * config.n_embd // tp, config.vocab_size,
-                                  seq_len, itemsize),
-    )  # fmt: skip
+        model,
+        name=name,
+        seq_len=seq_len,
+        layers=config.n_layer,
+        width=config.n_embd,
+        vocab=config.vocab_size,
+        activation_bytes=kept,
+        largest_activation=widest(
+            config.n_embd, 4 * config.n_embd // tp, config.vocab_size, seq_len, itemsize
+        ),
+    )
     return traced_peak(shape, model, autocast)
 
 

@@ -108,6 +108,7 @@ def get_profile(spec) -> HardwareProfile:
     if str(spec).endswith(".json") or Path(str(spec)).exists():
         return load_profile(spec)
     raise PlanError(
-        "--hardware", f"unknown profile {spec!r}",
+        "--hardware",
+        f"unknown profile {spec!r}",
         f"choose one of {', '.join(builtin_names())} or give a JSON file",
-    )  # fmt: skip
+    )

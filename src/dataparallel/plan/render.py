@@ -80,21 +80,50 @@ def as_table(p: Plan) -> str:
         f"{p.inputs.precision}, micro-batch {p.inputs.micro_batch} x {p.inputs.accumulation}, "
         f"{p.hardware.name}"
     )
-    columns = ("strategy", "params", "grads", "optim", "masters", "buckets", "resid", "outer",
-               "activ", "held", "peak", "sent", "compute", "exposed", "step", "tok/s/rank",
-               "fits")  # fmt: skip
+    columns = (
+        "strategy",
+        "params",
+        "grads",
+        "optim",
+        "masters",
+        "buckets",
+        "resid",
+        "outer",
+        "activ",
+        "held",
+        "peak",
+        "sent",
+        "compute",
+        "exposed",
+        "step",
+        "tok/s/rank",
+        "fits",
+    )
     lines = [head, "memory GB per rank (1e9 bytes); sent GB per rank per step; times ms", ""]
     rows = []
     for r in p.rows:
         m = r.memory
         rows.append(
             [r.candidate.label]
-            + [f"{v / GB:.4g}" for v in (m.params, m.grads, m.optimizer, m.masters, m.buckets,
-                                         m.residuals, m.outer, r.activations, r.held_bytes,
-                                         r.peak_bytes, r.sent_bytes)]
+            + [
+                f"{v / GB:.4g}"
+                for v in (
+                    m.params,
+                    m.grads,
+                    m.optimizer,
+                    m.masters,
+                    m.buckets,
+                    m.residuals,
+                    m.outer,
+                    r.activations,
+                    r.held_bytes,
+                    r.peak_bytes,
+                    r.sent_bytes,
+                )
+            ]
             + [f"{v * 1e3:.4g}" for v in (r.compute_s, r.exposed_s, r.step_s)]
             + [f"{r.tokens_per_s:,.0f}", "yes" if r.fits else "NO"]
-        )  # fmt: skip
+        )
     widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows, strict=True)]
     for row in [columns, *rows]:
         lines.append("  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True)))

@@ -116,8 +116,12 @@ def footprint(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) -
         held = policy.footprint(m.param_shapes, optimizer_bytes=x.optimizer_bytes)
         s = 1
     else:  # our comm's reduce-scatters are pairwise on gloo (`parallelize(pairwise=None)`)
-        held = policy.footprint(m.param_shapes, shard_size=s, pairwise=hw.backend == "gloo",
-                                optimizer_bytes=x.optimizer_bytes)  # fmt: skip
+        held = policy.footprint(
+            m.param_shapes,
+            shard_size=s,
+            pairwise=hw.backend == "gloo",
+            optimizer_bytes=x.optimizer_bytes,
+        )
     world = span(n, t, x.ranks, hw.ranks_per_node)
     shard = span(s, t, x.ranks, hw.ranks_per_node)
     replicas = world if s == 1 else span(layout.replicas, s * t, x.ranks, hw.ranks_per_node)
@@ -128,17 +132,37 @@ def footprint(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) -
         if c.strategy == "diloco":
             f = _diloco(f, c, float(m.params), s, x, replicas)
     elif not held.gathers:  # replicated: DDP's all-reduce of every bucket
-        f.collectives.append(Collective(what="gradients", kind="all_reduce", buffer_bytes=grads,
-                                        group=world, calls=calls))  # fmt: skip
+        f.collectives.append(
+            Collective(
+                what="gradients", kind="all_reduce", buffer_bytes=grads, group=world, calls=calls
+            )
+        )
     else:  # ZeRO-1/2, and DDP with masters (ZeRO-1 on S = 1: its replicas are the world)
         f.collectives.extend(_sharded_reduce(grads, shard, replicas, calls))
-        f.collectives.append(Collective(what="parameters", kind="all_gather",
-                                        buffer_bytes=sum(held.gathers), group=shard,
-                                        calls=len(held.gathers), window="none"))  # fmt: skip
+        f.collectives.append(
+            Collective(
+                what="parameters",
+                kind="all_gather",
+                buffer_bytes=sum(held.gathers),
+                group=shard,
+                calls=len(held.gathers),
+                window="none",
+            )
+        )
     f = _compress(f, c, m, x, world if c.strategy == "ddp" else replicas)
     itemsize = 2 if x.autocast else x.param_bytes
-    f.collectives.extend(activation_all_reduces(x.tp, m.layers, m.width, m.seq_len
-                         * x.micro_batch, itemsize, x.accumulation, x.ranks, hw.ranks_per_node))  # fmt: skip
+    f.collectives.extend(
+        activation_all_reduces(
+            x.tp,
+            m.layers,
+            m.width,
+            m.seq_len * x.micro_batch,
+            itemsize,
+            x.accumulation,
+            x.ranks,
+            hw.ranks_per_node,
+        )
+    )
     psi, k = float(m.params), x.optimizer_bytes
     return _paper(f, c.strategy, psi, n, k) if x.layout == "zero-paper" else f
 
@@ -147,12 +171,25 @@ def _sharded_reduce(grad_bytes, shard, replicas, calls) -> list[Collective]:
     """Reduce-scatter within the shard group, all-reduce of the shard across replicas."""
     out = []
     if shard.size > 1:
-        out.append(Collective(what="gradients", kind="reduce_scatter", buffer_bytes=grad_bytes,
-                              group=shard, calls=calls))  # fmt: skip
+        out.append(
+            Collective(
+                what="gradients",
+                kind="reduce_scatter",
+                buffer_bytes=grad_bytes,
+                group=shard,
+                calls=calls,
+            )
+        )
     if replicas.size > 1:
-        out.append(Collective(what="gradient shards", kind="all_reduce",
-                              buffer_bytes=grad_bytes / shard.size, group=replicas,
-                              calls=calls))  # fmt: skip
+        out.append(
+            Collective(
+                what="gradient shards",
+                kind="all_reduce",
+                buffer_bytes=grad_bytes / shard.size,
+                group=replicas,
+                calls=calls,
+            )
+        )
     return out
 
 
@@ -164,11 +201,22 @@ def _zero3(held: RankFootprint, shard, replicas, micro: int) -> list[Collective]
         forward = sum(held.gathers)
         again = forward - held.gathers[0] - (held.gathers[-1] if len(held.gathers) > 1 else 0)
         out += [
-            Collective(what="parameters (forward)", kind="all_gather", buffer_bytes=forward
-                       * micro, group=shard, calls=len(held.gathers) * micro, window="forward"),
-            Collective(what="parameters (backward)", kind="all_gather", buffer_bytes=again
-                       * micro, group=shard, calls=len(held.gathers) * micro),
-        ]  # fmt: skip
+            Collective(
+                what="parameters (forward)",
+                kind="all_gather",
+                buffer_bytes=forward * micro,
+                group=shard,
+                calls=len(held.gathers) * micro,
+                window="forward",
+            ),
+            Collective(
+                what="parameters (backward)",
+                kind="all_gather",
+                buffer_bytes=again * micro,
+                group=shard,
+                calls=len(held.gathers) * micro,
+            ),
+        ]
     return out + _sharded_reduce(sum(held.reductions), shard, replicas, len(held.reductions))
 
 
@@ -186,12 +234,22 @@ def _diloco(f: Footprint, c, psi, s, x: PlanInputs, replicas) -> Footprint:
     value_bytes = OUTER_VALUE_BYTES[streaming.compress]
     quantised = streaming.compress in ("int8", "fp8", "int4")
     payload = psi / s / streaming.fragments * (value_bytes + (4 / 1024 if quantised else 0))
-    outer = Collective(what="outer deltas", kind="all_reduce", buffer_bytes=payload,
-                       group=replicas, window="steps", overlap_steps=streaming.overlap,
-                       every=x.diloco_steps / streaming.fragments)  # fmt: skip
+    outer = Collective(
+        what="outer deltas",
+        kind="all_reduce",
+        buffer_bytes=payload,
+        group=replicas,
+        window="steps",
+        overlap_steps=streaming.overlap,
+        every=x.diloco_steps / streaming.fragments,
+    )
     residual = 4 * psi / s * (1 + 1 / replicas.size) if quantised and replicas.size > 1 else 0
-    return Footprint(rank=f.rank, outer=8 * psi / s, residuals=residual,
-                     collectives=inner + ([outer] if replicas.size > 1 else []))  # fmt: skip
+    return Footprint(
+        rank=f.rank,
+        outer=8 * psi / s,
+        residuals=residual,
+        collectives=inner + ([outer] if replicas.size > 1 else []),
+    )
 
 
 def _compress(f: Footprint, c: Candidate, m: ModelShape, x: PlanInputs, target) -> Footprint:
@@ -209,15 +267,22 @@ def _compress(f: Footprint, c: Candidate, m: ModelShape, x: PlanInputs, target) 
         sharded = one_d and col.kind == "reduce_scatter" and col.what == "gradients"
         if whole or sharded:
             numel = col.buffer_bytes / x.grad_bytes
-            kind, size, feedback = compressed_bytes(c.compress, x.compress_arg, numel,
-                                                    m.matrices, m.params)  # fmt: skip
+            kind, size, feedback = compressed_bytes(
+                c.compress, x.compress_arg, numel, m.matrices, m.params
+            )
             if sharded and kind == "all_reduce" and c.compress in ("int8", "fp8", "bf16"):
                 kind = "reduce_scatter"  # quantised chunks to their owners only
             size *= col.group.size if kind == "all_gather" else 1
             second = whole and c.compress in ("int8", "fp8")
             residual += 4 * numel * (1 + (1 / col.group.size if second else 0)) if feedback else 0
-            col = Collective(what=f"{col.what} ({c.compress})", kind=kind, buffer_bytes=size,
-                             group=col.group, calls=col.calls, window=col.window)  # fmt: skip
+            col = Collective(
+                what=f"{col.what} ({c.compress})",
+                kind=kind,
+                buffer_bytes=size,
+                group=col.group,
+                calls=col.calls,
+                window=col.window,
+            )
         out.append(col)
     return Footprint(rank=f.rank, residuals=residual, outer=f.outer, collectives=out)
 

@@ -31,8 +31,11 @@ ROWS = {"gpt": ("attn.proj", "mlp.2"), "llama": ("wo", "w2")}
 def _family(model: nn.Module) -> str:
     blocks = getattr(model, "blocks", None) or getattr(model, "layers", None)
     if blocks is None or not len(blocks):
-        raise PlanError("--tp", f"{type(model).__name__} has no tensor-parallel plan",
-                        "plan a reference GPT or a Llama, or drop --tp")  # fmt: skip
+        raise PlanError(
+            "--tp",
+            f"{type(model).__name__} has no tensor-parallel plan",
+            "plan a reference GPT or a Llama, or drop --tp",
+        )
     return "gpt" if hasattr(model, "blocks") else "llama"
 
 
@@ -43,8 +46,11 @@ def narrow(model: nn.Module, tp: int, heads: int, kv_heads: int | None = None) -
         return model
     for what, count in (("heads", heads), ("key/value heads", kv_heads or heads)):
         if count % tp:
-            raise PlanError("--tp", f"{tp} does not divide the model's {count} {what}",
-                            f"give a divisor of {count}")  # fmt: skip
+            raise PlanError(
+                "--tp",
+                f"{tp} does not divide the model's {count} {what}",
+                f"give a divisor of {count}",
+            )
     family = _family(model)
     blocks = model.blocks if family == "gpt" else model.layers
     for block in blocks:
@@ -55,8 +61,9 @@ def narrow(model: nn.Module, tp: int, heads: int, kv_heads: int | None = None) -
             rows = name in ROWS[family]
             din = old.in_features // tp if rows else old.in_features
             dout = old.out_features if rows else old.out_features // tp
-            new = nn.Linear(din, dout, bias=old.bias is not None, device="meta",
-                            dtype=old.weight.dtype)  # fmt: skip
+            new = nn.Linear(
+                din, dout, bias=old.bias is not None, device="meta", dtype=old.weight.dtype
+            )
             if leaf.isdigit():
                 owner[int(leaf)] = new
             else:
@@ -89,6 +96,6 @@ def activation_all_reduces(
             group=group,
             calls=calls,
             window="none",
-        )  # fmt: skip
+        )
         for direction in ("forward", "backward")
     ]

@@ -128,10 +128,16 @@ class DDP:
         as policy resolution builds it (strategies/resolve.py)."""
         masters = self.precision.masters(model_dtype) is not None
         return bucketed(
-            shapes, self.precision, stage=1 if masters else 0, shards=1, in_flight=1,
+            shapes,
+            self.precision,
+            stage=1 if masters else 0,
+            shards=1,
+            in_flight=1,
             bucket_bytes=(int(self.bucket_mb * MB), int(self.first_bucket_mb * MB)),
-            pairwise=False, model_dtype=model_dtype, **given,
-        )  # fmt: skip
+            pairwise=False,
+            model_dtype=model_dtype,
+            **given,
+        )
 
 
 class DDPStrategy(Strategy):

@@ -90,9 +90,12 @@ def dtypes(precision: MixedPrecision, model_dtype: torch.dtype) -> tuple:
 
 
 def bucket_layouts(
-    numels: tuple[int, ...], dtype: torch.dtype, bucket_bytes: int, first_bucket_bytes: int,
+    numels: tuple[int, ...],
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    first_bucket_bytes: int,
     shards: int,
-) -> list[ShardLayout]:  # fmt: skip
+) -> list[ShardLayout]:
     """The buckets a bucketed strategy plans for parameters of `numels` in `dtype` (planned in
     reverse, padded to `shards`), each as the layout its shard group splits."""
     backward = list(reversed(numels))
@@ -120,10 +123,18 @@ def received(layout: ShardLayout, dtype: torch.dtype) -> int:
 
 
 def bucketed(
-    shapes: ParamShapes, precision: MixedPrecision, *, stage: int,
-    bucket_bytes: tuple[int, int], shards: int, in_flight: int, pairwise: bool,
-    optimizer_bytes: float, model_dtype: torch.dtype = torch.float32, rank: int = 0,
-) -> Footprint:  # fmt: skip
+    shapes: ParamShapes,
+    precision: MixedPrecision,
+    *,
+    stage: int,
+    bucket_bytes: tuple[int, int],
+    shards: int,
+    in_flight: int,
+    pairwise: bool,
+    optimizer_bytes: float,
+    model_dtype: torch.dtype = torch.float32,
+    rank: int = 0,
+) -> Footprint:
     """DDP (stage 0), ZeRO-1 (1: full buckets kept) and ZeRO-2 (2: buckets freed once their
     shard is kept, `in_flight` reducing plus one filling). bucket_bytes: the policy's (bucket,
     first bucket) sizes; in_flight: reductions the reducer keeps in flight (`max_in_flight`);
@@ -136,8 +147,12 @@ def bucketed(
     params = sum(layout.numel for layout in layouts) * compute.itemsize
     reductions = tuple(layout.numel * bucket.itemsize for layout in layouts)
     if stage == 0:
-        return Footprint(params=params, grads=sum(full), reductions=reductions,
-                         optimizer=optimizer_bytes * sum(shapes.numels))  # fmt: skip
+        return Footprint(
+            params=params,
+            grads=sum(full),
+            reductions=reductions,
+            optimizer=optimizer_bytes * sum(shapes.numels),
+        )
     held = master or compute  # the shard's data, and its gradient store
     shard = sum(layout.shard_numel for layout in layouts)
     store = shard * held.itemsize
@@ -158,10 +173,16 @@ def bucketed(
 
 
 def unitwise(
-    shapes: ParamShapes, precision: MixedPrecision, *, shards: int,
-    gathered_units: int | None, pairwise: bool, optimizer_bytes: float,
-    model_dtype: torch.dtype = torch.float32, rank: int = 0,
-) -> Footprint:  # fmt: skip
+    shapes: ParamShapes,
+    precision: MixedPrecision,
+    *,
+    shards: int,
+    gathered_units: int | None,
+    pairwise: bool,
+    optimizer_bytes: float,
+    model_dtype: torch.dtype = torch.float32,
+    rank: int = 0,
+) -> Footprint:
     """ZeRO-3: per unit, a flat shard in the model's dtype and a gradient store of the same;
     at the peak the root and `gathered_units` more units gathered (None: all), the unit whose
     backward fills its gradients and the one reducing (one at a time, [Note: schedule] in

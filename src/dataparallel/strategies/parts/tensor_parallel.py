@@ -71,9 +71,13 @@ class TensorParallel:
         device of `local`."""
         device = torch.device(self.mesh.device_type)
         view = DTensor.from_local(
-            local.to(device), self.mesh, self.placements, run_check=False,
-            shape=self.shape, stride=self.stride,
-        )  # fmt: skip
+            local.to(device),
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=self.shape,
+            stride=self.stride,
+        )
         return view.full_tensor().to(local.device)
 
     def local_part(self, whole: torch.Tensor) -> torch.Tensor:

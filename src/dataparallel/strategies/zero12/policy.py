@@ -83,11 +83,15 @@ class ZeROPolicy:
         """Bytes one rank of a shard group of `shard_size` holds ([Note: footprint] in
         parts/footprint.py; `given`: `bucketed`'s optimizer_bytes, model_dtype, rank)."""
         return bucketed(
-            shapes, self.precision, stage=2 if self.keeper.lazy else 1, shards=shard_size,
+            shapes,
+            self.precision,
+            stage=2 if self.keeper.lazy else 1,
+            shards=shard_size,
             bucket_bytes=(int(self.bucket_mb * MB), int(self.first_bucket_mb * MB)),
-            in_flight=MAX_IN_FLIGHT, pairwise=pairwise and self.grad_reduce != "all_reduce",
+            in_flight=MAX_IN_FLIGHT,
+            pairwise=pairwise and self.grad_reduce != "all_reduce",
             **given,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -117,10 +117,15 @@ class ZeROStrategy(ShardedStrategy):
             masters = None if spec.dtype == masters else masters
             self.buckets.append(
                 flatten_bucket(
-                    spec, params, values, shard_comm.rank, shard_comm.world_size, masters,
+                    spec,
+                    params,
+                    values,
+                    shard_comm.rank,
+                    shard_comm.world_size,
+                    masters,
                     optimized=spec.group is not None,
                 )
-            )  # fmt: skip
+            )
         for p in planned:
             p.grad = None
         device = planned[0].device if planned else self.comm.device

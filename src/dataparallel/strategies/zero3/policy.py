@@ -112,8 +112,10 @@ class ZeRO3:
         """Bytes one rank of a shard group of `shard_size` holds ([Note: footprint] in
         parts/footprint.py; `given`: `unitwise`'s optimizer_bytes, model_dtype, rank)."""
         return unitwise(
-            shapes, self.precision, shards=shard_size,
+            shapes,
+            self.precision,
+            shards=shard_size,
             pairwise=pairwise and self.reduce != "all_reduce",
             gathered_units=1 + int(self.prefetch) if self.reshard_after_forward else None,
             **given,
-        )  # fmt: skip
+        )

@@ -35,8 +35,14 @@ class Schedule:
     check_mode: "auto", "always" or "off" (ZeRO3's `check_order`).
     """
 
-    def __init__(self, units: list[FlatUnit], prefetch: bool, reshard_after_forward: bool,
-                 check: Comm | None, check_mode: str):  # fmt: skip
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        prefetch: bool,
+        reshard_after_forward: bool,
+        check: Comm | None,
+        check_mode: str,
+    ):
         self.units = units
         self.depth = int(prefetch)
         self.reshard_after_forward = reshard_after_forward

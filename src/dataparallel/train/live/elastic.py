@@ -135,8 +135,10 @@ def _answer(command: str, store, request: Request, secret: Path) -> Answer | Non
 
 def cmd_join(args: argparse.Namespace) -> int:
     if args.restarts < 0:
-        print(f"dataparallel join: error: --restarts: {args.restarts} is negative; give 0 or "
-              "more", file=sys.stderr)  # fmt: skip
+        print(
+            f"dataparallel join: error: --restarts: {args.restarts} is negative; give 0 or more",
+            file=sys.stderr,
+        )
         return 2
     try:
         secret = use_secret(Path(args.run), args.secret_file)
@@ -242,8 +244,12 @@ def keep(run_dir: Path, restarts: int, secret: Path) -> int:
             return 1 if code == REFUSED or code < 0 else code
         lost += 1
         rejoin_until = time.monotonic() + REJOIN_WAIT_S
-        print(f"dataparallel join: the replica was lost (status {code}); joining again "
-              f"({lost} of --restarts {restarts})", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"dataparallel join: the replica was lost (status {code}); joining again "
+            f"({lost} of --restarts {restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def fork(run: Callable[[], int]) -> int:
@@ -326,8 +332,10 @@ def cmd_leave(args: argparse.Namespace) -> int:
     if answer is None:
         return 1
     if not answer.ok:
-        print(f"dataparallel leave: refused: --replica {args.replica}: {answer.message}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"dataparallel leave: refused: --replica {args.replica}: {answer.message}",
+            file=sys.stderr,
+        )
         return 1
     print(f"dataparallel leave: {answer.message}")
     return 0

@@ -135,9 +135,15 @@ class LiveLauncher:
         self.starts += 1
         processes = []
         for index in range(self.shard):
-            live = {"store": self.hosted.address, "replica": slot, "joining": joining,
-                    "index": index, "shard": self.shard, "start": self.starts,
-                    "secret": str(self.secret_file.resolve())}  # fmt: skip
+            live = {
+                "store": self.hosted.address,
+                "replica": slot,
+                "joining": joining,
+                "index": index,
+                "shard": self.shard,
+                "start": self.starts,
+                "secret": str(self.secret_file.resolve()),
+            }
             env = {**os.environ, **self.env, ENV_LIVE: json.dumps(live)}
             processes.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE], env=env))
         process = processes[0] if self.shard == 1 else Replica(processes)
