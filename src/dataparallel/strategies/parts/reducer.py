@@ -24,7 +24,8 @@ changes the gradient is seen); it marks the parameter used and counts its bucket
 operation. What runs per
 bucket: the last gradient's hook only notes the bucket due, and the next hook (or the end of
 the backward) launches it, once autograd has added that gradient in place: one division of the
-whole buffer for the mean, and the hook ([Note: launched at the next hook]). Per step: the zeroing, one memset per bucket after the usual `zero_grad()`. This replaced
+whole buffer for the mean, and the hook ([Note: launched at the next hook]). Per step: the
+zeroing, one memset per bucket after the usual `zero_grad()`. This replaced
 a post-accumulate-grad hook per parameter that copied autograd's fresh gradient into its view
 (divided on the way) from Python: on gpt-deep-narrow (292 tensors) that was a kernel launched
 from Python and the bookkeeping around it per gradient. Buckets of a wider dtype keep that copy
@@ -215,9 +216,7 @@ class GradientReducer:
             return
         if not self.round.queued:
             self.round.open(self._finish)
-        if self.launch_due:  # the gradient before this one is in its bucket now
-            self.launch_due = False
-            self._launch_ready()
+        self._launch_due()  # the gradient before this one is in its bucket now
         if self.comm.tracer.enabled:
             self.comm.tracer.mark("grad_ready", param=i)
         bucket.pending -= 1
@@ -237,6 +236,13 @@ class GradientReducer:
         if self.comm.tracer.enabled:
             self.comm.tracer.mark("grad_ready", param=i)
         if bucket.mark_ready():
+            self._launch_ready()
+
+    def _launch_due(self) -> None:
+        """Launch what a completed bucket made ready, once its last gradient is in it ([Note:
+        launched at the next hook])."""
+        if self.launch_due:
+            self.launch_due = False
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -274,9 +280,7 @@ class GradientReducer:
 
     def _finish(self) -> None:
         self.comm.tracer.mark("backward_end")
-        if self.launch_due:  # the backward's last gradient completed its bucket
-            self.launch_due = False
-            self._launch_ready()
+        self._launch_due()  # the backward's last gradient may have completed its bucket
         for bucket in self.buckets[self.next_launch :]:  # some gradient never came
             if bucket.grad_views:
                 self._zero_cleared(bucket)
