@@ -33,7 +33,26 @@ import host_namespaces  # noqa: E402
 # measured before it spell the paper's DiLoCo (or their streaming settings) in full.
 PLAIN = "--fragments 1 --overlap 0 --outer-warmup 0".split()
 STREAMING_H20 = "--diloco 20 --fragments 4 --overlap 1 --outer-compress int4".split()
-CONFIGS = {  # name -> dataparallel train flags
+
+
+# The inner recipe of "Scaling Laws for DiLoCo" (Charles et al. 2025) for a run of T steps
+# (docs/compression.md, "Low communication at the papers' figures"), DDP's rows too: AdamW
+# beta2 0.99, warm-up a tenth of the run, cosine to 5%, weight decay 1/T independent of the
+# learning rate (torch's AdamW multiplies it by lr: 1 / (T x 2e-3)), gradient clip 1.0 (the
+# job's default). A row named "...-paper..." runs on it; "...-alone-X" on one element X of it.
+def paper_flags(steps: int, only: str = "") -> list[str]:
+    elements = {
+        "b099": ["--beta2", "0.99"],
+        "warmup": ["--warmup-steps", str(steps // 10)],
+        "min005": ["--min-lr-ratio", "0.05"],
+        "wd": ["--weight-decay", f"{1 / (steps * 2e-3):g}"],
+    }
+    return elements[only] if only else [f for flags in elements.values() for f in flags]
+
+
+PAPER_DILOCO = ["--diloco", "30", *PLAIN, "--outer-compress", "fp32"]
+THE_PAPERS_OUTER = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]
+CONFIGS = {  # name -> dataparallel train flags (a row's --nproc and --batch override)
     "bound": ["--local-sgd", "1000000"],
     "ddp": [],
     "ddp-bf16": ["--compress", "bf16"],
@@ -73,6 +92,43 @@ CONFIGS = {  # name -> dataparallel train flags
     "recipe-h20": ["--diloco", "20"],  # the default: [Note: the DiLoCo recipe]
     "recipe-h10": ["--diloco", "10"],  # the recipe at twice the outer steps (2 fragments)
     "recipe-h20-w200": ["--diloco", "20", "--outer-warmup", "200"],  # a longer streamed warm-up
+    # Issue 42 (paper_flags above): the paper's DiLoCo, H = 30, on the job's inner settings,
+    # on each element of the paper's inner recipe alone, and on all of it; then its outer
+    # settings swept; "-chosen" rows take the table's ([Note: the outer learning rate]).
+    "diloco-h30": [*PAPER_DILOCO, *THE_PAPERS_OUTER],
+    "diloco-h30-alone-b099": [*PAPER_DILOCO, *THE_PAPERS_OUTER],
+    "diloco-h30-alone-warmup": [*PAPER_DILOCO, *THE_PAPERS_OUTER],
+    "diloco-h30-alone-min005": [*PAPER_DILOCO, *THE_PAPERS_OUTER],
+    "diloco-h30-alone-wd": [*PAPER_DILOCO, *THE_PAPERS_OUTER],
+    "m1-diloco-h30": [*PAPER_DILOCO, *THE_PAPERS_OUTER, "--nproc", "1", "--batch", "16"],
+    "ddp-paper": [],
+    "diloco-h30-paper": [*PAPER_DILOCO, *THE_PAPERS_OUTER],
+    "diloco-h30-paper-lr04": [*PAPER_DILOCO, "--outer-lr", "0.4", "--outer-momentum", "0.9"],
+    "diloco-h30-paper-lr10": [*PAPER_DILOCO, "--outer-lr", "1.0", "--outer-momentum", "0.9"],
+    "diloco-h30-paper-inner-lr1e3": [*PAPER_DILOCO, *THE_PAPERS_OUTER, "--lr", "1e-3"],
+    "diloco-h30-paper-m08": [*PAPER_DILOCO, "--outer-lr", "0.7", "--outer-momentum", "0.8"],
+    "diloco-h30-paper-m06": [*PAPER_DILOCO, "--outer-lr", "0.7", "--outer-momentum", "0.6"],
+    "diloco-h30-paper-lr10-m08": [*PAPER_DILOCO, "--outer-lr", "1.0", "--outer-momentum", "0.8"],
+    "m4-diloco-h30-paper-m08": [
+        *PAPER_DILOCO,
+        *"--outer-lr 0.7 --outer-momentum 0.8".split(),
+        *"--nproc 4 --batch 4".split(),
+    ],
+    "m1-diloco-h30-paper-m08": [
+        *PAPER_DILOCO,
+        *"--outer-lr 0.7 --outer-momentum 0.8".split(),
+        *"--nproc 1 --batch 16".split(),
+    ],
+    "diloco-h30-paper-chosen": PAPER_DILOCO,
+    "diloco-h30-paper-chosen-int4": [*PAPER_DILOCO, "--outer-compress", "int4"],
+    "recipe-h30-paper": ["--diloco", "30"],  # streamed as the recipe says, the outer chosen
+    "muon-ddp-paper": ["--optimizer", "muon"],
+    "muloco-h30-paper": [
+        *PAPER_DILOCO,
+        "--optimizer",
+        "muon",  # MuLoCo's paper's outer
+        *"--outer-lr 0.7 --outer-momentum 0.6".split(),
+    ],
     # Compression under AdamW (docs/compression.md): exact steps first, a higher rank.
     "powersgd-s30": "--compress powersgd:rank=4,start=30".split(),
     "powersgd-s60": "--compress powersgd:rank=4,start=60".split(),
@@ -88,41 +144,9 @@ CONFIGS = {  # name -> dataparallel train flags
     "peer-powersgd": None,  # PyTorch DDP + powerSGD_hook
     "peer-torchft-diloco": None,  # torchft's DiLoCo, H = 50, fp32 outer gradients
 }
-EXTRA = (
-    "powersgd-r16",
-    "local-sgd-h10",
-    "diloco-int8-h10",
-    "diloco",
-    "peer-torchft-diloco",
-    "diloco-h20",
-    "streaming-h20",
-    "streaming-h20-fp32",
-    "streaming-h20-w30",
-    "streaming-h10",
-    "streaming-h10-w15",
-    "streaming-h20-w8",
-    "streaming-h20-w15",
-    "streaming-h40-w15",
-    "streaming-h20-w40",
-    "streaming-h20-m5",
-    "streaming-h20-lr1",
-    "streaming-h20-mix0",
-    "streaming-h20-mix75",
-    "streaming-h20-mix9",
-    "recipe-h20",
-    "recipe-h10",
-    "recipe-h20-w200",
-    "powersgd-s30",
-    "powersgd-s60",
-    "powersgd-r16-s10",
-    "powersgd-r8-s30",
-    "powersgd-r8-s10",
-    "powersgd-r16-s0",
-    "topk-r05",
-    "topk-r10",
-    "topk-s30",
-    "topk-r10-s30",
-)  # run only when named in --only
+# what runs without --only; every other row only when named
+DEFAULT_ROWS = ("bound", "ddp", "ddp-bf16", "powersgd", "topk", "int8", "local-sgd",
+                "diloco-int8", "streaming", "peer-powersgd")  # fmt: skip
 MODEL = ["gpt-small"]  # --model
 BATCH = ["16"]  # --batch
 COMMON = ["--eval-every", "0", "--threads", "1", "--warmup-steps", "30"]
@@ -145,6 +169,10 @@ def summarize(out: Path) -> dict:
 
 def run_ours(name: str, steps: int, out: Path, rate: str | None, loopback: bool) -> dict:
     args = [*COMMON, "--model", MODEL[0], "--batch", BATCH[0], "--steps", str(steps)]
+    if "-paper" in name:
+        args += paper_flags(steps)
+    elif "-alone-" in name:
+        args += paper_flags(steps, only=name.split("-alone-")[1])
     args += CONFIGS[name]
     if loopback:
         cmd = [sys.executable, "-m", "dataparallel.cli", "train", "--nproc", "2", "--out", str(out)]
@@ -256,7 +284,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16, help="windows per rank per step")
     parser.add_argument(
         "--only",
-        default=",".join(c for c in CONFIGS if c not in EXTRA),
+        default=",".join(DEFAULT_ROWS),
         help=f"comma-separated configs, from {', '.join(CONFIGS)}",
     )
     parser.add_argument("--out", default=f"runs/slow-link-{int(time.time())}")

@@ -54,7 +54,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from .activation_checkpointing import checkpoint_activations
 from .api import build_optimizer, parallelize
-from .averaging import DiLoCo, LocalSGD
+from .averaging import DiLoCo, LocalSGD, OuterSettings
 from .comm import Tracer
 from .recipe import PRECISIONS, Recipe, RecipeError, check_recipe, check_tp_mesh
 from .strategies import Layout, Mesh, init_mesh
@@ -77,6 +77,8 @@ class Composed:
     layout: the parallel layout of the composed world ([Note: layout] in
         strategies/parts/parallel_layout.py): which ranks read which data, shard, replicate
         and count the loss; what the job, its checkpoints and live recovery read.
+    outer: DiLoCo's outer settings as resolved for this run (given, or chosen: [Note: the
+        outer learning rate] in averaging/outer_settings.py), or None without DiLoCo.
     """
 
     model: nn.Module
@@ -88,6 +90,7 @@ class Composed:
     tracer: Tracer = field(default_factory=Tracer)
     device_mesh: DeviceMesh | None = None
     layout: Layout | None = None
+    outer: OuterSettings | None = None
 
     def autocast(self):
         """The forward's autocast context for the recipe's precision (a no-op without one)."""
@@ -141,11 +144,17 @@ def compose(
     two_d, replicas = _data_parallel(model, recipe, layout, group, tracer)  # 4.
     params = _rebind(params, names, model)
     optimizer = build_optimizer(model, optimizer_cls, params=params, **optimizer_kwargs)  # 5.
-    averager = _averager(recipe, model, optimizer, replicas, tracer) if replicas else None
+    averager = outer = None
+    if replicas:
+        if recipe.diloco:
+            outer = recipe.outer(layout.replicas, inner_optimizer(optimizer_cls, params))
+        averager = _averager(recipe, outer, model, optimizer, replicas, tracer)
     scaler = None
     if PRECISIONS[recipe.precision].scaling:
         scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
-    return Composed(model, optimizer, averager, two_d, scaler, recipe, tracer, device_mesh, layout)
+    return Composed(
+        model, optimizer, averager, two_d, scaler, recipe, tracer, device_mesh, layout, outer
+    )
 
 
 def _split(model: nn.Module, recipe: Recipe, group, mesh: DeviceMesh | None):
@@ -209,14 +218,20 @@ def _listed(params) -> list:
     return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
-def _averager(recipe: Recipe, model, optimizer, group, tracer):
+def inner_optimizer(optimizer_cls, params=None) -> str:
+    """ "muon" when Muon is the class of the optimizer or of a param group, else "adamw": the
+    inner optimizer's row of the outer settings ([Note: the outer learning rate])."""
+    muon = getattr(torch.optim, "Muon", None)
+    classes = [optimizer_cls] + [g.get("optimizer") for g in params or () if isinstance(g, dict)]
+    is_muon = muon is not None and any(isinstance(c, type) and issubclass(c, muon) for c in classes)
+    return "muon" if is_muon else "adamw"
+
+
+def _averager(recipe: Recipe, outer: OuterSettings, model, optimizer, group, tracer):
     if recipe.local_sgd:
         return LocalSGD(model, optimizer, recipe.local_sgd, group=group, tracer=tracer)
     outer = partial(
-        torch.optim.SGD,
-        lr=recipe.outer_lr,
-        momentum=recipe.outer_momentum,
-        nesterov=recipe.outer_momentum > 0,
+        torch.optim.SGD, lr=outer.lr, momentum=outer.momentum, nesterov=outer.momentum > 0
     )
     streaming = recipe.streaming  # [Note: the DiLoCo recipe]
     return DiLoCo(

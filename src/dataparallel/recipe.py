@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .activation_checkpointing import check_checkpointable
+from .averaging.outer_settings import CHOSEN, OuterSettings, choose_outer
 from .averaging.streaming import (
     OUTER_COMPRESS,
     RECIPE,
@@ -57,8 +58,11 @@ class Recipe:
         "topk:ratio=0.01", "int8", "fp8", "bf16"); "" for none.
     local_sgd: average the replicas' parameters every H optimizer steps (0: off).
     diloco: DiLoCo every H optimizer steps (0: off), with an outer Nesterov SGD of
-        `outer_lr` and `outer_momentum` (0: plain SGD), streamed as the recipe says unless
-        the fields below are given ([Note: the DiLoCo recipe] in averaging/streaming.py).
+        `outer_lr` and `outer_momentum`, streamed as the recipe says unless the fields below
+        are given ([Note: the DiLoCo recipe] in averaging/streaming.py).
+    outer_lr, outer_momentum: DiLoCo's outer learning rate and Nesterov momentum (0: plain
+        SGD); CHOSEN (-1): chosen for the run from the replicas, H and the inner optimizer
+        (`outer`; [Note: the outer learning rate] in averaging/outer_settings.py).
     outer_compress: DiLoCo's outer gradients on the wire: "recipe" (the recipe's: "int4"),
         "" or "fp32", "bf16", "int8", "fp8" or "int4".
     fragments, overlap, mix: Streaming DiLoCo ([Note: streaming DiLoCo] in averaging/diloco.py): F
@@ -86,8 +90,8 @@ class Recipe:
     compress: str = ""
     local_sgd: int = 0
     diloco: int = 0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = CHOSEN
+    outer_momentum: float = CHOSEN
     outer_compress: str = "recipe"
     fragments: int = RECIPE
     overlap: int = RECIPE
@@ -125,13 +129,13 @@ class Recipe:
                 "local SGD and DiLoCo are both asked for",
                 "choose one: {local_sgd} H or {diloco} H",
             )
-        if not self.outer_lr > 0:
-            _bad("outer_lr", f"{self.outer_lr} is not positive", "use e.g. 0.7")
-        if not 0 <= self.outer_momentum < 1:
+        if not (self.outer_lr > 0 or self.outer_lr == CHOSEN):
+            _bad("outer_lr", f"{self.outer_lr} is not positive", "use e.g. 0.7, or -1 for chosen")
+        if not (0 <= self.outer_momentum < 1 or self.outer_momentum == CHOSEN):
             _bad(
                 "outer_momentum",
                 f"{self.outer_momentum} is outside [0, 1)",
-                "use e.g. 0.9, or 0 for plain SGD",
+                "use e.g. 0.9, 0 for plain SGD, or -1 for chosen",
             )
         if self.outer_compress not in OUTER_COMPRESS:
             _bad(
@@ -209,6 +213,12 @@ class Recipe:
             self.lr_warmup,
             self.run_steps,
         )
+
+    def outer(self, replicas: int, inner: str = "adamw") -> OuterSettings:
+        """DiLoCo's outer settings over `replicas` replicas under the `inner` optimizer
+        ("adamw", "muon"): `outer_lr` and `outer_momentum` where given, the table's where
+        CHOSEN ([Note: the outer learning rate] in averaging/outer_settings.py)."""
+        return choose_outer(replicas, self.diloco, inner, self.outer_lr, self.outer_momentum)
 
     @property
     def averaging(self) -> bool:

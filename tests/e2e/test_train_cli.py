@@ -29,6 +29,8 @@ import torch
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
+from dataparallel.averaging import choose_outer
+from dataparallel.averaging.outer_settings import MEASURED
 from dataparallel.checkpoint import stored_tensors
 from dataparallel.data.corpus import TokenWindows, evenly_spaced, load_corpus
 from dataparallel.models import build_model
@@ -370,6 +372,8 @@ def test_diloco_with_zero2_inside_synchronises_every_h_steps(reference_run, tmp_
     result = train([*args, *flags], tmp_path / "run")
     _check_ok(result)
     assert "DiLoCo every 3 steps" in result.stdout
+    chosen = choose_outer(2, 3, "adamw")  # [Note: the outer learning rate]
+    assert chosen.describe() in result.stdout and "under AdamW" in chosen.source
     records = _train_records(tmp_path / "run")
     inner = records[0]["bytes_sent"]  # ZeRO-2's reduce-scatter and all-gather in a replica
     assert inner > 0 and all(r["bytes_sent"] == inner for r in records if r["step"] % 3)
@@ -380,6 +384,21 @@ def test_diloco_with_zero2_inside_synchronises_every_h_steps(reference_run, tmp_
         extra = records[step - 1]["bytes_sent"] - inner
         assert 2.8e6 < extra < 3.0e6, (step, extra)
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
+
+
+def test_muloco_with_zero2_inside_takes_muons_outer_settings(reference_run, tmp_path):
+    """--optimizer muon under DiLoCo (MuLoCo): 2 replicas of 2 ranks, ZeRO-2 inside owning
+    Muon's matrices whole; the outer settings are Muon's row of the table unless given, and
+    the loss falls."""
+    args = _override(REFERENCE_ARGS, nproc="4", batch="2", strategy="zero2", stop_after="6")
+    flags = ["--shard-group", "2", "--diloco", "3", "--optimizer", "muon", "--lr", "0.02"]
+    result = train([*args, *flags, "--outer-momentum", "0.5"], tmp_path / "run")
+    _check_ok(result)
+    chosen = choose_outer(2, 3, "muon", momentum=0.5)
+    assert chosen.lr == MEASURED[("muon", 2, 30)][0] and chosen.momentum == 0.5
+    assert chosen.describe() in result.stdout, result.stdout
+    records = _train_records(tmp_path / "run")
+    assert len(records) == 6 and records[-1]["loss"] < records[0]["loss"] - 0.5
 
 
 def test_a_global_batch_that_the_ranks_do_not_divide_trains(tmp_path):

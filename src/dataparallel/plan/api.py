@@ -91,7 +91,7 @@ def plan(
             precision=precision,
             tp=tp,
             activation_checkpointing=activation_checkpointing,
-            diloco=_steps(diloco_steps),
+            diloco=checked_steps(diloco_steps),
             fragments=fragments,
             overlap=overlap,
             outer_compress=outer_compress,
@@ -113,6 +113,7 @@ def plan(
         compress_arg=compress_arg,
         layout=layout,
         bucket_mb=bucket_mb,
+        inner="muon" if optimizer == "muon" else "adamw",
     )
     shape = model_shape(model, params, layers, width, seq_len, vocab, loss_fn, inputs)
     if not whole:
@@ -162,7 +163,7 @@ def model_shape(model, params, layers, width, seq_len, vocab, loss_fn, x: PlanIn
 __all__ = ["ModelShape", "Plan", "plan"]
 
 
-def _steps(diloco_steps) -> int:
+def checked_steps(diloco_steps) -> int:
     """--diloco-steps: a recipe's `diloco` H, at least 1 here (0 would turn DiLoCo off)."""
     if isinstance(diloco_steps, bool) or not isinstance(diloco_steps, int) or diloco_steps < 1:
         given = f"must be a positive integer, got {diloco_steps!r}"

@@ -38,6 +38,15 @@ def add_plan_parser(commands) -> None:
     p.add_argument(
         "--outer-compress", default="recipe", help="recipe (int4), fp32, bf16, int8, fp8 or int4"
     )
+    p.add_argument(
+        "--outer-lr",
+        type=float,
+        default=-1.0,
+        help="DiLoCo's outer learning rate (-1: chosen for the run, as the job chooses it)",
+    )
+    p.add_argument(
+        "--outer-momentum", type=float, default=-1.0, help="DiLoCo's outer momentum (-1: chosen)"
+    )
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--layout", default="dataparallel", help="dataparallel or zero-paper")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1: none)")
@@ -70,11 +79,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .api import plan
-    from .inputs import STRATEGIES, parse_compress
+    from .api import checked_steps, plan
+    from .inputs import STRATEGIES, parse_compress, plan_recipe
     from .render import as_json, as_table
 
     compress, arg = parse_compress(args.compress)
+    recipe = plan_recipe(  # what `dataparallel train` would compose, its rules checked there
+        precision=args.precision,
+        tp=args.tp,
+        activation_checkpointing=args.activation_checkpointing,
+        diloco=checked_steps(args.diloco_steps),
+        fragments=args.fragments,
+        overlap=args.overlap,
+        outer_compress=args.outer_compress,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+    )
     result = plan(
         args.model,
         params=args.params,
@@ -86,7 +106,6 @@ def _plan(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         ranks_per_node=args.ranks_per_node,
         hardware=args.hardware,
-        precision=args.precision,
         optimizer=args.optimizer,
         micro_batch=args.micro_batch,
         accumulation=args.accumulation,
@@ -94,13 +113,8 @@ def _plan(args: argparse.Namespace) -> int:
         shard_sizes=args.shard_size,
         compress=compress,
         compress_arg=arg,
-        diloco_steps=args.diloco_steps,
-        fragments=args.fragments,
-        overlap=args.overlap,
-        outer_compress=args.outer_compress,
-        activation_checkpointing=args.activation_checkpointing,
         layout=args.layout,
-        tp=args.tp,
+        recipe=recipe,
     )
     print(as_json(result) if args.json else as_table(result))
     return 0

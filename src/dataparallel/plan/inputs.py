@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..averaging import OuterSettings
 from ..compression import COMPRESSORS as ENGINE_COMPRESSORS
 from ..recipe import Recipe, RecipeError
 from ..strategies import POLICIES, PRECISIONS, Layout, LayoutError, Precision
@@ -67,6 +68,8 @@ class PlanInputs:
         fp32 gradient slice, no buckets).
     bucket_mb: gradient bucket MiB of DDP, ZeRO-1 and ZeRO-2; None: each policy's own
         default (25, 25 and 4).
+    inner: the inner optimizer's row of DiLoCo's outer settings, "adamw" or "muon" ([Note:
+        the outer learning rate] in averaging/outer_settings.py).
     """
 
     ranks: int
@@ -80,6 +83,7 @@ class PlanInputs:
     compress_arg: float = 0.0
     layout: str = "dataparallel"
     bucket_mb: float | None = None
+    inner: str = "adamw"
 
     def __post_init__(self):
         _count(
@@ -115,6 +119,12 @@ class PlanInputs:
             return replace(self.recipe, diloco=self.diloco_steps, compress="").streaming
         except RecipeError as error:
             raise recipe_error(error) from None
+
+    def outer(self, shard_size: int) -> OuterSettings:
+        """DiLoCo's outer settings for the candidate over replicas of `shard_size` ranks, as
+        `dataparallel train` resolves them (given, or chosen for the run)."""
+        replicas = self.parallel_layout(shard_size, "diloco").replicas
+        return replace(self.recipe, diloco=self.diloco_steps).outer(replicas, self.inner)
 
     def parallel_layout(self, shard_size: int = 0, strategy: str = "zero3") -> Layout:
         """The layout a candidate trains on ([Note: layout] in

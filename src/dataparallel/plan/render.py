@@ -29,6 +29,7 @@ def as_json(p: Plan) -> str:
             "recommendation": p.best.candidate.label if p.best else None,
             "reason": p.reason,
             **({"whole_parameters": _whole_json(p)} if p.whole else {}),
+            **({"outer": {k: vars(o) for k, o in _outer(p).items()}} if _outer(p) else {}),
         },
         indent=1,
     )
@@ -129,5 +130,18 @@ def as_table(p: Plan) -> str:
         lines.append("  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True)))
     if p.whole is not None:
         lines += ["", *describe(p.whole, p.rows, p.inputs.masters)]
+    outer = _outer(p)
+    if outer:
+        lines += ["", *(f"{label}: {o.describe()}" for label, o in outer.items())]
     lines += ["", ("recommended: " if p.best else "") + p.reason]
     return "\n".join(lines)
+
+
+def _outer(p: Plan) -> dict:
+    """DiLoCo's outer settings per DiLoCo row, as the job would use them ([Note: the outer
+    learning rate] in averaging/outer_settings.py)."""
+    return {
+        r.candidate.label: p.inputs.outer(r.candidate.shard_size)
+        for r in p.rows
+        if r.candidate.strategy == "diloco"
+    }

@@ -219,8 +219,11 @@ class SyncConfig:
         --fragments 1 --overlap 0 --outer-warmup 0 --outer-compress fp32 is the paper's
         DiLoCo. With local_sgd or diloco a replica is one rank, or --shard-group ranks that
         train together with the chosen strategy.
-    outer_lr: DiLoCo's outer learning rate (0.7 in the DiLoCo paper).
-    outer_momentum: DiLoCo's outer Nesterov momentum (0.9 in the paper); 0: plain SGD.
+    outer_lr: DiLoCo's outer learning rate; -1: chosen for the run from the replicas, H and
+        --optimizer (docs/compression.md, "The outer learning rate"; the first lines and
+        `dataparallel plan` print it). The DiLoCo paper's is 0.7.
+    outer_momentum: DiLoCo's outer Nesterov momentum; 0: plain SGD; -1: chosen with the
+        learning rate (the paper's is 0.9).
     outer_compress: how DiLoCo's outer gradients travel: "recipe" (int4), "fp32" (or ""),
         "bf16", or "int8" / "fp8" / "int4" (with error feedback).
     fragments: Streaming DiLoCo: the model in this many fragments, each synchronised every

@@ -71,7 +71,7 @@ def describe_run(state: TrainState, threads: int) -> list[str]:
         f"{len(state.val_windows)} val windows of {block} tokens",
         f"world   {mesh_text(world.world_size, config.launch.tp)} ({config.launch.strategy}, "
         f"{world.backend}, "
-        f"{world.device.type}, {plural(threads, 'thread')} each){_sync_text(config)}",
+        f"{world.device.type}, {plural(threads, 'thread')} each){_sync_text(state)}",
         _batch_text(train, state.layout.data_size, global_batch, block, config.launch.tp),
         f"optim   {optim.optimizer}, lr peak {state.peak_lr:.3g} ({scaling}), {optim.warmup_steps} warm-up steps, "
         f"cosine to {state.peak_lr * optim.min_lr_ratio:.3g} at step {train.steps}",
@@ -103,17 +103,21 @@ def _tokens_text(corpus) -> str:
     return f"{size} in {plural(corpus.num_files, 'file')}{loss}"
 
 
-def _sync_text(config) -> str:
+def _sync_text(state: TrainState) -> str:
     """How the ranks synchronise, when not exactly every step (train/sync.py)."""
+    config = state.config
     sync = config.sync
     if sync.local_sgd:
         return f"; local SGD every {sync.local_sgd} steps"
-    if sync.diloco:  # [Note: the DiLoCo recipe]
-        s = recipe_of(config, config.launch.strategy).streaming
+    if sync.diloco:  # [Note: the DiLoCo recipe], [Note: the outer learning rate]
+        recipe = recipe_of(config, config.launch.strategy)
+        s = recipe.streaming
+        outer = state.composed.outer if state.composed is not None else None
+        outer = outer or recipe.outer(state.layout.replicas, config.optim.optimizer)
         return (
-            f"; DiLoCo every {sync.diloco} steps (outer lr {sync.outer_lr:g}, momentum "
-            f"{sync.outer_momentum:g}, {s.compress or 'fp32'} outer gradients, {s.fragments} "
-            f"fragments, overlap {s.overlap}, {s.warmup} warm-up steps)"
+            f"; DiLoCo every {sync.diloco} steps ({outer.describe()}, {s.compress or 'fp32'} "
+            f"outer gradients, {s.fragments} fragments, overlap {s.overlap}, {s.warmup} warm-up "
+            "steps)"
         )
     return f"; gradients compressed: {sync.compress}" if sync.compress else ""
 
