@@ -218,7 +218,11 @@ class Recipe:
         """DiLoCo's outer settings over `replicas` replicas under the `inner` optimizer
         ("adamw", "muon"): `outer_lr` and `outer_momentum` where given, the table's where
         CHOSEN ([Note: the outer learning rate] in averaging/outer_settings.py)."""
-        return choose_outer(replicas, self.diloco, inner, self.outer_lr, self.outer_momentum)
+        s = self.streaming
+        streamed = s.fragments > 1 or s.overlap > 0
+        return choose_outer(
+            replicas, self.diloco, inner, self.outer_lr, self.outer_momentum, streamed
+        )
 
     @property
     def averaging(self) -> bool:

@@ -17,8 +17,8 @@ from dataparallel.compose import inner_optimizer
 
 def test_every_measured_cell_is_chosen_for_its_own_run():
     assert len(MEASURED) >= 4
-    for (inner, replicas, every), (lr, momentum) in MEASURED.items():
-        chosen = choose_outer(replicas, every, inner)
+    for (kind, replicas, every), (lr, momentum) in MEASURED.items():
+        chosen = choose_outer(replicas, every, kind.split()[0], streamed="streamed" in kind)
         assert (chosen.lr, chosen.momentum) == (lr, momentum)
         assert f"{replicas} replica" in chosen.source and f"H = {every}" in chosen.source
 
@@ -40,13 +40,24 @@ def test_a_run_off_the_table_takes_its_nearest_cell(replicas, every, inner, cell
     assert (chosen.lr, chosen.momentum) == MEASURED[cell]
 
 
+def test_streaming_has_its_own_cells_else_its_optimizers_plain_ones():
+    streamed = choose_outer(2, 30, "adamw", streamed=True)
+    assert (streamed.lr, streamed.momentum) == MEASURED[("adamw streamed", 2, 30)]
+    assert streamed.momentum != choose_outer(2, 30, "adamw").momentum  # measured apart
+    muon = choose_outer(2, 30, "muon", streamed=True)  # no streamed Muon cell: Muon's own
+    assert (muon.lr, muon.momentum) == MEASURED[("muon", 2, 30)]
+    assert dp.Recipe(diloco=30).outer(2) == streamed  # the recipe streams (2 fragments)
+    plain = dp.Recipe(diloco=30, fragments=1, overlap=0).outer(2)
+    assert (plain.lr, plain.momentum) == MEASURED[("adamw", 2, 30)]
+
+
 def test_given_values_win_over_the_table():
     given = choose_outer(2, 30, "adamw", lr=0.3, momentum=0.5)
     assert (given.lr, given.momentum, given.source) == (0.3, 0.5, "given")
     half = choose_outer(2, 30, "muon", lr=0.3)
     assert (half.lr, half.momentum) == (0.3, MEASURED[("muon", 2, 30)][1])
     assert half.source.startswith("lr given, the rest the table's for 2 replicas")
-    recipe = dp.Recipe(diloco=30, outer_momentum=0.0)
+    recipe = dp.Recipe(diloco=30, fragments=1, overlap=0, outer_momentum=0.0)
     assert recipe.outer(2).momentum == 0.0 and recipe.outer(2).lr == MEASURED[("adamw", 2, 30)][0]
     assert dp.Recipe(diloco=30).outer_lr == CHOSEN
 
@@ -64,7 +75,8 @@ def test_the_planner_prints_what_the_job_will_use():
     from dataparallel.plan.render import as_json, as_table
 
     chosen = plan("gpt-small", ranks=4, strategies=["diloco"], diloco_steps=30)
-    expected = choose_outer(4, 30, "adamw")
+    expected = dp.Recipe(diloco=30).outer(4)  # the recipe streams: its own cells
+    assert expected.source.endswith("under AdamW, streamed")
     assert f"diloco S=1: {expected.describe()}" in as_table(chosen)
     muon = plan("gpt-small", ranks=2, strategies=["diloco"], optimizer="muon", diloco_steps=30)
     assert choose_outer(2, 30, "muon").describe() in as_table(muon)
