@@ -13,6 +13,7 @@ import torch
 from torch.nn import functional as F
 
 import dataparallel as dp
+from dataparallel.averaging import choose_outer
 from dataparallel.models import GPT, GPTConfig
 
 from .harness import run_world
@@ -30,7 +31,8 @@ def _by_hand(name: str, model):
         mesh = dp.init_mesh(2)
         dp.parallelize(model, "ddp", group=mesh.shard_group)
         optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-2)
-        outer = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        chosen = choose_outer(2, 2, "adamw")  # the table's for 2 replicas, plain
+        outer = partial(torch.optim.SGD, lr=chosen.lr, momentum=chosen.momentum, nesterov=True)
         averager = dp.DiLoCo(
             model, optimizer, 2, group=mesh.replicate_group, outer_optimizer=outer, compress="int8"
         )
