@@ -136,6 +136,7 @@ CONFIGS = {  # name -> dataparallel train flags (a row's --nproc and --batch ove
     "powersgd-r8-s30": "--compress powersgd:rank=8,start=30".split(),
     "powersgd-r8-s10": "--compress powersgd:rank=8,start=10".split(),
     "powersgd-r16-s0": "--compress powersgd:rank=16".split(),
+    "powersgd-r32": "--compress powersgd:rank=32".split(),  # issue 42 item 5: the long run
     # Top-k under AdamW: a larger share sent, exact steps first.
     "topk-r05": ["--compress", "topk:ratio=0.05"],
     "topk-r10": ["--compress", "topk:ratio=0.1"],

@@ -20,6 +20,7 @@ from .api import (
     full_state_dict,
     geometry,
     grad_norms,
+    handle_of,
     join,
     load_full_state_dict,
     load_local_optimizer_state_dict,
@@ -31,7 +32,6 @@ from .api import (
     parallelize,
     rebind,
     refresh_params,
-    strategy_of,
     wire_bytes,
 )
 from .averaging import DiLoCo, LocalSGD
@@ -45,6 +45,7 @@ from .recipe import PRECISIONS, STRATEGIES, Recipe, RecipeError, check_recipe
 from .runtime import World, destroy, free_port, init, init_fake, regroup
 from .strategies import (
     DDP,
+    Handle,
     Layout,
     LayoutError,
     Mesh,
@@ -64,6 +65,7 @@ __all__ = [
     "RecipeError",
     "STRATEGIES",
     "DDP",
+    "Handle",
     "Layout",
     "LayoutError",
     "DiLoCo",
@@ -95,6 +97,7 @@ __all__ = [
     "full_state_dict",
     "geometry",
     "grad_norms",
+    "handle_of",
     "init",
     "init_fake",
     "init_mesh",
@@ -111,5 +114,4 @@ __all__ = [
     "plan",
     "rebind",
     "refresh_params",
-    "strategy_of",
 ]

@@ -33,7 +33,7 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .strategies.zero3.plan import Wrap, select_units
+from .strategies import Wrap, select_units
 
 _MARK = "_dataparallel_checkpointed"
 

@@ -17,23 +17,30 @@ from torch.distributed.device_mesh import DeviceMesh
 from .comm import Comm, Tracer
 from .comm.dry import is_fake
 from .strategies import (
+    GROUP_CLASS_KEY,
     Geometry,
+    Grouped,
     Groups,
+    Handle,
     Mesh,
+    OptimizerLayoutWarning,
+    PlainCopy,
     Strategy,
     apply_policy,
     as_layout,
     bind_dtensor_views,
     check_apart,
+    install_flat_step,
+    is_carrier,
     layout_of,
+    load_local,
+    local_state_dict,
     localize_parameters,
+    next_hook_id,
     resolve_policy,
+    split_classes,
+    unknown_notice,
 )
-from .strategies.model_copy import PlainCopy, next_hook_id
-from .strategies.parts.flat_step import install_flat_step
-from .strategies.parts.grouped import GROUP_CLASS_KEY, Grouped, split_classes
-from .strategies.parts.optimizer_layout import OptimizerLayoutWarning, unknown_notice
-from .strategies.parts.torch_calls import is_carrier, load_local, local_state_dict
 
 _ATTR = "_dataparallel_strategy"
 
@@ -118,6 +125,12 @@ def strategy_of(model: nn.Module) -> Strategy:
             "this model was not parallelized; call dataparallel.parallelize(model) first"
         )
     return instance
+
+
+def handle_of(model: nn.Module) -> Handle:
+    """The narrow handle on a parallelized model: its geometry, refresh, no_sync, rebind, the
+    replica group ([Note: the handle] in strategies/handle.py); what features build on."""
+    return Handle(strategy_of(model))
 
 
 def rebind(model: nn.Module, group) -> None:

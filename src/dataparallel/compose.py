@@ -57,8 +57,7 @@ from .api import build_optimizer, parallelize
 from .averaging import DiLoCo, LocalSGD, OuterSettings
 from .comm import Tracer
 from .recipe import PRECISIONS, Recipe, RecipeError, check_recipe, check_tp_mesh
-from .strategies import Layout, Mesh, init_mesh
-from .strategies.zero3.plan import select_units
+from .strategies import Layout, Mesh, init_mesh, select_units
 
 
 @dataclass

@@ -22,9 +22,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .api import strategy_of
-from .strategies.parts import geometry as geo
-from .strategies.parts.tensor_parallel import to_local
+from .api import handle_of
+from .strategies import Geometry, HeldPiece, geometry_full_state_dict, to_local
 from .torch_internals import foreach_copy_, foreach_lerp_
 
 
@@ -43,15 +42,15 @@ class EMA:
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"EMA: decay={decay} must be in [0, 1] (e.g. 0.999)")
         self.model = model
-        self.strategy = strategy_of(model)
+        self.handle = handle_of(model)
         self.decay = float(decay)
         self.n_averaged = 0
         self.averages = [p.value.detach().clone() for p in self._pieces()]
 
-    def _held(self) -> geo.Geometry:
+    def _held(self) -> Geometry:
         """What this rank holds now ([Note: geometry]), checked against the averages."""
-        self.strategy.finish_param_gather()
-        geometry = self.strategy.geometry()
+        self.handle.finish_param_gather()
+        geometry = self.handle.geometry()
         averages = getattr(self, "averages", None)
         shapes = [p.value.shape for p in geometry.pieces]
         if averages is not None and shapes != [a.shape for a in averages]:
@@ -61,7 +60,7 @@ class EMA:
             )
         return geometry
 
-    def _pieces(self) -> tuple[geo.HeldPiece, ...]:
+    def _pieces(self) -> tuple[HeldPiece, ...]:
         return self._held().pieces
 
     @torch.no_grad()
@@ -74,7 +73,7 @@ class EMA:
             foreach_lerp_(self.averages, current, 1.0 - self.decay)
         self.n_averaged += 1
 
-    def _geometry(self) -> geo.Geometry:
+    def _geometry(self) -> Geometry:
         """The model's geometry with the averages in place of the weights."""
         geometry = self._held()
         pieces = zip(geometry.pieces, self.averages, strict=True)
@@ -84,7 +83,7 @@ class EMA:
         """The averaged model on CPU under the plain model's keys, on every rank (buffers: the
         model's current ones, as `AveragedModel` without `use_buffers` does not average them
         either). Collective over the model's ranks."""
-        return geo.full_state_dict(self.model, self._geometry())
+        return geometry_full_state_dict(self.model, self._geometry())
 
     def state_dict(self) -> dict:
         """{"decay", "n_averaged", "weights": `full_state_dict()`}: whole tensors, so it loads
@@ -119,12 +118,12 @@ class EMA:
         held = [p.value for p in self._pieces()]
         saved = [value.clone() for value in held]
         _copy_into(held, self.averages)
-        self.strategy.refresh_params()
+        self.handle.refresh()
         try:
             yield
         finally:
             _copy_into([p.value for p in self._pieces()], saved)
-            self.strategy.refresh_params()
+            self.handle.refresh()
 
 
 @torch.no_grad()

@@ -88,7 +88,7 @@ def _world(world):
             max((a[k] - b[k]).abs().max().item() for k in a),
             type(composed.averager).__name__,
             composed.mesh is not None,
-            dp.strategy_of(mine).name,
+            dp.handle_of(mine).name,
         )
     return out
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import dataparallel as dp
+from dataparallel.api import strategy_of
 
 from .harness import RankError, run_world
 from .models import (
@@ -144,7 +145,7 @@ def behaviours(world):
     }
 
     # Gradients are views into the buckets: no copy per step, across zero_grad(set_to_none).
-    strategy = dp.strategy_of(model)
+    strategy = strategy_of(model)
     opt = dp.build_optimizer(model, torch.optim.SGD, lr=0.1)
     opt.step()
     opt.zero_grad()
@@ -216,7 +217,7 @@ def behaviours(world):
     reference = copy.deepcopy(net)
     ddp_net = dp.parallelize(net, dp.DDP(bucket_mb=1e-5, first_bucket_mb=1e-5))
     names = {id(p): name for name, p in net.named_parameters()}
-    before = [names[id(b.params[0])] for b in dp.strategy_of(ddp_net).reducer.buckets]
+    before = [names[id(b.params[0])] for b in strategy_of(ddp_net).reducer.buckets]
     diffs = []
     for step in range(3):
         xg = torch.randn(4 * n, 4, generator=torch.Generator().manual_seed(step))
@@ -239,7 +240,7 @@ def behaviours(world):
         (a.grad - b.grad).abs().max().item()
         for a, b in zip(net.parameters(), reference.parameters(), strict=True)
     ]
-    after = [names[id(b.params[0])] for b in dp.strategy_of(ddp_net).reducer.buckets]
+    after = [names[id(b.params[0])] for b in strategy_of(ddp_net).reducer.buckets]
     out["arrival"] = {
         "before": before,
         "after": after,

@@ -42,7 +42,7 @@ def _plain(module) -> bool:
     """No strategy and no hooks anywhere: a plain module."""
     hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
     try:
-        dp.strategy_of(module)
+        dp.handle_of(module)
     except ValueError:
         return hooks == 0 and all(p.grad is None for p in module.parameters())
     return False

@@ -134,7 +134,7 @@ def _case(world, mesh, case: Case) -> tuple:
         local < 0.9,  # the split linears hold their part
         is_checkpointed(mine),
         all(compiled),
-        dp.strategy_of(mine).name,
+        dp.handle_of(mine).name,
     )
 
 

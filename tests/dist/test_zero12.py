@@ -16,6 +16,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import dataparallel as dp
+from dataparallel.api import strategy_of
 from dataparallel.comm import Comm
 from dataparallel.strategies.parts.sharded_grads import is_sharded_grad
 
@@ -131,7 +132,7 @@ def branch_steps(run: Run) -> dict[str, int]:
     model = run.models["zero1"]
     out["holds_branch"] = any(  # whether this rank steps a piece of the branch's weight
         param is model.branch.weight and piece is not None
-        for bucket in dp.strategy_of(model).buckets
+        for bucket in strategy_of(model).buckets
         for param, piece in zip(bucket.params, bucket.shard.pieces, strict=True)
     )
     return out
@@ -316,7 +317,7 @@ def behaviours(world) -> dict:
         build("transformer", 0), dp.ZeRO2(bucket_mb=0.01, first_bucket_mb=0.01), tracer=tracer
     )
     opt = dp.build_optimizer(model, torch.optim.AdamW, lr=1e-3)
-    buckets = dp.strategy_of(model).reducer.buckets
+    buckets = strategy_of(model).reducer.buckets
     alive = []  # full-size buckets holding a buffer, as each gradient arrives
     for p in model.parameters():  # runs after the strategy's hook (registered first)
         p.register_post_accumulate_grad_hook(
@@ -331,7 +332,7 @@ def behaviours(world) -> dict:
     out["buckets"], out["most_alive"] = len(buckets), max(alive)
     # [Note: sharded gradients]: the model's .grad refuse every use
     out["model_grads_refuse"] = all(is_sharded_grad(p.grad) for p in model.parameters())
-    strategy = dp.strategy_of(model)
+    strategy = strategy_of(model)
     out["grad_bytes"] = dp.memory_report(model, opt)["grads"]
     out["shard_bytes"] = sum(b.own.numel() * 4 for b in strategy.buckets)
     out["optimizer_class"] = type(opt).__name__  # the user's class itself, no subclass
@@ -377,7 +378,7 @@ def overlapped_gather(world) -> dict:
     model = dp.parallelize(build("transformer", 0), policy, tracer=tracer)
     twin = dp.parallelize(build("transformer", 0), dp.ZeRO1(**SMALL))
     opts = [dp.build_optimizer(m, torch.optim.AdamW, lr=1e-2) for m in (model, twin)]
-    gather = dp.strategy_of(model).built.all[0].step.gather
+    gather = strategy_of(model).built.all[0].step.gather
     seen: list = []  # (gathers pending, max |param - twin's|) as each module's forward starts
     twins = dict(twin.named_modules())
     for name, module in model.named_modules():
@@ -431,7 +432,7 @@ def _mha_waits_for_its_child(world) -> bool:
     tiny = {"bucket_mb": 0.001, "first_bucket_mb": 0.001}  # about one parameter per bucket
     model = dp.parallelize(Attention(), dp.ZeRO1(overlap_param_gather=True, **tiny))
     opt = dp.build_optimizer(model, torch.optim.SGD, lr=0.1)
-    gather = dp.strategy_of(model).built.all[0].step.gather
+    gather = strategy_of(model).built.all[0].step.gather
     ptr = model.attn.out_proj.weight.untyped_storage().data_ptr()
     position = next(
         i for i, (flat, _) in enumerate(gather.buckets) if flat.untyped_storage().data_ptr() == ptr

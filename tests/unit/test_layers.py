@@ -84,6 +84,30 @@ def test_a_layer_imports_nothing_the_readme_forbids(importer, imported):
     assert broken == []
 
 
+def test_strategies_are_reached_only_through_their_face():
+    """Nothing outside strategies/ imports one of its modules but the package's face
+    (strategies/__init__.py): the API, the features and the planner see what it exports."""
+    outside = [name for name in IMPORTS if not under(name, "dataparallel.strategies")]
+    readers = [name for name in outside if "dataparallel.strategies" in IMPORTS[name]]
+    assert len(readers) >= 8, readers  # the API, compose, the EMA, the planner, ... read it
+    broken = sorted(
+        f"{name} -> {target}"
+        for name in outside
+        for target in IMPORTS[name]
+        if under(target, "dataparallel.strategies") and target != "dataparallel.strategies"
+    )
+    assert broken == []
+
+
+def test_features_hold_a_model_by_its_handle():
+    """Checkpoints, the EMA and the live wing reach a parallelized model through
+    `dp.handle_of` ([Note: the handle]), never the whole strategy."""
+    src = PACKAGE.rglob("*.py")
+    users = [p for p in src if "strategy_of" in p.read_text()]
+    names = sorted(str(p.relative_to(PACKAGE)) for p in users)
+    assert names == ["api.py", "strategies/handle.py"]
+
+
 def test_the_rules_cover_every_layer_named():
     assert len(FORBIDDEN) == 15
     assert len(IMPORTS) > 140  # every module of the package was read

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api import geometry, load_local_optimizer_state_dict, strategy_of
+from ..api import geometry, handle_of, load_local_optimizer_state_dict
 from ..held import placement, state_kind, whole_shape
 from .dcp import Chunk, load_chunks, stored_tensors
 
@@ -86,7 +86,7 @@ def state_chunks(model, optimizer, averager=None, *, rank: int, prefix: str = ""
         for key, value in optimizer.state.get(piece.key, {}).items():
             name = f"{prefix}optim/{piece.name}/{key}"
             chunks[name] = _state_chunk(name, key, value, piece)
-    hook = strategy_of(model).stateful_hook()
+    hook = handle_of(model).stateful_hook()
     if hook is not None:
         data, tensors = hook.state_dict()
         chunks[f"rank{rank}/hook/rounds"] = Chunk(torch.tensor(data["rounds"]))
@@ -166,7 +166,7 @@ def load_state(
         only meaningful when the checkpoint was written in the same layout (same ranks,
         strategy and mesh).
     """
-    strategy = strategy_of(model)
+    handle = handle_of(model)
     stored = stored_tensors(folder)
     chunks, optimized = _held(model, optimizer, prefix)
     optim_state: dict[int, dict] = {}
@@ -174,7 +174,7 @@ def load_state(
         for key, size, dtype in _stored_under(stored, f"{prefix}optim/{piece.name}/"):
             target = chunks[f"{prefix}optim/{piece.name}/{key}"] = _target(size, dtype, piece)
             optim_state.setdefault(id(piece.key), {})[key] = target.tensor
-    hook = strategy.stateful_hook()
+    hook = handle.stateful_hook()
     hook_tensors: dict[str, torch.Tensor] = {}
     if hook is not None and local and f"rank{rank}/hook/rounds" in stored:
         for key, size, dtype in _stored_under(stored, f"rank{rank}/hook/"):
@@ -199,7 +199,7 @@ def load_state(
         device = averager.tensors[0].device if averager.tensors else "cpu"
         local_state = {k: v.to(device) for k, v in local_state.items()}
         averager.load_state_dict({"steps": int(steps), "tensors": shared, "local": local_state})
-    strategy.refresh_params()  # ZeRO-1/2 all-gather their loaded shards, ZeRO-3 regathers
+    handle.refresh()  # ZeRO-1/2 all-gather their loaded shards, ZeRO-3 regathers
 
 
 def _target(size: torch.Size, dtype: torch.dtype, piece) -> Chunk:

@@ -11,6 +11,7 @@ from torch import nn
 from ..averaging.streaming import RECIPE
 from ..recipe import Recipe
 from .errors import PlanError
+from .hardware import HardwareProfile
 from .inputs import (
     DILOCO_STEPS,
     STRATEGIES,
@@ -73,19 +74,7 @@ def plan(
         job or a script would compose.
     Others: see PlanInputs (inputs.py). Bad input raises PlanError naming the field.
     """
-    if ranks is None:
-        if nodes is None:
-            raise PlanError("--ranks", "no world given", "give --ranks N or --nodes and "
-                            "--ranks-per-node")  # fmt: skip
-        ranks = nodes * (ranks_per_node or get_profile(hardware).ranks_per_node)
-    if nodes is not None and ranks_per_node and ranks != nodes * ranks_per_node:
-        raise PlanError("--ranks", f"{ranks} is not --nodes x --ranks-per-node",
-                        "give --ranks or the two others")  # fmt: skip
-    hw = get_profile(hardware)
-    if ranks_per_node is not None:
-        if isinstance(ranks_per_node, bool) or ranks_per_node < 1:
-            raise PlanError("--ranks-per-node", f"{ranks_per_node}", "give a positive integer")
-        hw = replace(hw, ranks_per_node=ranks_per_node)
+    ranks, hw = _world(ranks, nodes, ranks_per_node, hardware)
     if recipe is None:
         recipe = plan_recipe(
             precision=precision,
@@ -116,12 +105,39 @@ def plan(
         inner="muon" if optimizer == "muon" else "adamw",
     )
     shape = model_shape(model, params, layers, width, seq_len, vocab, loss_fn, inputs)
-    if not whole:
-        return make_plan(shape, hw, inputs)
+    return _whole_plan(str(optimizer), shape, hw, inputs) if whole else make_plan(shape, hw, inputs)
+
+
+def _world(ranks, nodes, ranks_per_node, hardware) -> tuple[int, HardwareProfile]:
+    """The world's ranks (given, or nodes x ranks per node) and the hardware profile, its
+    ranks per node overridden when given."""
+    if ranks is None:
+        if nodes is None:
+            raise PlanError(
+                "--ranks", "no world given", "give --ranks N or --nodes and --ranks-per-node"
+            )
+        ranks = nodes * (ranks_per_node or get_profile(hardware).ranks_per_node)
+    if nodes is not None and ranks_per_node and ranks != nodes * ranks_per_node:
+        raise PlanError(
+            "--ranks",
+            f"{ranks} is not --nodes x --ranks-per-node",
+            "give --ranks or the two others",
+        )
+    hw = get_profile(hardware)
+    if ranks_per_node is not None:
+        if isinstance(ranks_per_node, bool) or ranks_per_node < 1:
+            raise PlanError("--ranks-per-node", f"{ranks_per_node}", "give a positive integer")
+        hw = replace(hw, ranks_per_node=ranks_per_node)
+    return ranks, hw
+
+
+def _whole_plan(optimizer: str, shape, hw: HardwareProfile, inputs: PlanInputs) -> Plan:
+    """The plan of an optimizer of whole parameters (Muon, Adafactor): the busiest owner's
+    state and compute ([Note: whole parameters] in whole_parameters.py), in `Plan.whole`."""
     data_size = inputs.parallel_layout().data_size  # [Note: layout]
     tokens = inputs.micro_batch * inputs.accumulation * data_size * shape.seq_len
     parts = whole_parameters(
-        str(optimizer), shape, masters=inputs.masters, tokens_per_step=tokens, ranks=data_size
+        optimizer, shape, masters=inputs.masters, tokens_per_step=tokens, ranks=data_size
     )
     inputs = replace(inputs, optimizer_bytes=parts.state_bytes_per_param)
     return replace(make_plan(shape, hw, inputs), whole=parts)

@@ -105,8 +105,7 @@ def run_role(
     from ..api import build_optimizer, memory_report, parallelize
     from ..comm import Tracer
     from ..runtime import destroy, init_fake
-    from ..strategies import init_mesh
-    from ..strategies.base import tensor_bytes
+    from ..strategies import init_mesh, tensor_bytes
 
     seconds: dict[str, float] = {}
     init_fake(ranks, role.rank)

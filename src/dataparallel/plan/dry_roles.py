@@ -8,9 +8,7 @@ import torch
 
 def layouts_of(policy, shapes, s: int) -> list:
     """The flat buffers the policy splits over its shard group ([Note: footprint])."""
-    from ..strategies import DDP, ZeRO3
-    from ..strategies.parts.footprint import bucket_layouts, dtypes
-    from ..strategies.parts.layout import ShardLayout
+    from ..strategies import DDP, ShardLayout, ZeRO3, bucket_layouts, dtypes
 
     if isinstance(policy, DDP) or s == 1:
         return []

@@ -24,8 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..strategies.parts.footprint import ParamShapes
-from ..strategies.zero3.plan import param_shapes
+from ..strategies import ParamShapes, param_shapes
 from ..torch_internals import flash_attention_cpu, storage_id
 from .errors import PlanError
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..strategies.parts.sharded_grads import ShardedGrad
+from ..strategies import ShardedGrad
 from .live_bytes import LiveBytes
 
 STATE = ("parameters", "masters or shards", "gradients", "optimizer state", "engine buffers")

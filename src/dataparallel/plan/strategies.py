@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..strategies import DDP, POLICIES, PRECISIONS
-from ..strategies.parts.footprint import Footprint as RankFootprint
+from ..strategies import Footprint as RankFootprint
 from .collectives import Collective, compressed_bytes, span
 from .hardware import HardwareProfile
 from .inputs import PlanInputs

@@ -6,7 +6,9 @@ strategy module (no strategy imports another):
 - DDP with a `param_dtype` narrower than the model's keeps fp32 masters and their optimizer
   state beside the low precision parameters: that is ZeRO-1 on shard groups of one rank (a
   2-D mesh with S = 1, [Note: mesh] in parts/mesh.py), all-reducing whole buckets across the
-  replicas, so it is built as exactly that, under the name "ddp";
+  replicas, so it is built as exactly that layout, and the layout names it "ddp"
+  (`layout_name` in zero12/strategy.py): ZeRO-1 asked for on shard groups of one rank is the
+  same strategy under the same name;
 - every other policy builds its own strategy (`policy.apply`).
 """
 
@@ -44,7 +46,7 @@ def apply_policy(policy, model: nn.Module, groups: Groups) -> Strategy:
         policy.check_groups(groups)
         mesh = init_mesh(1, groups.world.group)
         solo = Groups.build(None, mesh, groups.world.tracer, groups.world.pairwise)
-        return ZeROStrategy(model, solo, ddp_with_masters(policy), name="ddp")
+        return ZeROStrategy(model, solo, ddp_with_masters(policy))
     return policy.apply(model, groups)
 
 

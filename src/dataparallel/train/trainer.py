@@ -61,43 +61,20 @@ def setup(
         the 256 byte values; default: the reference model config.model.name, built here.
         Build yours after `torch.manual_seed(config.train.seed)` for reproducible runs.
     """
-    launch, data, block = config.launch, config.data, config.data.block_size
     source = RunModel(config.model)  # resolved once: the name, DIR, its tokenizer
-    if corpus is None:  # data/loading.py: every format, tokenized once and cached
-        train_windows, val_windows, corpus = load_datasets(
-            list(data.paths),
-            source.tokenizer(),
-            block,
-            data.val_fraction,
-            world=world,
-            token_dtype=data.token_dtype,
-        )
-    else:
-        train_tokens, val_tokens = corpus.split(data.val_fraction)
-        train_windows = TokenWindows(train_tokens, block)
-        val_windows = TokenWindows(val_tokens, block)
+    train_windows, val_windows, corpus = _windows(config, world, source, corpus)
     if model is None:  # [Note: a run's model] in model_source.py
         built = build_for_run(config, world, source)
     else:
-        built = BuiltModel(model.to(world.device), launch.strategy, None, type(model).__name__)
+        strategy = config.launch.strategy
+        built = BuiltModel(model.to(world.device), strategy, None, type(model).__name__)
     model, model_name = built.model, built.name
     mesh = build_mesh(world, config.launch.tp)  # [Note: the job's mesh]: None for --tp 1
     recipe = recipe_of(config, built.strategy)  # the CLI's flags as a dp.Recipe
-    data_size = recipe.layout(world.world_size).data_size  # compose's ([Note: layout])
+    # The data ranks set the global batch, which sets the learning rate the optimizer is
+    # built with, before compose builds the same Layout ([Note: layout]; pure arithmetic).
+    peak_lr = _peak_lr(config, recipe.layout(world.world_size).data_size)
     optim = config.optim
-    train = config.train
-    global_batch = train.global_batch or train.batch * train.accum * data_size
-    if global_batch < train.accum * data_size:
-        raise ValueError(
-            f"a global batch of {global_batch} windows leaves a micro-batch of accum "
-            f"{train.accum} x {data_size} ranks empty"
-        )
-    peak_lr = scaled_lr(
-        optim.lr,
-        global_batch,
-        scaling=optim.lr_scaling,
-        base_batch=optim.lr_base_batch,
-    )
     # [Note: composition] in dataparallel/compose.py: what a script calling dp.compose gets;
     # it splits the model over mesh["tp"] (--tp), recomputes its blocks
     # (--activation-checkpointing) and runs the strategy over mesh["dp"], in that order
@@ -136,6 +113,38 @@ def setup(
         composed=composed,
         source=built.source,
         gradients=GradientWatch(model),
+    )
+
+
+def _windows(config: RunConfig, world: dp.World, source: RunModel, corpus: Corpus | None):
+    """The train and validation windows and the corpus: read from what config.data names
+    (data/loading.py: every format, tokenized once and cached), or split from `corpus`."""
+    data, block = config.data, config.data.block_size
+    if corpus is None:
+        return load_datasets(
+            list(data.paths),
+            source.tokenizer(),
+            block,
+            data.val_fraction,
+            world=world,
+            token_dtype=data.token_dtype,
+        )
+    train_tokens, val_tokens = corpus.split(data.val_fraction)
+    return TokenWindows(train_tokens, block), TokenWindows(val_tokens, block), corpus
+
+
+def _peak_lr(config: RunConfig, data_size: int) -> float:
+    """The learning rate at the top of the schedule, scaled to the global batch the run's
+    `data_size` data ranks make (--lr-scaling); an empty micro-batch is refused."""
+    optim, train = config.optim, config.train
+    global_batch = train.global_batch or train.batch * train.accum * data_size
+    if global_batch < train.accum * data_size:
+        raise ValueError(
+            f"a global batch of {global_batch} windows leaves a micro-batch of accum "
+            f"{train.accum} x {data_size} ranks empty"
+        )
+    return scaled_lr(
+        optim.lr, global_batch, scaling=optim.lr_scaling, base_batch=optim.lr_base_batch
     )
 
 

@@ -60,12 +60,21 @@ from .step import BucketShard, ShardedStep, flatten_bucket
 MAX_IN_FLIGHT = 2
 
 
+def layout_name(policy, groups: Groups) -> str:
+    """The strategy's name read from its layout: ZeRO-1 on shard groups of one rank across
+    several replicas holds every state whole on every rank and all-reduces the gradients, which
+    is DDP with fp32 masters ([Note: resolution] in strategies/resolve.py), so it is "ddp"."""
+    replicas = groups.replicate is not None and groups.replicate.world_size > 1
+    one_rank_shards = groups.shard.world_size == 1 and replicas
+    return "ddp" if one_rank_shards and policy.name == "zero1" else policy.name
+
+
 class ZeROStrategy(ShardedStrategy):
     """ZeRO-1 or ZeRO-2 on one model: buckets, their shards, and the policy's keeper."""
 
-    def __init__(self, model: nn.Module, groups: Groups, policy, name=None):  # a ZeRO1/ZeRO2
+    def __init__(self, model: nn.Module, groups: Groups, policy):  # a ZeRO1/ZeRO2
         super().__init__(model, groups.world, groups)
-        self.name = name or policy.name
+        self.name = layout_name(policy, groups)
         self.policy = policy
         self.precision = policy.precision  # a MixedPrecision ([Note: full precision])
         self.keeper = policy.keeper()

@@ -48,7 +48,7 @@ def move_to_world(state: TrainState, seat: Seat) -> None:
 def groups_in_use(state: TrainState) -> list[dist.ProcessGroup]:
     """The process groups the replica talks through: the world, the strategy's and an
     averager's (each once)."""
-    comms = dp.strategy_of(state.model).comms()
+    comms = dp.handle_of(state.model).comms()
     if state.averager is not None:
         comms.append(state.averager.comm)
     groups = [state.world.group] + [c.group for c in comms]

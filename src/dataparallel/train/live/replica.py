@@ -109,7 +109,7 @@ class Seat:
 
     def heal_group(self, state: TrainState) -> dist.ProcessGroup:
         """The ranks of this index in every replica (the replicate group)."""
-        return dp.strategy_of(state.model).groups.replicate.group
+        return dp.handle_of(state.model).replica_group
 
 
 class ReplicaVote:

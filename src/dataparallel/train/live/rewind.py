@@ -80,7 +80,7 @@ class Mark:
 
 def compression_hook(state: TrainState) -> CompressedHook | None:
     """The run's compressed hook (--compress powersgd, topk, int8, fp8), else None."""
-    hook = dp.strategy_of(state.model).stateful_hook()
+    hook = dp.handle_of(state.model).stateful_hook()
     return hook if isinstance(hook, CompressedHook) else None
 
 
