@@ -101,3 +101,21 @@ def make_tiny_gpt2(path: Path, *, seed: int = 0, layers: int = 2, width: int = 3
     torch.manual_seed(seed)
     GPT2LMHeadModel(config).save_pretrained(path)
     return path
+
+
+class Counting:
+    """A tokenizer that counts the texts it encodes (to see whether the cache was read)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text: str) -> list[int]:
+        self.calls += 1
+        return self.inner.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        self.calls += len(texts)
+        return self.inner.encode_batch(texts)

@@ -186,6 +186,18 @@ def train_chunks(model: nn.Module, name: str, world, steps: int, per_rank: int) 
     return dp.full_state_dict(model)
 
 
+def accumulate(model: nn.Module, loss_of, accum: int) -> None:
+    """Backward over `accum` micro-batches, each loss `loss_of(micro) / accum`, the last one
+    synchronised (the others under `dp.no_sync`), as a user accumulates."""
+    for micro in range(accum):
+        loss = loss_of(micro) / accum
+        if micro < accum - 1:
+            with dp.no_sync(model):
+                loss.backward()
+        else:
+            loss.backward()
+
+
 def max_state_diff(a: dict, b: dict) -> float:
     """max |a - b| over every element of two state dicts with the same keys."""
     return max((a[k] - v).abs().max().item() for k, v in b.items())

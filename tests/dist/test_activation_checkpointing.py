@@ -20,6 +20,7 @@ from dataparallel.activation_checkpointing import is_checkpointed
 
 from .harness import RankError, run_world
 from .models import (
+    accumulate,
     OPTIMIZERS,
     batch,
     build,
@@ -66,13 +67,9 @@ def gpt_case(world, strategy, how, opt_name="adamw", mesh=None, accum=1, early_s
         ref_opt.zero_grad()
         xs, ys = x.chunk(n)[rank].chunk(accum), y.chunk(n)[rank].chunk(accum)
         with torch_checkpoint.set_checkpoint_early_stop(early_stop):
-            for micro in range(accum):
-                loss = loss_fn("transformer", model, xs[micro], ys[micro], step, rank) / accum
-                if micro < accum - 1:
-                    with dp.no_sync(model):
-                        loss.backward()
-                else:
-                    loss.backward()
+            accumulate(
+                model, lambda m: loss_fn("transformer", model, xs[m], ys[m], step, rank), accum
+            )
         opt.step()
         opt.zero_grad()
     state = dp.full_state_dict(model)

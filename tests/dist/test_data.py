@@ -5,27 +5,9 @@ every rank with the same one-line error."""
 from __future__ import annotations
 
 import json
-from hf_fixtures import make_tokenizer
+from hf_fixtures import Counting, make_tokenizer
 
 from .harness import run_world
-
-
-class Counting:
-    """A tokenizer that counts the texts it encodes."""
-
-    def __init__(self, inner):
-        self.inner, self.calls = inner, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def encode(self, text: str) -> list[int]:
-        self.calls += 1
-        return self.inner.encode(text)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        self.calls += len(texts)
-        return self.inner.encode_batch(texts)
 
 
 def _load_twice(world, paths: list[str], tok_dir: str):

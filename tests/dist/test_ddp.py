@@ -13,6 +13,7 @@ from dataparallel.api import strategy_of
 
 from .harness import RankError, run_world
 from .models import (
+    accumulate,
     OPTIMIZERS,
     batch,
     build,
@@ -43,13 +44,7 @@ def train_against_reference(world, model_name, opt_name, policy, accum=1):
         ref_opt.zero_grad()
         # ours: this rank's chunk, in `accum` micro-batches, the last one synchronised
         xs, ys = x.chunk(n)[rank].chunk(accum), y.chunk(n)[rank].chunk(accum)
-        for micro in range(accum):
-            loss = loss_fn(model_name, model, xs[micro], ys[micro], step, rank) / accum
-            if micro < accum - 1:
-                with dp.no_sync(model):
-                    loss.backward()
-            else:
-                loss.backward()
+        accumulate(model, lambda m: loss_fn(model_name, model, xs[m], ys[m], step, rank), accum)
         opt.step()
         opt.zero_grad()
     return max_param_diff(model, reference)

@@ -60,14 +60,21 @@ def test_accumulation_gives_the_losses_and_weights_of_the_whole_batch():
         torch.testing.assert_close(split_weights[name], tensor, rtol=1e-4, atol=1e-5)
 
 
-def test_the_step_loss_is_the_mean_token_loss_of_the_batch(world):
-    state = setup(_config(batch=3, accum=2), world, _corpus())
+def _step_beside_a_copy(state, count: int):
+    """A copy of the model before one train step, the step's record, and the `count` windows
+    the step trained on (the sample stream wound back to read them again)."""
     start = dict(state.ledger.samples.state_dict())
     model = type(state.model)(state.model.config)
     model.load_state_dict(state.model.state_dict())
     record = train_step(state)
     state.ledger.samples.load_state_dict(start)
-    inputs, targets = state.train_windows.batch(next_indices(state, 6))
+    inputs, targets = state.train_windows.batch(next_indices(state, count))
+    return model, record, inputs, targets
+
+
+def test_the_step_loss_is_the_mean_token_loss_of_the_batch(world):
+    state = setup(_config(batch=3, accum=2), world, _corpus())
+    model, record, inputs, targets = _step_beside_a_copy(state, 6)
     with torch.no_grad():
         expected = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
     assert record.loss == pytest.approx(float(expected), rel=1e-6)
@@ -178,12 +185,7 @@ def test_masked_targets_are_neither_summed_nor_counted(world, tmp_path):
     from dataparallel.data.packing import IGNORE
 
     state = setup(_masked_config(tmp_path, batch=3, accum=2), world)
-    start = dict(state.ledger.samples.state_dict())
-    model = type(state.model)(state.model.config)
-    model.load_state_dict(state.model.state_dict())
-    record = train_step(state)
-    state.ledger.samples.load_state_dict(start)
-    inputs, targets = state.train_windows.batch(next_indices(state, 6))
+    model, record, inputs, targets = _step_beside_a_copy(state, 6)
     counted = int((targets != IGNORE).sum())
     assert 0 < counted < 6 * 16 and record.tokens == counted
     with torch.no_grad():

@@ -7,7 +7,7 @@ import torch
 
 import dataparallel as dp
 
-from .models import OPTIMIZERS, batch, build, loss_fn, reference_loss
+from .models import OPTIMIZERS, accumulate, batch, build, loss_fn, reference_loss
 
 STEPS = 10
 PER_RANK = 4
@@ -45,14 +45,12 @@ def train_case(
         ref_opt.zero_grad()
         xs, ys = x.chunk(n)[rank].chunk(accum), y.chunk(n)[rank].chunk(accum)
         for model, opt in runs:
-            for micro in range(accum):
+
+            def loss_of(micro, model=model):
                 with amp:
-                    out = loss_fn(model_name, model, xs[micro], ys[micro], step, rank) / accum
-                if micro < accum - 1:
-                    with dp.no_sync(model):
-                        out.backward()
-                else:
-                    out.backward()
+                    return loss_fn(model_name, model, xs[micro], ys[micro], step, rank)
+
+            accumulate(model, loss_of, accum)
             if clip is not None:
                 dp.clip_grad_norm_(model, clip)
             opt.step()

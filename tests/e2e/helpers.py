@@ -26,14 +26,14 @@ from dataparallel.train.metrics import read_metrics
 HERE = Path(__file__).parent
 CORPUS = HERE / "data" / "corpus"
 REFERENCE = HERE / "data" / "reference_curve.json"
+# Every e2e run's world: 2 ranks of one thread each, 32-token windows; TINY adds gpt-tiny at 4
+# windows a rank, the short runs' model.
+TWO_RANKS = ["--nproc", "2", "--threads", "1", "--block-size", "32"]
+TINY = [*TWO_RANKS, "--model", "gpt-tiny", "--batch", "4"]
 # Small enough to run in seconds on 2 cores, large enough to exercise accumulation, clipping,
 # warm-up, periodic validation over a set that does not divide by 2 (7 windows) and checkpoints.
 REFERENCE_ARGS = [
-    "--nproc", "2",
-    "--threads", "1",
-    "--model", "gpt-tiny",
-    "--block-size", "32",
-    "--batch", "4",
+    *TINY,
     "--accum", "2",
     "--steps", "12",
     "--lr", "3e-3",
@@ -282,3 +282,18 @@ def wandb_sessions(run_dir: Path) -> list[dict]:
             session["config"].update({u.key: json.loads(u.value_json) for u in updates})
         sessions.append(session)
     return sessions
+
+
+def refused_in_one_line(args: list[str], folder: Path, capsys, fragments) -> None:
+    """`dataparallel train ARGS` exits 2 with one error line holding every fragment, and
+    writes nothing under `folder`."""
+    from dataparallel.cli import main
+
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dataparallel train: error: "), err
+    assert len(fragments) >= 1
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before

@@ -16,15 +16,11 @@ from safetensors.torch import load_file
 from dataparallel.checkpoint import read_weights_metadata
 from dataparallel.cli import main
 
-from .helpers import train
+from .helpers import TINY, train
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # the tests never reach the network
 ARGS = [
-    "--nproc", "2",
-    "--threads", "1",
-    "--model", "gpt-tiny",
-    "--block-size", "32",
-    "--batch", "4",
+    *TINY,
     "--steps", "8",
     "--lr", "3e-3",
     "--warmup-steps", "2",

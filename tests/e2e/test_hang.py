@@ -25,15 +25,11 @@ from pathlib import Path
 import pytest
 from worker_pids import workers_by_rank
 
-from .helpers import CORPUS
+from .helpers import CORPUS, TINY
 
 TIMEOUT_S = 5
 ARGS = [
-    "--nproc", "2",
-    "--threads", "1",
-    "--model", "gpt-tiny",
-    "--block-size", "32",
-    "--batch", "4",
+    *TINY,
     "--steps", "5000",  # never reached: the run is stopped long before
     "--eval-every", "0",
     "--checkpoint-every", "0",

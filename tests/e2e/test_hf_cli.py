@@ -18,13 +18,11 @@ from safetensors.torch import load_file
 
 from dataparallel.cli import main
 
-from .helpers import CORPUS, curve, train
+from .helpers import CORPUS, TWO_RANKS, curve, refused_in_one_line, train
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # the tests never reach the network
 ARGS = [
-    "--nproc", "2",
-    "--threads", "1",
-    "--block-size", "32",
+    *TWO_RANKS,
     "--batch", "4",
     "--steps", "8",
     "--lr", "1e-2",
@@ -170,13 +168,7 @@ def test_bad_model_fields_are_one_line_exit_2_nothing_written(
     work.mkdir()
     monkeypatch.chdir(work)
     args = ["--data", str(CORPUS), *make_args(tmp_path, llama)]
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    assert main(["train", *args]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("dataparallel train: error: "), err
-    for fragment in fragments:
-        assert fragment in err, (fragment, err)
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    refused_in_one_line(args, tmp_path, capsys, fragments)
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused(llama, tmp_path, capsys):

@@ -18,14 +18,10 @@ from dataparallel.train.config import RunConfig
 from dataparallel.train.metrics import read_metrics
 from dataparallel.train.trackers import KEYS, Trackers, read_ids
 
-from .helpers import cli, corpus_copy, ok, tracker_env, wandb_sessions
+from .helpers import TINY, cli, corpus_copy, ok, tracker_env, wandb_sessions
 
 ARGS = [
-    "--nproc", "2",
-    "--threads", "1",
-    "--model", "gpt-tiny",
-    "--block-size", "32",
-    "--batch", "4",
+    *TINY,
     "--steps", "6",
     "--val-fraction", "0.1",
     "--eval-every", "3",

@@ -15,13 +15,11 @@ from pathlib import Path
 import pytest
 from hf_fixtures import make_tiny_llama
 
-from .helpers import HERE, corpus_copy, curve, ok, train
+from .helpers import HERE, TWO_RANKS, corpus_copy, curve, ok, train
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # the tests never reach the network
 ARGS = [
-    "--nproc", "2",
-    "--threads", "1",
-    "--block-size", "32",
+    *TWO_RANKS,
     "--global-batch", "8",
     "--steps", "4",
     "--lr", "3e-3",

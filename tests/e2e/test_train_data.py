@@ -16,14 +16,10 @@ from dataparallel.data.packing import IGNORE
 from dataparallel.data.stream import SampleStream
 from dataparallel.data.tokenizer import ByteTokenizer
 
-from .helpers import curve, train
+from .helpers import TINY, curve, train
 
 ARGS = [
-    "--nproc", "2",
-    "--threads", "1",
-    "--model", "gpt-tiny",
-    "--block-size", "32",
-    "--batch", "4",
+    *TINY,
     "--steps", "12",
     "--lr", "3e-3",
     "--warmup-steps", "3",

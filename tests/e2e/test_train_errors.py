@@ -16,7 +16,7 @@ import pytest
 
 from dataparallel.cli import main
 
-from .helpers import CORPUS
+from .helpers import CORPUS, refused_in_one_line
 
 
 def _write(path: Path, text: str) -> Path:
@@ -308,15 +308,9 @@ def test_bad_input_is_one_line_exit_2_nothing_written(name, tmp_path, monkeypatc
     work.mkdir()
     monkeypatch.chdir(work)  # the default run directory would appear under work/runs
     args = args + (setup(tmp_path) if setup else [])
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     if "--data" not in args:
         args = ["--data", str(CORPUS), *args]
-    assert main(["train", *args]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("dataparallel train: error: "), err
-    for fragment in fragments:
-        assert fragment in err, (fragment, err)
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    refused_in_one_line(args, tmp_path, capsys, fragments)
 
 
 def test_the_real_command_exits_2_with_one_line(tmp_path):

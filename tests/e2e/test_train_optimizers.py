@@ -22,15 +22,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .helpers import cli, curve, train
+from .helpers import TINY, cli, curve, train
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 ARGS = [
-    "--nproc", "2",
-    "--threads", "1",
-    "--model", "gpt-tiny",
-    "--block-size", "32",
-    "--batch", "4",
+    *TINY,
     "--accum", "2",
     "--steps", "4",
     "--lr", "3e-3",

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_fixtures import make_tokenizer
+from hf_fixtures import Counting, make_tokenizer
 
 from dataparallel.cli import main
 from dataparallel.data import cache as cache_module
@@ -45,24 +45,6 @@ def tokenizer(tmp_path_factory) -> HFTokenizer:
 def no_cache_dir_given(monkeypatch):
     """The cache beside the data, as by default, whatever the shell running the tests sets."""
     monkeypatch.delenv(CACHE_ENV, raising=False)
-
-
-class Counting:
-    """A tokenizer that counts the texts it encodes (to see whether the cache was read)."""
-
-    def __init__(self, inner):
-        self.inner, self.calls = inner, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def encode(self, text: str) -> list[int]:
-        self.calls += 1
-        return self.inner.encode(text)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        self.calls += len(texts)
-        return self.inner.encode_batch(texts)
 
 
 def _jsonl(path: Path, records: list[dict]) -> Path:
