@@ -20,7 +20,7 @@ from dataparallel.averaging import held_tensors
 
 from .harness import run_world
 from .models import batch, build, loss_fn, reference_loss
-from .test_muon import ADAMW, MUON, POLICIES, is_hidden_matrix, recipe
+from .muon_recipe import ADAMW, MUON, POLICIES, is_hidden_matrix, recipe
 
 STEPS, EVERY, PER_RANK, SHARD = 6, 3, 2, 2
 OUTER = {"lr": 0.7, "momentum": 0.6, "nesterov": True}  # MuLoCo's outer settings

@@ -20,38 +20,10 @@ import dataparallel as dp
 
 from .harness import run_world
 from .models import batch, build, loss_fn, reference_loss
+from .muon_recipe import ADAMW, MUON, POLICIES, is_hidden_matrix, recipe
 
 STEPS = 4
 PER_RANK = 4
-SMALL = {"bucket_mb": 0.02, "first_bucket_mb": 0.002}
-MUON = {"lr": 0.02, "adjust_lr_fn": "match_rms_adamw"}
-ADAMW = {"lr": 3e-3, "weight_decay": 0.1}
-POLICIES = {
-    "ddp": lambda: dp.DDP(**SMALL),
-    "zero1": lambda: dp.ZeRO1(**SMALL),
-    "zero2": lambda: dp.ZeRO2(**SMALL),
-    "zero3": lambda: dp.ZeRO3(),
-}
-
-
-def is_hidden_matrix(name: str, p: nn.Parameter) -> bool:
-    """Muon's share of the usual recipe: the blocks' 2-D weights (not embeddings, not head)."""
-    return p.dim() == 2 and name.startswith("blocks.")
-
-
-def recipe(model: nn.Module) -> list[dict]:
-    """One call's param groups: Muon on the hidden matrices, AdamW on the rest."""
-    named = list(model.named_parameters())
-    return [
-        {"params": [p for n, p in named if is_hidden_matrix(n, p)]},
-        {
-            "params": [p for n, p in named if not is_hidden_matrix(n, p)],
-            "optimizer": torch.optim.AdamW,
-            **ADAMW,
-        },
-    ]
-
-
 def schedule(step: int) -> float:
     return 1.0 / (1 + step)
 

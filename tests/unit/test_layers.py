@@ -134,3 +134,25 @@ def test_no_module_imports_itself_back():
         if name not in state:
             visit(name, [name])
     assert circles == []
+
+
+def test_no_test_module_imports_another_or_the_benchmarks():
+    """Shared test code lives in helper modules (harness.py, models.py, e2e/helpers.py, ...):
+    no test module imports another, and none puts benchmarks/ on its path."""
+    tests = PACKAGE.parents[1] / "tests"
+    files = sorted(p for p in tests.rglob("*.py") if p != Path(__file__).resolve())
+    assert len(files) > 100
+    broken = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1].startswith(
+                "test_"
+            ):
+                broken.append(f"{path.relative_to(tests)} imports {node.module}")
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[-1].startswith("test_")]
+                broken += [f"{path.relative_to(tests)} imports {n}" for n in names]
+        text = path.read_text()
+        if ("sys.path.insert" in text or "sys.path.append" in text) and "benchmarks" in text:
+            broken.append(f"{path.relative_to(tests)} puts benchmarks/ on sys.path")
+    assert broken == []
