@@ -108,6 +108,7 @@ CONFIGS = {  # name -> dataparallel train flags (a row's --nproc and --batch ove
     "diloco-h30-paper-inner-lr1e3": [*PAPER_DILOCO, *THE_PAPERS_OUTER, "--lr", "1e-3"],
     "diloco-h30-paper-m08": [*PAPER_DILOCO, "--outer-lr", "0.7", "--outer-momentum", "0.8"],
     "diloco-h30-paper-m06": [*PAPER_DILOCO, "--outer-lr", "0.7", "--outer-momentum", "0.6"],
+    "diloco-h30-paper-m04": [*PAPER_DILOCO, "--outer-lr", "0.7", "--outer-momentum", "0.4"],
     "diloco-h30-paper-lr10-m08": [*PAPER_DILOCO, "--outer-lr", "1.0", "--outer-momentum", "0.8"],
     "m4-diloco-h30-paper-m08": [
         *PAPER_DILOCO,
@@ -119,6 +120,18 @@ CONFIGS = {  # name -> dataparallel train flags (a row's --nproc and --batch ove
         *"--outer-lr 0.7 --outer-momentum 0.8".split(),
         *"--nproc 1 --batch 16".split(),
     ],
+    # the outer settings at other H (2 replicas): the table's H = 10 and H = 100 cells
+    **{
+        f"diloco-h{h}-paper-{name}": [
+            *PAPER_DILOCO[:1], str(h), *PAPER_DILOCO[2:],
+            "--outer-lr", lr, "--outer-momentum", momentum,
+        ]
+        for h in (10, 100)
+        for name, lr, momentum in (
+            ("m08", "0.7", "0.8"), ("m09", "0.7", "0.9"), ("lr10-m09", "1.0", "0.9"),
+            ("m06", "0.7", "0.6"),
+        )
+    },  # fmt: skip
     "diloco-h30-paper-chosen": PAPER_DILOCO,
     "diloco-h30-paper-chosen-int4": [*PAPER_DILOCO, "--outer-compress", "int4"],
     "recipe-h30-paper": ["--diloco", "30"],  # streamed as the recipe says, the outer chosen

@@ -12,7 +12,11 @@ after the other on the same model, data and settings (AdamW, a warm-up scheduler
   (progress bar, logger, checkpoints and summary off).
 A step's time is the wall time between two consecutive optimizer steps' ends on rank 0 (the
 first 3 of each run dropped: warm-up); the table gives medians over every round and the ratio
-lightning / api. Prints the table and writes it as JSON (--out).
+lightning / api. Beside it, the CPU time rank 0's process spent in the same interval
+(`time.process_time`, every thread): the work each contender does a step, which the other
+processes on the machine do not move the way they move wall time (on 2 cores, two ranks'
+scheduling alone spreads wall-time medians by about 5%). Prints the table and writes it as JSON
+(--out).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def module_class(size: tuple[int, int]):
             return F.cross_entropy(self.model(x).reshape(-1, VOCAB), y.reshape(-1))
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
-            self.times.append(time.perf_counter())
+            self.times.append((time.perf_counter(), time.process_time()))
 
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1)
@@ -89,7 +93,7 @@ def run_api(name: str, steps: int, size, between: bool = False) -> list[float]:
         warm.step()
         if not between:
             optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter())
+        times.append((time.perf_counter(), time.process_time()))
     return times
 
 
@@ -114,8 +118,10 @@ def run_lightning(name: str, steps: int, size) -> list[float]:
     return module.times
 
 
-def intervals(times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(times[WARM:-1], times[WARM + 1 :], strict=True)]
+def intervals(times: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """Each step's wall time and rank 0's CPU time, the warm-up's dropped."""
+    pairs = list(zip(times[WARM:-1], times[WARM + 1 :], strict=True))
+    return [b[0] - a[0] for a, b in pairs], [b[1] - a[1] for a, b in pairs]
 
 
 def worker(rank: int, port: int, args, queue) -> None:
@@ -130,15 +136,18 @@ def worker(rank: int, port: int, args, queue) -> None:
     size = SIZES[args.model]
     for r in range(args.rounds):
         for name in args.strategies.split(","):
-            row = found.setdefault(name, {kind: [] for kind in (*kinds, "paired")})
+            row = found.setdefault(
+                name, {k: [] for k in (*kinds, *(f"{k} cpu" for k in kinds), "paired")}
+            )
             times = {}
             for kind in kinds[r % 3 :] + kinds[: r % 3]:  # who runs first rotates
                 if kind == "lightning":
-                    times[kind] = intervals(run_lightning(name, args.steps, size))
+                    times[kind], cpu = intervals(run_lightning(name, args.steps, size))
                 else:
                     between = kind == "api-between"
-                    times[kind] = intervals(run_api(name, args.steps, size, between))
+                    times[kind], cpu = intervals(run_api(name, args.steps, size, between))
                 row[kind] += times[kind]
+                row[f"{kind} cpu"] += cpu
             row["paired"].append(
                 statistics.median(times["lightning"]) / statistics.median(times["api"])
             )
@@ -168,21 +177,30 @@ def main() -> None:
         p.join()
     table = {}
     print(
-        f"{'strategy':10} {'api ms':>8} {'between ms':>11} {'lightning ms':>13} {'ratio':>7} {'paired':>7}"
+        f"{'strategy':10} {'api ms':>8} {'between ms':>11} {'lightning ms':>13} {'ratio':>7} "
+        f"{'paired':>7} {'api cpu ms':>11} {'lightning cpu ms':>17} {'cpu ratio':>10}"
     )
     for name, row in found.items():
         api, between, lit = (
             statistics.median(row[k]) * 1e3 for k in ("api", "api-between", "lightning")
         )
         paired = statistics.median(row["paired"])
+        api_cpu, lit_cpu = (statistics.median(row[f"{k} cpu"]) * 1e3 for k in ("api", "lightning"))
         table[name] = {
             "api_ms": api,
             "api_between_ms": between,
             "lightning_ms": lit,
             "ratio": lit / api,
             "paired": paired,
+            "api_cpu_ms": api_cpu,
+            "lightning_cpu_ms": lit_cpu,
+            "cpu_ratio": lit_cpu / api_cpu,
+            "steps_per_contender": len(row["api"]),
         }
-        print(f"{name:10} {api:8.1f} {between:11.1f} {lit:13.1f} {lit / api:7.3f} {paired:7.3f}")
+        print(
+            f"{name:10} {api:8.1f} {between:11.1f} {lit:13.1f} {lit / api:7.3f} {paired:7.3f} "
+            f"{api_cpu:11.1f} {lit_cpu:17.1f} {lit_cpu / api_cpu:10.3f}"
+        )
     with open(args.out, "w") as handle:
         json.dump(table, handle, indent=1)
 

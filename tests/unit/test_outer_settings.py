@@ -27,6 +27,9 @@ def test_every_measured_cell_is_chosen_for_its_own_run():
     ("replicas", "every", "inner", "cell"),
     [
         (2, 25, "adamw", ("adamw", 2, 30)),  # the nearest H
+        (2, 15, "adamw", ("adamw", 2, 10)),  # on a log scale 15 is nearer 10 than 30
+        (2, 60, "adamw", ("adamw", 2, 100)),
+        (2, 1000, "adamw", ("adamw", 2, 100)),
         (3, 30, "adamw", ("adamw", 4, 30)),  # on a log scale 3 is nearer 4 than 2
         (6, 30, "adamw", ("adamw", 4, 30)),
         (64, 500, "adamw", ("adamw", 4, 30)),  # beyond the table: its edge
