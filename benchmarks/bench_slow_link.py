@@ -123,15 +123,22 @@ CONFIGS = {  # name -> dataparallel train flags (a row's --nproc and --batch ove
     # the outer settings at other H (2 replicas): the table's H = 10 and H = 100 cells
     **{
         f"diloco-h{h}-paper-{name}": [
-            *PAPER_DILOCO[:1], str(h), *PAPER_DILOCO[2:],
-            "--outer-lr", lr, "--outer-momentum", momentum,
+            *PAPER_DILOCO[:1],
+            str(h),
+            *PAPER_DILOCO[2:],
+            "--outer-lr",
+            lr,
+            "--outer-momentum",
+            momentum,
         ]
         for h in (10, 100)
         for name, lr, momentum in (
-            ("m08", "0.7", "0.8"), ("m09", "0.7", "0.9"), ("lr10-m09", "1.0", "0.9"),
+            ("m08", "0.7", "0.8"),
+            ("m09", "0.7", "0.9"),
+            ("lr10-m09", "1.0", "0.9"),
             ("m06", "0.7", "0.6"),
         )
-    },  # fmt: skip
+    },
     "diloco-h30-paper-chosen": PAPER_DILOCO,
     "diloco-h30-paper-chosen-int4": [*PAPER_DILOCO, "--outer-compress", "int4"],
     "recipe-h30-paper": ["--diloco", "30"],  # streamed as the recipe says, the outer chosen
