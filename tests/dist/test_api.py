@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import dataparallel as dp
+from dataparallel.api import strategy_of
 from dataparallel.strategies.base import first_mismatch, model_signature
 
 
@@ -120,7 +121,7 @@ def test_a_backward_that_raises_does_not_leave_the_reducer_half_way():
     tracer = dp.Tracer(enabled=True)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
     dp.parallelize(model, dp.DDP(bucket_mb=1e-5, first_bucket_mb=1e-5), tracer=tracer)
-    buckets = len(dp.strategy_of(model).reducer.buckets)
+    buckets = len(strategy_of(model).reducer.buckets)
     x = torch.randn(5, 3, requires_grad=True)
     with pytest.raises(RuntimeError, match="on purpose"):
         model(_FailingBackward.apply(x)).sum().backward()  # fails after every parameter's grad

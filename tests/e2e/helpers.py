@@ -26,10 +26,17 @@ from dataparallel.train.metrics import read_metrics
 HERE = Path(__file__).parent
 CORPUS = HERE / "data" / "corpus"
 REFERENCE = HERE / "data" / "reference_curve.json"
-# Every e2e run's world: 2 ranks of one thread each, 32-token windows; TINY adds gpt-tiny at 4
-# windows a rank, the short runs' model.
+# Every e2e run's world: 2 ranks of one thread each, 32-token windows; TINY is that world with
+# gpt-tiny at 4 windows a rank, the short runs' model, in the order the stored reference curve's
+# arguments were written in (REFERENCE_ARGS starts with it).
 TWO_RANKS = ["--nproc", "2", "--threads", "1", "--block-size", "32"]
-TINY = [*TWO_RANKS, "--model", "gpt-tiny", "--batch", "4"]
+TINY = [
+    "--nproc", "2",
+    "--threads", "1",
+    "--model", "gpt-tiny",
+    "--block-size", "32",
+    "--batch", "4",
+]  # fmt: skip
 # Small enough to run in seconds on 2 cores, large enough to exercise accumulation, clipping,
 # warm-up, periodic validation over a set that does not divide by 2 (7 windows) and checkpoints.
 REFERENCE_ARGS = [
