@@ -229,7 +229,7 @@ def inner_optimizer(optimizer_cls, params=None) -> str:
 def _averager(recipe: Recipe, outer: OuterSettings, model, optimizer, group, tracer):
     if recipe.local_sgd:
         return LocalSGD(model, optimizer, recipe.local_sgd, group=group, tracer=tracer)
-    outer = partial(
+    outer_optimizer = partial(
         torch.optim.SGD, lr=outer.lr, momentum=outer.momentum, nesterov=outer.momentum > 0
     )
     streaming = recipe.streaming  # [Note: the DiLoCo recipe]
@@ -238,7 +238,7 @@ def _averager(recipe: Recipe, outer: OuterSettings, model, optimizer, group, tra
         optimizer,
         recipe.diloco,
         group=group,
-        outer_optimizer=outer,
+        outer_optimizer=outer_optimizer,
         compress=streaming.compress,
         tracer=tracer,
         fragments=streaming.fragments,

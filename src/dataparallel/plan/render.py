@@ -29,7 +29,7 @@ def as_json(p: Plan) -> str:
             "recommendation": p.best.candidate.label if p.best else None,
             "reason": p.reason,
             **({"whole_parameters": _whole_json(p)} if p.whole else {}),
-            **({"outer": {k: vars(o) for k, o in _outer(p).items()}} if _outer(p) else {}),
+            **({"outer": {k: vars(o) for k, o in outer.items()}} if (outer := _outer(p)) else {}),
         },
         indent=1,
     )
