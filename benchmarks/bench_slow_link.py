@@ -110,6 +110,7 @@ CONFIGS = {  # name -> dataparallel train flags (a row's --nproc and --batch ove
     "diloco-h30-paper-m06": [*PAPER_DILOCO, "--outer-lr", "0.7", "--outer-momentum", "0.6"],
     "diloco-h30-paper-m04": [*PAPER_DILOCO, "--outer-lr", "0.7", "--outer-momentum", "0.4"],
     "diloco-h30-paper-lr10-m08": [*PAPER_DILOCO, "--outer-lr", "1.0", "--outer-momentum", "0.8"],
+    "diloco-h30-paper-lr10-m06": [*PAPER_DILOCO, "--outer-lr", "1.0", "--outer-momentum", "0.6"],
     "m4-diloco-h30-paper-m08": [
         *PAPER_DILOCO,
         *"--outer-lr 0.7 --outer-momentum 0.8".split(),

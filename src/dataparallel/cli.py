@@ -32,13 +32,14 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from .infer.command import add_eval_parser, add_generate_parser, cmd_eval, cmd_generate
-from .launch.cluster_command import add_cluster_parser, cmd_cluster
+from .infer.command import add_eval_parser, add_generate_parser
+from .launch.cluster_command import add_cluster_parser
+from .launch.command import add_command, refused
 from .launch.environments import detect
 from .launch.flags import add_launcher_flags, launcher_config
 from .launch.topology import Topology
 from .launch.workers import freeze_imports
-from .plan.command import add_plan_parser, cmd_plan
+from .plan.command import add_plan_parser
 from .train.config import (
     SECTIONS,
     ConfigError,
@@ -47,8 +48,8 @@ from .train.config import (
     flag_name,
 )
 from .train.config_toml import load_toml, to_toml
-from .train.export import add_export_parser, cmd_export
-from .train.live.elastic import add_join_parser, add_leave_parser, cmd_join, cmd_leave
+from .train.export import add_export_parser
+from .train.live.elastic import add_join_parser, add_leave_parser
 
 TYPES = {"int": int, "float": float, "str": str}
 
@@ -61,11 +62,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def add_train_parser(commands) -> None:
-    parser = commands.add_parser(
-        "train",
-        help="train a model with data-parallel workers",
-        description="Train a model with data-parallel workers. Flags override --config.",
-    )
+    parser = add_command(commands, "train", cmd_train)
     parser.add_argument("--config", metavar="FILE.toml", help="a TOML config file")
     parser.add_argument(
         "--resume",
@@ -106,12 +103,7 @@ def add_train_parser(commands) -> None:
 
 
 def add_launch_parser(commands) -> None:
-    parser = commands.add_parser(
-        "launch",
-        help="run your training script with data-parallel workers",
-        description="Run SCRIPT in each worker, as torchrun would, with dataparallel's thread "
-        "defaults, restarts, watchdog settings (read by dp.init()) and per-attempt store.",
-    )
+    parser = add_command(commands, "launch", cmd_launch)
     add_launcher_flags(parser, LAUNCH_DEFAULTS)
     parser.add_argument("script", help="the Python script each worker runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -122,6 +114,11 @@ LAUNCH_DEFAULTS = {"max_restarts": 0}
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    """run your training script with data-parallel workers
+
+    Run SCRIPT in each worker, as torchrun would, with dataparallel's thread defaults,
+    restarts, watchdog settings (read by dp.init()) and per-attempt store.
+    """
     from .launch.workers import launch_script
 
     try:
@@ -131,13 +128,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
             problem = "is a directory" if script.is_dir() else "does not exist"
             raise ConfigError("script", f"{args.script} {problem}", "give a Python script")
     except ConfigError as error:
-        print(f"dataparallel launch: error: {error}", file=sys.stderr)
-        return 2
+        return refused("launch", error)
     return launch_script(launch, str(script), args.script_args)
 
 
 def add_sample_parser(commands) -> None:
-    parser = commands.add_parser("sample", help="sample text from trained weights")
+    parser = add_command(commands, "sample", cmd_sample)
     parser.add_argument(
         "run",
         metavar="RUN_OR_DIR",
@@ -277,6 +273,10 @@ def resume_auto(args: argparse.Namespace, decided: dict | None) -> tuple[RunConf
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """train a model with data-parallel workers
+
+    Train a model with data-parallel workers. Flags override --config.
+    """
     from .data.cache import use_cache_dir
     from .train.checks import check_values, preflight
 
@@ -297,8 +297,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 0
         preflight(config, resume=resume, checkpoint=checkpoint, again=auto)
     except ConfigError as error:
-        print(f"dataparallel train: error: {error}", file=sys.stderr)
-        return 2
+        return refused("train", error)
     if topology and not (topology.worker and topology.rank):
         print(f"dataparallel train: {topology.describe()}", flush=True)
     if topology and topology.worker:  # started as a worker: train in place
@@ -330,8 +329,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    """Continue one prompt: a built-in GPT's run (its own sampler, as always), or a Hugging Face
-    model (a save_pretrained directory, or a run's hf/ export) through generate's decoder."""
+    """sample text from trained weights
+
+    Continue one prompt: a built-in GPT's run (its own sampler, as always), or a Hugging Face
+    model (a save_pretrained directory, or a run's hf/ export) through generate's decoder.
+    """
     import torch
 
     from .infer.model_loading import find_model, load_model
@@ -343,8 +345,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     try:
         loaded = load_model(find_model(args.run))
     except ConfigError as error:
-        print(f"dataparallel sample: error: {error}", file=sys.stderr)
-        return 2
+        return refused("sample", error)
     if loaded.kind == "gpt":
         torch.manual_seed(args.seed)
         text = generate(
@@ -370,19 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # a process of its own: [Note: frozen imports] in launch/workers.py
         freeze_imports()
     args = build_parser().parse_args(argv)
-    handler = {
-        "train": cmd_train,
-        "launch": cmd_launch,
-        "generate": cmd_generate,
-        "eval": cmd_eval,
-        "sample": cmd_sample,
-        "export": cmd_export,
-        "plan": cmd_plan,
-        "join": cmd_join,
-        "leave": cmd_leave,
-        "cluster": cmd_cluster,
-    }[args.command]
-    return handler(args)
+    return args.handler(args)
 
 
 if __name__ == "__main__":

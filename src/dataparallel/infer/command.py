@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
+from ..launch.command import add_command, refused
 from ..launch.config import ConfigError
 from ..launch.flags import add_launcher_flags, launcher_config
 
@@ -38,12 +38,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def add_generate_parser(commands) -> None:
-    parser = commands.add_parser(
-        "generate",
-        help="complete a JSONL file of prompts with data-parallel workers",
-        description="Complete every prompt of a JSONL file (a 'prompt' field a line), split "
-        "across the workers; write one line per prompt, in input order, with its 'completion'.",
-    )
+    parser = add_command(commands, "generate", cmd_generate)
     _common(parser)
     parser.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="the prompts")
     parser.add_argument("--out", required=True, metavar="FILE.jsonl", help="the completions")
@@ -59,12 +54,7 @@ def add_generate_parser(commands) -> None:
 
 
 def add_eval_parser(commands) -> None:
-    parser = commands.add_parser(
-        "eval",
-        help="the exact perplexity of a dataset, with data-parallel workers",
-        description="Mean cross-entropy per target token of the data, and its exp (the "
-        "perplexity), the same for any number of workers.",
-    )
+    parser = add_command(commands, "eval", cmd_eval)
     _common(parser)
     parser.add_argument(
         "--data",
@@ -183,8 +173,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
         check_model(source)
         job = generate_job(args) if command == "generate" else eval_job(args)
     except ConfigError as error:
-        print(f"dataparallel {command}: error: {error}", file=sys.stderr)
-        return 2
+        return refused(command, error)
     return start(command, source, args.strategy, job, launch)
 
 
@@ -207,10 +196,20 @@ def start(command: str, source, strategy: str, job, launch) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """complete a JSONL file of prompts with data-parallel workers
+
+    Complete every prompt of a JSONL file (a 'prompt' field a line), split across the workers;
+    write one line per prompt, in input order, with its 'completion'.
+    """
     return _run("generate", args)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """the exact perplexity of a dataset, with data-parallel workers
+
+    Mean cross-entropy per target token of the data, and its exp (the perplexity), the same for
+    any number of workers.
+    """
     from ..data.cache import use_cache_dir
 
     use_cache_dir(args.cache_dir)

@@ -3,6 +3,8 @@
     config.py          LaunchConfig (the [launch] section), its checks, ConfigError and the
                        field/flag labels every command's errors use
     flags.py           the launcher's flags, as `launch`, `generate` and `eval` take them
+    command.py         a subcommand of `dataparallel`: its parser from its function's docstring,
+                       its bad input refused on one line (every command registers through it)
     workers.py         start_workers: torch.distributed.run, threads, the workers' environment
     stopped_workers.py continuing stopped workers told to end ([Note: stopped workers])
     topology.py        Topology (what the launcher needs to know) and the Environment interface

@@ -9,6 +9,7 @@ import shlex
 import sys
 from dataclasses import fields
 
+from .command import add_command, refused
 from .config import ConfigError, field_docs
 from .jobfiles import JobSpec, k8s_manifest, slurm_script
 from .preemption import DEFAULT_BUDGET_S
@@ -67,9 +68,10 @@ def job_parser() -> argparse.ArgumentParser:
 
 
 def add_cluster_parser(commands) -> None:
-    parser = commands.add_parser(
+    parser = add_command(
+        commands,
         "cluster",
-        help="print an sbatch script or a Kubeflow TrainJob that runs dataparallel train",
+        cmd_cluster,
         description=USAGE,
         epilog=job_parser().format_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -114,13 +116,13 @@ def _preempt_budget(train_args: list[str]) -> float:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
+    """print an sbatch script or a Kubeflow TrainJob that runs dataparallel train"""
     printed_by = shlex.join(["dataparallel", "cluster", args.scheduler, *args.args])
     try:
         spec = job_spec(args.args)
         make = slurm_script if args.scheduler == "slurm" else k8s_manifest
         text = make(spec, printed_by)
     except ConfigError as error:
-        print(f"dataparallel cluster: error: {error}", file=sys.stderr)
-        return 2
+        return refused("cluster", error)
     sys.stdout.write(text)
     return 0

@@ -5,14 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..launch.command import add_command, refused
+
 
 def add_plan_parser(commands) -> None:
-    p = commands.add_parser(
-        "plan",
-        help="predict memory per rank and step time of every strategy, before launch",
-        description="Predict per-rank memory, traffic and step time of ddp, zero1/2/3 on "
-        "every mesh, and DiLoCo; recommend the fastest that fits (docs/plan.md).",
-    )
+    p = add_command(commands, "plan", cmd_plan)
     p.add_argument("--model", help="a built-in model (gpt-small, ..., llama-8b)")
     p.add_argument("--params", type=float, help="a bare parameter count, e.g. 7.5e9")
     p.add_argument("--layers", type=int, default=0, help="blocks (with --params)")
@@ -63,6 +60,11 @@ def add_plan_parser(commands) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """predict memory per rank and step time of every strategy, before launch
+
+    Predict per-rank memory, traffic and step time of ddp, zero1/2/3 on every mesh, and
+    DiLoCo; recommend the fastest that fits (docs/plan.md).
+    """
     from .errors import PlanError
 
     try:
@@ -74,8 +76,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return 0
         return _dry_run(args) if args.dry_run else _plan(args)
     except PlanError as error:
-        print(f"dataparallel plan: error: {error}", file=sys.stderr)
-        return 2
+        return refused("plan", error)
+
+
+# The flags that are dp.plan's arguments of the same name.
+SAME_NAMES = (
+    *("params", "layers", "width", "seq_len", "vocab"),
+    *("ranks", "nodes", "ranks_per_node", "hardware"),
+    *("optimizer", "micro_batch", "accumulation", "layout"),
+)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -97,23 +106,11 @@ def _plan(args: argparse.Namespace) -> int:
     )
     result = plan(
         args.model,
-        params=args.params,
-        layers=args.layers,
-        width=args.width,
-        seq_len=args.seq_len,
-        vocab=args.vocab,
-        ranks=args.ranks,
-        nodes=args.nodes,
-        ranks_per_node=args.ranks_per_node,
-        hardware=args.hardware,
-        optimizer=args.optimizer,
-        micro_batch=args.micro_batch,
-        accumulation=args.accumulation,
+        **{name: getattr(args, name) for name in SAME_NAMES},
         strategies=args.strategy or STRATEGIES,
         shard_sizes=args.shard_size,
         compress=compress,
         compress_arg=arg,
-        layout=args.layout,
         recipe=recipe,
     )
     print(as_json(result) if args.json else as_table(result))

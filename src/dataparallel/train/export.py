@@ -15,11 +15,11 @@ checkpoint's files are checked against its manifest first; bad input is refused 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError, latest_checkpoint, verify
 from ..checkpoint.folders import MANIFEST
+from ..launch.command import add_command, refused
 from .checkpointing import FINAL_WEIGHTS, checkpoint_weights, export_weights
 from .config import ConfigError
 from .export_hf import HF_EXPORT, export_hf
@@ -78,12 +78,7 @@ def _hf_source(run: Path | None):
 
 
 def add_export_parser(commands) -> None:
-    parser = commands.add_parser(
-        "export",
-        help="write a checkpoint's weights as safetensors (and an hf/ directory)",
-        description="Write the weights of a run's latest checkpoint, or of RUN/checkpoint/step-N, "
-        "as DIR/model.safetensors, and for an hf:DIR model a save_pretrained DIR/hf.",
-    )
+    parser = add_command(commands, "export", cmd_export)
     parser.add_argument(
         "checkpoint",
         metavar="RUN_OR_CHECKPOINT",
@@ -93,10 +88,14 @@ def add_export_parser(commands) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """write a checkpoint's weights as safetensors (and an hf/ directory)
+
+    Write the weights of a run's latest checkpoint, or of RUN/checkpoint/step-N, as
+    DIR/model.safetensors, and for an hf:DIR model a save_pretrained DIR/hf.
+    """
     try:
         checkpoint = export_checkpoint(args.checkpoint, args.out)
     except (CheckpointError, ConfigError) as error:
-        print(f"dataparallel export: error: {error}", file=sys.stderr)
-        return 2
+        return refused("export", error)
     print(f"exported {checkpoint} to {args.out}")
     return 0

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from ...launch.command import add_command, refused
 from ..config import ConfigError
 from .membership import JOIN, LEAVE
 from .remote import Heartbeat
@@ -43,17 +44,21 @@ REFUSED = 3  # a join the launcher refused (a keeper's child; the command says 1
 REJOIN_WAIT_S = 30.0  # after a loss, how long a keeper asks again when a join is refused
 
 
-def add_join_parser(commands) -> None:
-    parser = commands.add_parser(
-        "join",
-        help="add a replica to a running `dataparallel train --recovery live`",
-        description="Join the live run in RUN_DIR as one more replica (up to its "
-        "--max-replicas): this process trains with the others until the run ends. Its state is "
-        "received from them over the network; the run directory is where it writes its part "
-        "of the checkpoints. In a run with --shard-group S, a replica is S processes: this one "
-        "forks them.",
-    )
+def _live_run_parser(commands, name: str, run) -> argparse.ArgumentParser:
+    """The parser of `join` or `leave`: the run's directory and the file of its secret."""
+    parser = add_command(commands, name, run)
     parser.add_argument("run", metavar="RUN_DIR", help=f"the run's directory (holds {RUN_FILE})")
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        help=f"the file that holds the run's secret (default: ${ENV_SECRET_FILE}, else "
+        f"RUN_DIR/{SECRET_FILE}, which the launcher writes readable by its user only)",
+    )
+    return parser
+
+
+def add_join_parser(commands) -> None:
+    parser = _live_run_parser(commands, "join", cmd_join)
     parser.add_argument(
         "--restarts",
         type=int,
@@ -62,34 +67,15 @@ def add_join_parser(commands) -> None:
         "as stalled), join again from here, up to this many times (0: never) ([Note: the "
         "machine's keeper])",
     )
-    parser.add_argument(
-        "--secret-file",
-        default=None,
-        help=f"the file that holds the run's secret (default: ${ENV_SECRET_FILE}, else "
-        f"RUN_DIR/{SECRET_FILE}, which the launcher writes readable by its user only)",
-    )
 
 
 def add_leave_parser(commands) -> None:
-    parser = commands.add_parser(
-        "leave",
-        help="let a replica of a running `dataparallel train --recovery live` leave",
-        description="Ask the live run in RUN_DIR to let one replica leave at its next step "
-        "boundary: the others go on without it, with the same global batch (down to its "
-        "--min-replicas); it ends with status 0 and is not replaced.",
-    )
-    parser.add_argument("run", metavar="RUN_DIR", help=f"the run's directory (holds {RUN_FILE})")
+    parser = _live_run_parser(commands, "leave", cmd_leave)
     parser.add_argument(
         "--replica",
         type=int,
         required=True,
         help="the slot of the replica that leaves (the launcher's lines name them: workers [...])",
-    )
-    parser.add_argument(
-        "--secret-file",
-        default=None,
-        help=f"the file that holds the run's secret (default: ${ENV_SECRET_FILE}, else "
-        f"RUN_DIR/{SECRET_FILE}, which the launcher writes readable by its user only)",
     )
 
 
@@ -134,17 +120,20 @@ def _answer(command: str, store, request: Request, secret: Path) -> Answer | Non
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    """add a replica to a running `dataparallel train --recovery live`
+
+    Join the live run in RUN_DIR as one more replica (up to its --max-replicas): this process
+    trains with the others until the run ends. Its state is received from them over the
+    network; the run directory is where it writes its part of the checkpoints. In a run with
+    --shard-group S, a replica is S processes: this one forks them.
+    """
     if args.restarts < 0:
-        print(
-            f"dataparallel join: error: --restarts: {args.restarts} is negative; give 0 or more",
-            file=sys.stderr,
-        )
-        return 2
+        error = ConfigError("--restarts", f"{args.restarts} is negative", "give 0 or more")
+        return refused("join", error)
     try:
         secret = use_secret(Path(args.run), args.secret_file)
     except ConfigError as error:
-        print(f"dataparallel join: error: {error}", file=sys.stderr)
-        return 2
+        return refused("join", error)
     if args.restarts:
         return keep(Path(args.run), args.restarts, secret)
     code = join(Path(args.run), secret)
@@ -156,8 +145,7 @@ def join(run_dir: Path, secret: Path) -> int:
     try:
         address, store = connect(run_dir)
     except ConfigError as error:
-        print(f"dataparallel join: error: {error}", file=sys.stderr)
-        return 2
+        return refused("join", error)
     request = Request(kind=JOIN, pid=os.getpid(), host=socket.gethostname())
     answer = _answer("join", store, request, secret)
     if answer is None:
@@ -170,8 +158,8 @@ def join(run_dir: Path, secret: Path) -> int:
 
     try:
         shard = decode_run(read_run(store, secret))[0].layout.shard  # processes per replica
-    except Refused as refused:  # someone but the launcher wrote the run: train nothing of it
-        print(f"dataparallel join: error: the run in the store: {refused}", file=sys.stderr)
+    except Refused as forged:  # someone but the launcher wrote the run: train nothing of it
+        print(f"dataparallel join: error: the run in the store: {forged}", file=sys.stderr)
         return 1
     if shard == 1:
         return train_joined(run_dir, address, store, answer.replica, secret=secret)
@@ -320,14 +308,19 @@ def train_joined(
 
 
 def cmd_leave(args: argparse.Namespace) -> int:
+    """let a replica of a running `dataparallel train --recovery live` leave
+
+    Ask the live run in RUN_DIR to let one replica leave at its next step boundary: the others
+    go on without it, with the same global batch (down to its --min-replicas); it ends with
+    status 0 and is not replaced.
+    """
     try:
         if args.replica < 0:
             raise ConfigError("--replica", f"{args.replica} is negative", "give a replica's slot")
         secret = use_secret(Path(args.run), args.secret_file)
         _, store = connect(Path(args.run))
     except ConfigError as error:
-        print(f"dataparallel leave: error: {error}", file=sys.stderr)
-        return 2
+        return refused("leave", error)
     answer = _answer("leave", store, Request(kind=LEAVE, replica=args.replica), secret)
     if answer is None:
         return 1
