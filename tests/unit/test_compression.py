@@ -139,10 +139,10 @@ def test_bad_input_is_one_clear_line(make, message):
 
 
 def test_a_spec_without_options_gets_the_measured_defaults():
-    """`powersgd` alone is rank 16, compressed from the first step (docs/compression.md,
+    """`powersgd` alone is rank 32, compressed from the first step (docs/compression.md,
     "Compression under Adam"); what a spec gives wins; the class keeps PyTorch's rank 1."""
     hook = build_hook("powersgd")
-    assert (hook.compressor.rank, hook.start) == (16, 0)
+    assert (hook.compressor.rank, hook.start) == (32, 0)
     hook = build_hook("powersgd:rank=4,start=0")
     assert (hook.compressor.rank, hook.start) == (4, 0)
     assert PowerSGD().rank == 1 and build_hook("topk:ratio=0.1").start == 0
