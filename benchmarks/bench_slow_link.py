@@ -150,6 +150,15 @@ CONFIGS = {  # name -> dataparallel train flags (a row's --nproc and --batch ove
         "muon",  # MuLoCo's paper's outer
         *"--outer-lr 0.7 --outer-momentum 0.6".split(),
     ],
+    # MuLoCo's outer settings swept on the proxy: the AdamW cell's 0.8, and a larger step at 0.6
+    **{
+        f"muloco-h30-paper-{name}": [
+            *PAPER_DILOCO,
+            *"--optimizer muon".split(),
+            *f"--outer-lr {lr} --outer-momentum {momentum}".split(),
+        ]
+        for name, lr, momentum in (("m08", "0.7", "0.8"), ("lr10-m06", "1.0", "0.6"))
+    },
     # Compression under AdamW (docs/compression.md): exact steps first, a higher rank.
     "powersgd-s30": "--compress powersgd:rank=4,start=30".split(),
     "powersgd-s60": "--compress powersgd:rank=4,start=60".split(),
