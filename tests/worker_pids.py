@@ -27,9 +27,21 @@ def environment(pid: int, name: str) -> str | None:
     return next((e[len(prefix) :].decode() for e in entries if e.startswith(prefix)), None)
 
 
+def rank_of(pid: int) -> str | None:
+    """A worker's RANK: its name where it was forked from the launcher ("dp rank N": [Note:
+    forked workers] in launch/forked.py), else its environment (a fresh interpreter's)."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    if name.startswith("dp rank "):
+        return name.removeprefix("dp rank ")
+    return environment(pid, "RANK")
+
+
 def workers_by_rank(launcher: int) -> dict[int, int]:
     """{RANK: pid} of the workers below the launcher process `launcher` (torchrun's agent)."""
-    ranks = {environment(p, "RANK"): p for p in children(launcher)}
+    ranks = {rank_of(p): p for p in children(launcher)}
     return {int(rank): pid for rank, pid in ranks.items() if rank is not None}
 
 

@@ -37,6 +37,7 @@ from .launch.cluster_command import add_cluster_parser
 from .launch.command import add_command, refused
 from .launch.environments import detect
 from .launch.flags import add_launcher_flags, launcher_config
+from .launch.forked import launcher_threads
 from .launch.topology import Topology
 from .launch.workers import freeze_imports
 from .plan.command import add_plan_parser
@@ -161,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_join_parser(commands)
     add_leave_parser(commands)
     add_cluster_parser(commands)
+    parser.set_defaults(
+        own_process=False
+    )  # True when main() runs as the program: [Note: forked workers]
     # `bench` (benchmarks/) will be registered here as a third command.
     return parser
 
@@ -286,6 +290,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     checkpoint = split_resume(args.resume)[1] if resume and not auto else ""
     try:
         topology = cluster_topology(args)
+        if args.own_process and not (topology and topology.worker):
+            launcher_threads()  # its workers are forked from it: [Note: forked workers]
         fields = topology.launch_fields() if topology else None
         if auto:
             config, resume = resume_auto(args, fields)
@@ -322,7 +328,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .launch.preemption import PREEMPTED, exit_now
     from .train.launch import launch
 
-    code = launch(config, resume=resume, checkpoint=checkpoint)
+    code = launch(config, resume=resume, checkpoint=checkpoint, fork=args.own_process)
     if code == PREEMPTED:  # the scheduler's grace runs: no interpreter finalization
         exit_now(code)  # ([Note: preemption] in launch/preemption.py)
     return code
@@ -371,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # a process of its own: [Note: frozen imports] in launch/workers.py
         freeze_imports()
     args = build_parser().parse_args(argv)
+    args.own_process = argv is None  # may fork its workers: [Note: forked workers]
     return args.handler(args)
 
 

@@ -159,7 +159,11 @@ def eval_job(args: argparse.Namespace):
 
 
 def _run(command: str, args: argparse.Namespace) -> int:
+    from ..launch.forked import launcher_threads
     from .model_loading import check_model, find_model
+
+    if args.own_process:  # its workers are forked from it: [Note: forked workers]
+        launcher_threads()  # (one worker runs here, with its own threads: `start`)
 
     try:
         launch = launcher_config(args, DEFAULTS)
@@ -174,11 +178,13 @@ def _run(command: str, args: argparse.Namespace) -> int:
         job = generate_job(args) if command == "generate" else eval_job(args)
     except ConfigError as error:
         return refused(command, error)
-    return start(command, source, args.strategy, job, launch)
+    return start(command, source, args.strategy, job, launch, fork=args.own_process)
 
 
-def start(command: str, source, strategy: str, job, launch) -> int:
-    """Run the job: in this process for one worker on one machine, else under the launcher."""
+def start(command: str, source, strategy: str, job, launch, *, fork: bool = False) -> int:
+    """Run the job: in this process for one worker on one machine, else under the launcher
+    (`fork`: its workers forked from this process, a command's own: [Note: forked workers] in
+    launch/forked.py)."""
     from ..launch.workers import fair_threads, start_workers
     from .worker import ENV_JOB, encode_job, run_job
 
@@ -192,7 +198,7 @@ def start(command: str, source, strategy: str, job, launch) -> int:
             return exit.code
         return 0
     env = {ENV_JOB: encode_job(command, source, strategy, job)}
-    return start_workers(launch, ["--module", "dataparallel.infer.worker"], env)
+    return start_workers(launch, ["--module", "dataparallel.infer.worker"], env, fork=fork)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

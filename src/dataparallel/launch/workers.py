@@ -22,6 +22,7 @@ import os
 
 from ..runtime import ENV_CHECK_COLLECTIVES, ENV_COLLECTIVE_TIMEOUT, free_port
 from .config import LaunchConfig
+from .forked import forking_works, start_forked
 from .preemption import AGENT_SIGNALS, PREEMPT_SIGNALS, PREEMPTED, LauncherSignals
 from .stopped_workers import StoppedWorkers
 
@@ -109,13 +110,17 @@ def worker_environment(launch: LaunchConfig) -> dict[str, str]:
     }
 
 
-def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | None = None) -> int:
+def start_workers(
+    launch: LaunchConfig, entry: list[str], env: dict[str, str] | None = None, *, fork: bool = False
+) -> int:
     """Run this machine's workers of `entry` under torch.distributed.run until they end; return
     the exit status (0, 1 when a worker failed for good, 130 on Ctrl-C, PREEMPTED (75) after a
     SIGTERM or SIGUSR1: [Note: preemption] in preemption.py).
 
     `env` is added to the workers' environment (with `worker_environment`); the workers of
     `dataparallel train` get their resolved config there, so they need no shared file system.
+    `fork`: the caller is a command's own process, and an `entry` of ["--module", NAME] is
+    forked from it where torch allows ([Note: forked workers] in forked.py).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -132,7 +137,11 @@ def start_workers(launch: LaunchConfig, entry: list[str], env: dict[str, str] | 
     stopped = StoppedWorkers().start()
     signals = LauncherSignals(launch.preempt_budget).install()
     try:
-        run(parse_args(torchrun_argv(launch, entry)))
+        argv = torchrun_argv(launch, entry)
+        if fork and entry[0] == "--module" and forking_works():
+            start_forked(argv)
+        else:
+            run(parse_args(argv))
     except ChildFailedError as failed:
         # torch.distributed.run has printed which rank failed and its traceback. Workers that
         # all exited 2 found bad input together (data read by the workers, a checkpoint that

@@ -11,8 +11,10 @@ from .handoff import ENV_RUN, encode_run
 WORKER_MODULE = "dataparallel.train.worker"
 
 
-def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
-    """Start this machine's workers of `dataparallel train` for the (validated) `config`."""
+def launch(config: RunConfig, *, resume: bool, checkpoint: str = "", fork: bool = False) -> int:
+    """Start this machine's workers of `dataparallel train` for the (validated) `config`;
+    `fork`: forked from this process, a command's own ([Note: forked workers] in
+    launch/forked.py)."""
     if config.launch.recovery == "live":  # [Note: live recovery] in live/recovery.py
         from .live.launcher import launch_live
 
@@ -21,4 +23,4 @@ def launch(config: RunConfig, *, resume: bool, checkpoint: str = "") -> int:
         run = encode_run(config, resume, checkpoint)
         return launch_live(config, {**worker_environment(config.launch), ENV_RUN: run}, run)
     env = {ENV_RUN: encode_run(config, resume, checkpoint)}
-    return start_workers(config.launch, ["--module", WORKER_MODULE], env)
+    return start_workers(config.launch, ["--module", WORKER_MODULE], env, fork=fork)
