@@ -27,12 +27,19 @@ def environment(pid: int, name: str) -> str | None:
     return next((e[len(prefix) :].decode() for e in entries if e.startswith(prefix)), None)
 
 
+def process_name(pid: int) -> str | None:
+    """The process's name (/proc/PID/comm; None once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
 def rank_of(pid: int) -> str | None:
     """A worker's RANK: its name where it was forked from the launcher ("dp rank N": [Note:
     forked workers] in launch/forked.py), else its environment (a fresh interpreter's)."""
-    try:
-        name = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
+    name = process_name(pid)
+    if name is None:
         return None
     if name.startswith("dp rank "):
         return name.removeprefix("dp rank ")
@@ -45,17 +52,28 @@ def workers_by_rank(launcher: int) -> dict[int, int]:
     return {int(rank): pid for rank, pid in ranks.items() if rank is not None}
 
 
+def live_slot(pid: int) -> tuple[int, int] | None:
+    """(slot, index) of a `--recovery live` worker: its name where it was forked from the
+    launcher ("dp slot R.I": [Note: forked workers] in launch/forked.py), else its
+    DATAPARALLEL_LIVE (a fresh interpreter's environment); None for any other process."""
+    name = process_name(pid)
+    if name is None:
+        return None
+    if name.startswith("dp slot "):
+        replica, index = name.removeprefix("dp slot ").split(".")
+        return int(replica), int(index)
+    live = environment(pid, "DATAPARALLEL_LIVE")
+    if live is None:
+        return None
+    given = json.loads(live)
+    return given["replica"], given.get("index", 0)
+
+
 def live_workers(launcher: int) -> dict[int, int]:
-    """{slot: pid} of a `--recovery live` launcher's workers (their DATAPARALLEL_LIVE names the
-    slot; their own children, which inherit it, are not counted)."""
-    found = {}
-    for pid in children(launcher, deep=False):
-        live = environment(pid, "DATAPARALLEL_LIVE")
-        if live is not None:
-            given = json.loads(live)
-            if given.get("index", 0) == 0:  # an HSDP replica: its first process
-                found[given["replica"]] = pid
-    return found
+    """{slot: pid} of a `--recovery live` launcher's workers (an HSDP replica: its first
+    process; the workers' own children are not counted)."""
+    ranks = live_ranks(launcher)
+    return {slot: pid for (slot, index), pid in ranks.items() if index == 0}
 
 
 def live_ranks(launcher: int) -> dict[tuple[int, int], int]:
@@ -63,8 +81,7 @@ def live_ranks(launcher: int) -> dict[tuple[int, int], int]:
     slot (one replica) has S processes, index 0..S-1."""
     found = {}
     for pid in children(launcher, deep=False):
-        live = environment(pid, "DATAPARALLEL_LIVE")
-        if live is not None:
-            given = json.loads(live)
-            found[given["replica"], given.get("index", 0)] = pid
+        where = live_slot(pid)
+        if where is not None:
+            found[where] = pid
     return found

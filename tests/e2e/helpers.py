@@ -54,7 +54,7 @@ REFERENCE_ARGS = [
 
 sys.path.insert(0, str(HERE.resolve().parent))  # tests/, also when make_reference_curve runs
 from warm_processes import run_cli  # noqa: E402
-from worker_pids import live_workers  # noqa: E402
+from worker_pids import live_workers, process_name  # noqa: E402
 
 
 def cli(args: list[str], *, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
@@ -138,6 +138,10 @@ def kill_during_a_live_run(out: Path, slot: int, args=LIVE_ARGS) -> tuple[dict, 
     with told_on_failure(launcher):
         wait_for(lambda: any(step >= 3 for step in train_steps(out)), launcher, "step 3")
         first = live_workers(launcher.pid)
+        # forked from the launcher ([Note: forked workers] in launch/forked.py)
+        assert {s: process_name(pid) for s, pid in first.items()} == {
+            s: f"dp slot {s}.0" for s in range(3)
+        }
         os.kill(first[slot], signal.SIGKILL)
         stdout, stderr = launcher.communicate(timeout=240)
     ok(subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr))

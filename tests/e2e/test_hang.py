@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from worker_pids import workers_by_rank
+from worker_pids import process_name, workers_by_rank
 
 from .helpers import CORPUS, TINY
 
@@ -97,6 +97,11 @@ def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path):
         workers = _wait_for(
             lambda: len(found := workers_by_rank(launcher.pid)) == 2 and found, 10, ""
         )
+        # forked from the launcher ([Note: forked workers] in launch/forked.py)
+        assert {r: process_name(pid) for r, pid in workers.items()} == {
+            0: "dp rank 0",
+            1: "dp rank 1",
+        }
         os.kill(workers[1], signal.SIGSTOP)
         stopped_at = time.monotonic()
         found = _wait_for(

@@ -6,6 +6,8 @@
     command.py         a subcommand of `dataparallel`: its parser from its function's docstring,
                        its bad input refused on one line (every command registers through it)
     workers.py         start_workers: torch.distributed.run, threads, the workers' environment
+    forked.py          workers forked from the launcher, not fresh interpreters ([Note: forked
+                       workers]): torchrun's fork start method, and ForkedProcess for live runs
     stopped_workers.py continuing stopped workers told to end ([Note: stopped workers])
     topology.py        Topology (what the launcher needs to know) and the Environment interface
     slurm.py           Slurm's two layouts: one task per node, one task per worker

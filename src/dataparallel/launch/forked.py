@@ -7,7 +7,9 @@ that trains for 2 s. The launcher has imported both already, so on Linux with a 
 torch its own workers (`dataparallel train`, `generate`, `eval`) are forked from it instead,
 through torch.distributed.run's own start method for function entry points (`fork`): the same
 agent, rendezvous, restarts, signals and exit statuses, and the workers are still the
-launcher's children. A user's script (`dataparallel launch`) always starts fresh.
+launcher's children. The live launcher (`--recovery live`), which starts its workers itself,
+forks them as `ForkedProcess`es, replacements too. A user's script (`dataparallel launch`) and
+a joiner (`dataparallel join`) always start fresh.
 
 A fork is a fresh process only where the launcher has left nothing that a fresh one would
 not have, so it is used only when all of this holds:
@@ -29,7 +31,10 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import subprocess
 import sys
+import time
+import traceback
 
 
 def forking_works() -> bool:
@@ -87,6 +92,72 @@ def run_module(module: str) -> int:
     as_fresh()
     name_process(f"dp rank {os.environ.get('RANK', '?')}")
     return importlib.import_module(module).main()
+
+
+class ForkedProcess:
+    """`python -m MODULE` with `env` as its whole environment, forked from this process: the
+    live launcher's workers ([Note: forked workers]), with the verbs of subprocess.Popen it
+    uses (pid, returncode, poll, wait, send_signal, terminate, kill; a signal's end is its
+    negative number, as Popen says). `name` is the process's name in ps (15 bytes)."""
+
+    def __init__(self, module: str, env: dict[str, str], name: str):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the worker: it never returns from here
+            _run_child(module, env, name)
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"dataparallel worker {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _run_child(module: str, env: dict[str, str], name: str) -> None:
+    """A forked worker's life: MODULE's main() in `env`, then the process ends with its status
+    (as `python -m MODULE` would; the launcher's exit handlers are not its own: none runs)."""
+    code = 1
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        as_fresh()
+        name_process(name)
+        code = importlib.import_module(module).main()
+    except SystemExit as end:
+        code = end.code if isinstance(end.code, int) else int(end.code is not None)
+        if isinstance(end.code, str):
+            print(end.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code or 0)
 
 
 def start_forked(argv: list[str]) -> None:

@@ -21,6 +21,7 @@ def launch(config: RunConfig, *, resume: bool, checkpoint: str = "", fork: bool 
         # The global batch is the run's, whatever the number of replicas left.
         config = config.replace(train={"global_batch": config.global_batch})
         run = encode_run(config, resume, checkpoint)
-        return launch_live(config, {**worker_environment(config.launch), ENV_RUN: run}, run)
+        env = {**worker_environment(config.launch), ENV_RUN: run}
+        return launch_live(config, env, run, fork=fork)
     env = {ENV_RUN: encode_run(config, resume, checkpoint)}
     return start_workers(config.launch, ["--module", WORKER_MODULE], env, fork=fork)

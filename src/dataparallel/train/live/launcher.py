@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from ...launch.forked import ForkedProcess, forking_works
 from ..config import RunConfig
 from .membership import (
     JOIN,
@@ -72,8 +73,17 @@ class LiveLauncher:
     poll_s: how often the workers and the store are looked at.
     """
 
-    def __init__(self, config: RunConfig, env: dict[str, str], run: str, poll_s: float = 0.02):
+    def __init__(
+        self,
+        config: RunConfig,
+        env: dict[str, str],
+        run: str,
+        poll_s: float = 0.02,
+        *,
+        fork: bool = False,
+    ):
         self.config, self.env, self.run_text, self.poll_s = config, env, run, poll_s
+        self.fork = fork and forking_works()  # [Note: forked workers] in launch/forked.py
         self.shard = config.layout.shard  # processes per replica ([Note: layout])
         self.slots = config.launch.nproc // self.shard
         self.starts = 0  # replicas started: each replacement replica meets its own ranks
@@ -145,7 +155,11 @@ class LiveLauncher:
                 "secret": str(self.secret_file.resolve()),
             }
             env = {**os.environ, **self.env, ENV_LIVE: json.dumps(live)}
-            processes.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE], env=env))
+            if self.fork:
+                name = f"dp slot {slot}.{index}"
+                processes.append(ForkedProcess(WORKER_MODULE, env, name))
+            else:
+                processes.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE], env=env))
         process = processes[0] if self.shard == 1 else Replica(processes)
         life = Life.STARTING if joining else Life.MEMBER
         self.workers[slot] = Worker(slot, process, life)
@@ -303,7 +317,8 @@ class LiveLauncher:
         print(f"dataparallel train: live: {line}", file=sys.stderr, flush=True)
 
 
-def launch_live(config: RunConfig, env: dict[str, str], run: str) -> int:
+def launch_live(config: RunConfig, env: dict[str, str], run: str, *, fork: bool = False) -> int:
     """Run `dataparallel train --recovery live` on this machine ([Note: live recovery]): the
-    workers train `run` (encoded, as in `env`)."""
-    return LiveLauncher(config, env, run).run()
+    workers train `run` (encoded, as in `env`); `fork`: forked from this process, a command's
+    own ([Note: forked workers] in launch/forked.py)."""
+    return LiveLauncher(config, env, run, fork=fork).run()

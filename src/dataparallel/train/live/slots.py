@@ -5,7 +5,8 @@
     process = Replica([popen_0, popen_1])               # an HSDP replica's S children, as one
 
 A slot's replica is watched through Popen's verbs (poll, send_signal, kill, wait) whatever it
-is: one child process (subprocess.Popen), the S children of an HSDP replica (`Replica`: they end
+is: one child process (subprocess.Popen, or a ForkedProcess: [Note: forked workers] in
+launch/forked.py), the S children of an HSDP replica (`Replica`: they end
 as one), or a joiner on any machine (`RemoteProcess` in remote.py, over the store).
 """
 
@@ -17,6 +18,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from ...launch.forked import ForkedProcess
 from ...launch.stopped_workers import is_stopped
 from .remote import RemoteProcess
 
@@ -36,7 +38,7 @@ class Worker:
     (`Replica`), or a joiner (RemoteProcess)."""
 
     slot: int
-    process: subprocess.Popen | Replica | RemoteProcess
+    process: subprocess.Popen | ForkedProcess | Replica | RemoteProcess
     life: Life
     code: int | None = None
     ended_as: Life | None = None  # the life it had when it ended
@@ -46,7 +48,7 @@ class Worker:
         """Stopped (state T in /proc): only children are looked at (a joiner may be elsewhere)."""
         if isinstance(self.process, Replica):
             return self.process.stopped()
-        return isinstance(self.process, subprocess.Popen) and is_stopped(self.process.pid)
+        return not isinstance(self.process, RemoteProcess) and is_stopped(self.process.pid)
 
 
 class Replica:
@@ -56,7 +58,7 @@ class Replica:
     broken: the replica is lost as a whole and replaced as a whole). Its pid is its first
     process's, the one that reports for it."""
 
-    def __init__(self, processes: list[subprocess.Popen]):
+    def __init__(self, processes: list[subprocess.Popen | ForkedProcess]):
         self.processes = processes
         self.returncode: int | None = None
 
