@@ -1,13 +1,13 @@
 """The suite's warm process server: processes forked from one that has imported torch and
 dataparallel once, for the dist tests' ranks (tests/dist/harness.py) and the e2e tests'
-`dataparallel` commands (`run_cli`).
+`dataparallel` commands (`run_cli`), whose own workers are forked from them in turn.
 
 A fresh `python -m dataparallel.cli train ...` spends about 2 s importing torch and dataparallel
 and 0.5-1 s more in torch._dynamo (its preflight builds the model on the meta device) before it
 starts a worker; on 2 cores a 4-step run of 2 workers took 23-25 s fresh and 13-18 s forked
 from here (3 runs each, alternating, on a loaded machine). The command is the same `cli.main`
-with the same arguments, environment and working directory; its workers are fresh processes
-as always (torch.distributed.run starts them). Tests that signal or kill the launcher, or read
+with the same arguments, environment and working directory; its workers are forked from it,
+as from any `dataparallel` command on Linux with a CPU torch. Tests that signal or kill the launcher, or read
 its output while it runs, start `python -m dataparallel.cli` themselves.
 
 multiprocessing has one forkserver per process: its preload list is set here only, and the
@@ -26,7 +26,13 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 CONTEXT = mp.get_context("forkserver")
-CONTEXT.set_forkserver_preload(["torch", "dataparallel", "dataparallel.cli", "torch._dynamo"])
+# A command's workers are forked from it ([Note: forked workers] in launch/forked.py), so what
+# it has imported they have too: rank 0's run directory writers (TensorBoard's SummaryWriter,
+# 0.4 s; the report's matplotlib, 1 s), imported here once, are not imported again by every run.
+CONTEXT.set_forkserver_preload(
+    ["torch", "dataparallel", "dataparallel.cli", "torch._dynamo"]
+    + ["torch.utils.tensorboard", "matplotlib.pyplot"]
+)
 
 
 def _cli_entry(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
