@@ -321,14 +321,17 @@ class CheckpointSaver(Callback):
     def on_end(self, state: TrainState) -> None:
         self.checkpointer.save(state)
         self.checkpointer.close()
+        # Every rank's part is written; rank 0 then exports the weights alone. Exported before
+        # the barrier, the others would wait out the export under the group's timeout, which
+        # a live run keeps short (a loaded machine took more than its 6 s: a run lost at its end).
+        if state.world.world_size > 1:
+            dist.barrier(group=state.world.group)
         if state.world.is_main:
             folder = latest_checkpoint(self.run_dir / CHECKPOINTS)
             export_weights(folder, self.run_dir / FINAL_WEIGHTS)
             if state.source is not None:  # an hf:DIR model: a save_pretrained directory too
                 entries, read, _ = checkpoint_weights(folder)
                 export_hf(entries, read, self.run_dir / HF_EXPORT, state.source, state.model)
-        if state.world.world_size > 1:
-            dist.barrier(group=state.world.group)  # the weights exist when every rank returns
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for a save in flight (on an interruption, before the process ends)."""
