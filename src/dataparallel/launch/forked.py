@@ -21,9 +21,11 @@ not have, so it is used only when all of this holds:
   initialised, and a launcher may have asked it for its devices;
 - Linux: elsewhere fork is unsafe (macOS) or absent (Windows).
 The child then undoes what it inherited and a fresh interpreter would not have (`as_fresh`):
-the launcher's signal handlers and its wakeup descriptor, its one thread. Everything else
-(the environment, with torchrun's per-rank variables over it; the working directory; the
-standard streams) is what a fresh worker inherits too.
+the launcher's signal handlers and its wakeup descriptor, its one thread. The launcher's other
+threads (the store server of torchrun's agent or of the live launcher) are not in the child,
+which uses none of their objects: it meets the others through a store client of its own.
+Everything else (the environment, with torchrun's per-rank variables over it; the working
+directory; the standard streams) is what a fresh worker inherits too.
 """
 
 from __future__ import annotations

@@ -71,6 +71,8 @@ class LiveLauncher:
     env: added to every worker's environment (the resolved config, the thread count...).
     run: the encoded run the workers train (in `env` too), which a joiner reads from the store.
     poll_s: how often the workers and the store are looked at.
+    fork: this is a command's own process: its workers are forked from it where torch allows
+        ([Note: forked workers] in launch/forked.py), else fresh interpreters.
     """
 
     def __init__(
