@@ -88,11 +88,12 @@ def name_process(name: str) -> None:
         pass
 
 
-def run_module(module: str) -> int:
+def run_module(module: str, name: str | None = None) -> int:
     """The entry point of a forked worker: `python -m MODULE` without the interpreter's start
-    (MODULE's `main()`, whose return is the exit status), named "dp rank RANK"."""
+    (MODULE's `main()`, whose return is the exit status), named `name` ("dp rank RANK" if
+    None: torchrun's workers)."""
     as_fresh()
-    name_process(f"dp rank {os.environ.get('RANK', '?')}")
+    name_process(name or f"dp rank {os.environ.get('RANK', '?')}")
     return importlib.import_module(module).main()
 
 
@@ -144,9 +145,7 @@ def _run_child(module: str, env: dict[str, str], name: str) -> None:
     try:
         os.environ.clear()
         os.environ.update(env)
-        as_fresh()
-        name_process(name)
-        code = importlib.import_module(module).main()
+        code = run_module(module, name)
     except SystemExit as end:
         code = end.code if isinstance(end.code, int) else int(end.code is not None)
         if isinstance(end.code, str):
