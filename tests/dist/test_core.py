@@ -80,6 +80,20 @@ class Reference:
                 p.copy_(m)
 
 
+@functools.cache
+def reference_run(model_name: str, precision_name: str, n: int) -> Reference:
+    """The Reference after STEPS steps on the global batches of n ranks: trained once per rank
+    for every case of the same model and precision (the accumulation cases and every
+    strategy and mesh share it; it does not depend on them)."""
+    precision = PRECISIONS[precision_name]
+    param_dtype = precision.param_dtype if precision is not None else None
+    reference = Reference(model_name, param_dtype, seed=3)
+    for step in range(STEPS):
+        x, y = batch(model_name, step, PER_RANK * n)
+        reference.step(model_name, x, y, step, n, precision_name == "bf16-autocast")
+    return reference
+
+
 def train(
     world, name, precision_name, mesh, model_name="transformer", accum: str | None = None
 ) -> tuple[float, float]:
@@ -89,14 +103,13 @@ def train(
     precision = PRECISIONS[precision_name]
     param_dtype = precision.param_dtype if precision is not None else None
     autocast = precision_name == "bf16-autocast"
-    reference = Reference(model_name, param_dtype, seed=3)
+    reference = reference_run(model_name, precision_name, world.world_size)
     model = dp.parallelize(build(model_name, 3 + world.rank), policy(name, precision), mesh=mesh)
     opt = dp.build_optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if param_dtype == FP16 else None
     n, rank = world.world_size, world.rank
     for step in range(STEPS):
         x, y = batch(model_name, step, PER_RANK * n)
-        reference.step(model_name, x, y, step, n, autocast)
         mine = x.chunk(n)[rank], y.chunk(n)[rank]
         if accum is not None:
             for micro_x, micro_y in zip(mine[0].chunk(2), mine[1].chunk(2), strict=True):

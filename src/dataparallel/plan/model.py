@@ -16,6 +16,7 @@ term) and no dropout (no masks): 16 elements per token and width per layer, plus
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -121,7 +122,7 @@ def transient_bytes(model: nn.Module, run: Callable[[nn.Module], torch.Tensor]) 
     (the fp32 logits and their gradients)."""
     from .live_bytes import LiveBytes
 
-    live = LiveBytes()
+    live = LiveBytes(resized_by_hand=False)  # no engine here: only operators resize
     states = [*model.parameters(), *model.buffers()]
     for t in states:
         live.label(t, "model states")
@@ -193,6 +194,7 @@ def widest(width: int, hidden: int, vocab: int, seq_len: int, itemsize: int) -> 
     return seq_len * max(hidden, vocab) * itemsize
 
 
+@functools.lru_cache(maxsize=64)
 def builtin_shape(
     name: str,
     seq_len: int | None,
@@ -201,7 +203,9 @@ def builtin_shape(
     tp: int = 1,
 ) -> ModelShape:
     """A model of dataparallel.models (or a Llama of llama.py), built and traced on meta; with
-    `tp` > 1 the part one rank holds ([Note: planner tensor parallelism])."""
+    `tp` > 1 the part one rank holds ([Note: planner tensor parallelism]). Kept per argument
+    (a frozen ModelShape): a dry run plans once per role, and the trace of llama-8b takes
+    seconds."""
     from ..models import MODEL_CONFIGS, build_model
     from .llama import LLAMA_CONFIGS
     from .tensor_parallel import narrow
