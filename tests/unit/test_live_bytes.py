@@ -35,9 +35,8 @@ def test_nothing_measured_while_off():
 def trace(resized_by_hand: bool, model_name: str) -> LiveBytes:
     """A model's meta forward, loss and backward, measured as plan/model.py's transient trace
     does, with the sum over every live storage per operator or kept as it goes."""
-    from dataparallel.plan.model import drop_grad, lm_run
-
     from dataparallel.models import MODEL_CONFIGS, build_model
+    from dataparallel.plan.model import drop_grad, lm_run
 
     with torch.device("meta"):
         model = build_model(model_name)
