@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dataparallel.checkpoint import Chunk, load_chunks, save_chunks, stored_tensors
 from dataparallel.checkpoint.dcp import ChunkSavePlanner
-from dataparallel.checkpoint.rectangles import rectangles, tiles
+from dataparallel.checkpoint.rectangles import rectangles, stacked, tiles
 
 SHAPES = [(), (1,), (5,), (3, 4), (1, 6), (2, 3, 4), (3, 1, 2), (2, 2, 2, 3), (2, 0, 3)]
 
@@ -161,3 +161,42 @@ def test_a_checkpoint_of_the_flat_format_is_still_read(tmp_path):
     load_chunks({"model/w": Chunk(matrix)}, tmp_path, None)
     assert run.tensor.tolist() == [6.0, 7.0, 8.0, 9.0, 10.0]
     assert torch.equal(matrix, whole)
+
+
+def test_column_blocks_are_one_box_and_read_back_in_rows(tmp_path):
+    """A tensor-parallel local tensor of columns 3..6 of a 5 x 7 matrix: one run per row, one
+    box (`stacked`), written in one process and read back whole and as other runs."""
+    whole = torch.arange(35.0).reshape(5, 7)
+    local = whole[:, 3:7].contiguous().reshape(-1)
+    runs = tuple((4 * row, 7 * row + 3, 4) for row in range(5))
+    chunk = Chunk(local.clone(), numel=35, runs=runs, shape=(5, 7))
+    boxes = chunk.parts()
+    assert [(list(s.offsets), list(s.sizes)) for _, s in boxes] == [([0, 3], [5, 4])]
+    assert torch.equal(boxes[0][0], whole[:, 3:7])
+    left = Chunk(whole[:, :3].contiguous().reshape(-1), numel=35, shape=(5, 7),
+                 runs=tuple((3 * row, 7 * row, 3) for row in range(5)))  # fmt: skip
+    assert [list(s.sizes) for _, s in left.parts()] == [[5, 3]]
+    save_chunks({"model/w": left, "model/v": Chunk(whole.clone())}, tmp_path, None)
+    save_chunks({"model/w": chunk}, tmp_path / "right", None)  # the other rank, alone
+    matrix = torch.zeros(5, 7)
+    load_chunks({"model/w": Chunk(matrix)}, tmp_path / "right", None)
+    assert torch.equal(matrix[:, 3:], whole[:, 3:]) and not matrix[:, :3].any()
+    rows = Chunk(torch.zeros(10), 9, 35, shape=(5, 7))  # elements 9..18: parts of 2 rows
+    load_chunks({"model/w": rows}, tmp_path / "right", None)
+    expected = whole.reshape(-1)[9:19].clone()
+    expected[(torch.arange(9, 19) % 7) < 3] = 0
+    assert torch.equal(rows.tensor, expected)
+
+
+def test_stacked_joins_only_boxes_that_are_one_after_another_in_both():
+    cases = [  # (boxes, joined sizes)
+        ([(0, (0, 2), (1, 3)), (3, (1, 2), (1, 3))], [(2, 3)]),  # rows of one column block
+        ([(0, (0, 2), (1, 3)), (4, (1, 2), (1, 3))], [(1, 3), (1, 3)]),  # a gap in the buffer
+        ([(0, (0, 2), (1, 3)), (3, (2, 2), (1, 3))], [(1, 3), (1, 3)]),  # a row skipped
+        ([(0, (0, 2), (1, 3)), (3, (1, 1), (1, 3))], [(1, 3), (1, 3)]),  # another column
+        ([(0, (0, 0), (1, 5)), (5, (1, 0), (2, 5))], [(3, 5)]),  # a row and whole rows
+        ([(0, (), ())], [()]),  # a 0-d tensor
+    ]
+    for boxes, sizes in cases:
+        assert [s for _, _, s in stacked(boxes)] == sizes, boxes
+    assert len(cases) == 6

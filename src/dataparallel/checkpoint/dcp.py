@@ -16,7 +16,8 @@ on load it reads, for any other set of boxes, the overlapping parts of the store
 tensor (Adam's `step`) is a chunk of itself. A run of a tensor-parallel parameter's local tensor
 ([Note: tensor-parallel parameters] in strategies/parts/tensor_parallel.py) is not one run of
 the whole tensor's elements but several (a local tensor of column blocks has one per row): its
-chunk lists them (`runs`), each written and read as the boxes it covers, so the stored tensor is
+chunk lists them (`runs`), each written and read as the boxes it covers, and boxes that stack
+into one are one (`stacked`: a local tensor of column blocks is one box), so the stored tensor is
 the whole one, the same as a run without tensor parallelism writes, and any tp size reads it
 back.
 
@@ -73,7 +74,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from ..torch_internals import dedup_save_plans, object_unpickler, set_object_unpickler
 from .folders import CheckpointError
 from .global_plan import global_save_plan
-from .rectangles import rectangles
+from .rectangles import rectangles, stacked
 
 # DCP warns on every call without a process group that it assumes one process: we mean it.
 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -119,18 +120,25 @@ class Chunk:
     def parts(self, shape=None) -> list[tuple[torch.Tensor, ChunkStorageMetadata]]:
         """(the elements, where they lie in the stored tensor) of each part of the chunk, for a
         stored tensor of `shape` (default: the chunk's own): each run of the flattened whole
-        becomes the boxes it covers (`rectangles`), each box a view of the run."""
+        becomes the boxes it covers (`rectangles`), each box a view of the run; boxes that
+        stack into one are one (`stacked`)."""
         shape = torch.Size(self.shape if shape is None else shape)
         if self.tensor.dim() != 1 and shape == self.tensor.shape:
             return [(self.tensor, ChunkStorageMetadata(torch.Size([0] * len(shape)), shape))]
         flat = self.tensor.view(-1)  # a whole tensor read in another shape: written in place
         runs = self.runs if self.runs is not None else ((0, self.offset, flat.numel()),)
-        out = []
+        boxes = []
         for at, start, n in runs:
             for offsets, sizes in rectangles(shape, start, start + n):
-                box = flat[at : at + math.prod(sizes)].view(sizes)
-                out.append((box, ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))))
-                at += box.numel()
+                boxes.append((at, offsets, sizes))
+                at += math.prod(sizes)
+        out = [
+            (
+                flat[at : at + math.prod(sizes)].view(sizes),
+                ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+            )
+            for at, offsets, sizes in stacked(boxes)
+        ]
         if not out and shape.numel() == 0:  # an empty tensor is still stored
             out.append(
                 (flat[:0].view(shape), ChunkStorageMetadata(torch.Size([0] * len(shape)), shape))
@@ -319,10 +327,11 @@ class SafeReader(dcp.FileSystemReader):
     "metadata is None", which would hide why."""
 
     refused: Exception | None = None
+    known: Metadata | None = None  # read already by the caller: not read again
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         try:
-            metadata = read_metadata(self.path)
+            metadata = self.known if self.known is not None else read_metadata(self.path)
         except pickle.UnpicklingError as error:
             self.refused = error
             raise
@@ -346,11 +355,18 @@ def save_chunks(chunks: dict[str, Chunk], folder, group: dist.ProcessGroup | Non
         )
 
 
-def load_chunks(chunks: dict[str, Chunk], folder, group: dist.ProcessGroup | None) -> None:
+def load_chunks(
+    chunks: dict[str, Chunk],
+    folder,
+    group: dist.ProcessGroup | None,
+    metadata: Metadata | None = None,
+) -> None:
     """Fill every rank's `chunks` from `folder` (collective over `group`; None: one process).
-    Every key must be in the checkpoint (see `stored_tensors`)."""
+    Every key must be in the checkpoint (see `stored_tensors`). `metadata`: the folder's, read
+    already (`read_metadata`), for a caller that loads it piece by piece."""
     state = {key: chunk.tensor for key, chunk in chunks.items()}
     reader = SafeReader(str(folder))
+    reader.known = metadata
     try:
         with _plans_unpickled_safely():
             dcp.load(
@@ -375,9 +391,12 @@ def root_cause(error: CheckpointException) -> str:
     return raised[-1].split(". ")[0]
 
 
-def stored_tensors(folder) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Every tensor in the checkpoint `folder`: its whole size and dtype."""
-    metadata = read_metadata(folder)
+def stored_tensors(
+    folder, metadata: Metadata | None = None
+) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Every tensor in the checkpoint `folder` (or in its `metadata`, read already): its whole
+    size and dtype."""
+    metadata = read_metadata(folder) if metadata is None else metadata
     out = {}
     for name, key in _names(metadata).items():
         entry = metadata.state_dict_metadata[key]

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..api import geometry, handle_of, load_local_optimizer_state_dict
 from ..held import placement, state_kind, whole_shape
-from .dcp import Chunk, load_chunks, stored_tensors
+from .dcp import Chunk, load_chunks, read_metadata, stored_tensors
 
 
 def model_shapes(model: nn.Module) -> dict[str, list[int]]:
@@ -167,7 +167,8 @@ def load_state(
         strategy and mesh).
     """
     handle = handle_of(model)
-    stored = stored_tensors(folder)
+    metadata = read_metadata(folder)
+    stored = stored_tensors(folder, metadata)
     chunks, optimized = _held(model, optimizer, prefix)
     optim_state: dict[int, dict] = {}
     for piece in optimized.values():
@@ -187,7 +188,7 @@ def load_state(
     missing = sorted(k for k in chunks if k not in stored)
     if missing:
         raise ValueError(f"the checkpoint has no {missing[0]!r}; it was written by another setup")
-    load_chunks(chunks, folder, group)
+    load_chunks(chunks, folder, group, metadata)
     _load_optimizer(optimizer, optim_state)
     if hook_tensors:
         rounds = int(hook_tensors.pop("rounds"))
