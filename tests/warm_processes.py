@@ -28,10 +28,14 @@ import torch.multiprocessing as mp
 CONTEXT = mp.get_context("forkserver")
 # A command's workers are forked from it ([Note: forked workers] in launch/forked.py), so what
 # it has imported they have too: rank 0's run directory writers (TensorBoard's SummaryWriter,
-# 0.4 s; the report's matplotlib, 1 s), imported here once, are not imported again by every run.
+# 0.4 s; the report's matplotlib, 1 s), imported here once, are not imported again by every run;
+# nor are transformers, its Llama and peft (3.3 s), which an hf:DIR run's launcher imports to
+# build the model on meta before it forks the workers. A module that is not installed is left
+# out (multiprocessing skips a preload that raises ImportError).
 CONTEXT.set_forkserver_preload(
     ["torch", "dataparallel", "dataparallel.cli", "torch._dynamo"]
     + ["torch.utils.tensorboard", "matplotlib.pyplot"]
+    + ["transformers", "transformers.models.llama.modeling_llama", "peft"]
 )
 
 
