@@ -1,14 +1,16 @@
 """The suite's warm process server: processes forked from one that has imported torch and
 dataparallel once, for the dist tests' ranks (tests/dist/harness.py) and the e2e tests'
-`dataparallel` commands (`run_cli`), whose own workers are forked from them in turn.
+`dataparallel` commands (`run_cli`; `WarmPopen` for one a test signals while it runs), whose own
+workers are forked from them in turn.
 
 A fresh `python -m dataparallel.cli train ...` spends about 2 s importing torch and dataparallel
 and 0.5-1 s more in torch._dynamo (its preflight builds the model on the meta device) before it
 starts a worker; on 2 cores a 4-step run of 2 workers took 23-25 s fresh and 13-18 s forked
 from here (3 runs each, alternating, on a loaded machine). The command is the same `cli.main`
 with the same arguments, environment and working directory; its workers are forked from it,
-as from any `dataparallel` command on Linux with a CPU torch. Tests that signal or kill the launcher, or read
-its output while it runs, start `python -m dataparallel.cli` themselves.
+as from any `dataparallel` command on Linux with a CPU torch. What still starts as a fresh
+interpreter: the trial helpers the benchmarks share (killed_runs.py, signalled_runs.py), runs
+under torchrun or in another network namespace, and a user's script under `dataparallel launch`.
 
 multiprocessing has one forkserver per process: its preload list is set here only, and the
 server starts on the first process asked of it. It has started no threads and run nothing
@@ -18,6 +20,7 @@ else, so each process begins as a fresh one would.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,7 +42,11 @@ CONTEXT.set_forkserver_preload(
 )
 
 
-def _cli_entry(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+def _cli_entry(
+    args: list[str], env: dict[str, str], cwd: str, out: str, err: str, session: bool = False
+) -> None:
+    if session:
+        os.setsid()  # as Popen(start_new_session=True)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)  # what the workers inherit, as from subprocess.run(env=...)
@@ -75,3 +82,50 @@ def run_cli(
         return subprocess.CompletedProcess(
             ["dataparallel", *args], process.exitcode, text(out), text(err)
         )
+
+
+class WarmPopen:
+    """`dataparallel ARGS` started as subprocess.Popen([python, -m, dataparallel.cli, *args],
+    stdout=PIPE, stderr=PIPE, text=True, env=env, cwd=cwd) starts it, but forked from the warm
+    server, for the tests that signal or kill the launcher while it runs. It has the Popen
+    verbs they use (args, pid, returncode, poll, wait, communicate, send_signal, terminate,
+    kill); its output goes to files, read by `communicate` once the launcher has ended (no
+    pipe for a killed launcher's surviving workers to hold open)."""
+
+    def __init__(self, args: list[str], *, env=None, cwd=None, start_new_session: bool = False):
+        self.args = ["dataparallel", *args]
+        self._folder = tempfile.TemporaryDirectory(prefix="dataparallel-cli-")
+        self._out = Path(self._folder.name) / "stdout"
+        self._err = Path(self._folder.name) / "stderr"
+        env = dict(os.environ if env is None else env)
+        entry = (list(args), env, str(cwd or os.getcwd()), str(self._out), str(self._err))
+        self._process = CONTEXT.Process(target=_cli_entry, args=(*entry, start_new_session))
+        self._process.start()
+        self.pid = self._process.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._process.is_alive():
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        text = lambda path: path.read_text() if path.exists() else ""  # noqa: E731
+        return text(self._out), text(self._err)
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

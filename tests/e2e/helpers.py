@@ -53,7 +53,7 @@ REFERENCE_ARGS = [
 ]  # fmt: skip
 
 sys.path.insert(0, str(HERE.resolve().parent))  # tests/, also when make_reference_curve runs
-from warm_processes import run_cli  # noqa: E402
+from warm_processes import WarmPopen, run_cli  # noqa: E402
 from worker_pids import live_workers, process_name  # noqa: E402
 
 
@@ -131,10 +131,9 @@ def train_steps(run: Path) -> list[int]:
 def kill_during_a_live_run(out: Path, slot: int, args=LIVE_ARGS) -> tuple[dict, str, str]:
     """A live run on 3 workers (`args`, LIVE_ARGS unless given) whose worker in `slot` is killed
     with SIGKILL after step 3: ({slot: pid} before the kill, stdout, stderr); asserts status 0."""
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *args]
-    command += ["--nproc", "3", "--batch", "4"]
+    command = ["train", "--data", str(CORPUS), *args, "--nproc", "3", "--batch", "4"]
     command += ["--recovery", "live", "--collective-timeout", "10", "--out", str(out)]
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = WarmPopen(command)
     with told_on_failure(launcher):
         wait_for(lambda: any(step >= 3 for step in train_steps(out)), launcher, "step 3")
         first = live_workers(launcher.pid)
@@ -194,7 +193,7 @@ def ranks_per_step(run: Path) -> list[int]:
 
 
 @contextlib.contextmanager
-def told_on_failure(launcher: subprocess.Popen):
+def told_on_failure(launcher: subprocess.Popen | WarmPopen):
     """The block drives the running `launcher`; when it fails (a wait in vain, an assertion, a
     timeout) the launcher is killed and the failure carries the end of what the run printed
     on stderr, so that a CI log says where the run stood, not only that a wait ran out."""
@@ -214,7 +213,9 @@ def told_on_failure(launcher: subprocess.Popen):
             launcher.kill()
 
 
-def wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
+def wait_for(
+    condition, process: subprocess.Popen | WarmPopen, what: str, timeout_s: float = 120
+) -> None:
     """Poll `condition` until it holds; fails if `process` ends first or after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not condition():

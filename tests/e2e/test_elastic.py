@@ -22,6 +22,7 @@ from .helpers import (
     LIVE_ARGS,
     LIVE_STEPS,
     WARM_JOINER,
+    WarmPopen,
     numbers,
     ok,
     ranks_per_step,
@@ -33,10 +34,10 @@ from .helpers import (
 def test_a_replica_joins_and_another_leaves_while_the_run_goes_on(tmp_path, capsys, live_reference):
     reference = live_reference  # uninterrupted, one rank (conftest.py)
     out, go = tmp_path / "live", tmp_path / "go"
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *LIVE_ARGS]
+    command = ["train", "--data", str(CORPUS), *LIVE_ARGS]
     command += ["--nproc", "2", "--batch", "6", "--min-replicas", "2", "--max-replicas", "3"]
     command += ["--recovery", "live", "--collective-timeout", "10", "--out", str(out)]
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = WarmPopen(command)
     joiner = subprocess.Popen(
         [sys.executable, "-c", WARM_JOINER, str(go), str(out)],
         stdout=subprocess.PIPE,

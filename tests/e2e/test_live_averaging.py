@@ -15,7 +15,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +23,16 @@ from worker_pids import live_workers
 
 from dataparallel.cli import main
 
-from .helpers import CORPUS, GENERATION, LIVE_ARGS, numbers, ok, told_on_failure, train_steps
+from .helpers import (
+    CORPUS,
+    GENERATION,
+    LIVE_ARGS,
+    WarmPopen,
+    numbers,
+    ok,
+    told_on_failure,
+    train_steps,
+)
 
 STEPS, EVERY = 30, 10
 # test_live_recovery.py's run, shorter, on 3 workers in live mode.
@@ -35,13 +43,11 @@ ARGS = [
 ARGS += ["--nproc", "3", "--batch", "4", "--recovery", "live", "--collective-timeout", "6"]
 
 
-def _start(out: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *ARGS]
-    command += [*extra, "--out", str(out)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _start(out: Path, *extra: str) -> WarmPopen:
+    return WarmPopen(["train", "--data", str(CORPUS), *ARGS, *extra, "--out", str(out)])
 
 
-def _wait_for_step(out: Path, launcher: subprocess.Popen, step: int) -> None:
+def _wait_for_step(out: Path, launcher: WarmPopen, step: int) -> None:
     deadline = time.monotonic() + 120
     while not any(s >= step for s in train_steps(out)):
         assert launcher.poll() is None and time.monotonic() < deadline, "the run ended early"
@@ -59,7 +65,7 @@ def _paused(pids, action) -> None:
             os.kill(pid, signal.SIGCONT)
 
 
-def _finish(launcher: subprocess.Popen) -> tuple[str, str]:
+def _finish(launcher: WarmPopen) -> tuple[str, str]:
     with told_on_failure(launcher):
         stdout, stderr = launcher.communicate(timeout=240)
     ok(subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 
 from safetensors.torch import load_file
 from worker_pids import live_ranks
@@ -24,6 +23,7 @@ from .helpers import (
     GENERATION,
     LIVE_ARGS,
     LIVE_STEPS,
+    WarmPopen,
     numbers,
     ok,
     ranks_per_step,
@@ -38,12 +38,10 @@ WAIT_S = 180  # for each stage of the run
 
 def test_a_rank_killed_loses_its_replica_which_is_healed_shard_by_shard(tmp_path, live_reference):
     reference = live_reference  # the same global batch on one rank, uninterrupted (conftest.py)
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *LIVE_ARGS]
+    command = ["train", "--data", str(CORPUS), *LIVE_ARGS]
     out = tmp_path / "live"
     live = [*command, *HSDP, "--recovery", "live", "--collective-timeout", "10"]
-    launcher = subprocess.Popen(
-        [*live, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    launcher = WarmPopen([*live, "--out", str(out)])
     with told_on_failure(launcher):
         wait_for(lambda: any(s >= 3 for s in train_steps(out)), launcher, "step 3", WAIT_S)
         before = live_ranks(launcher.pid)

@@ -5,7 +5,6 @@ each in the launcher's log, and the run goes on to the weights it has without th
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 
 from safetensors.torch import load_file
@@ -28,6 +27,7 @@ from .helpers import (
     GENERATION,
     LIVE_ARGS,
     LIVE_STEPS,
+    WarmPopen,
     numbers,
     ok,
     told_on_failure,
@@ -51,10 +51,10 @@ def _send(store, text: str) -> Answer:
 def test_unauthenticated_forged_and_replayed_requests_are_refused(tmp_path, capsys, live_reference):
     out, wrong = tmp_path / "live", tmp_path / "wrong.secret"
     wrong.write_text("0" * 64 + "\n")
-    command = [sys.executable, "-m", "dataparallel.cli", "train", "--data", str(CORPUS), *LIVE_ARGS]
+    command = ["train", "--data", str(CORPUS), *LIVE_ARGS]
     command += ["--nproc", "2", "--batch", "6", "--min-replicas", "2", "--max-replicas", "3"]
     command += ["--recovery", "live", "--collective-timeout", "10", "--out", str(out)]
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = WarmPopen(command)
     with told_on_failure(launcher):
         wait_for(lambda: any(s >= 3 for s in train_steps(out)), launcher, "step 3")
         address = read_run_file(out)
