@@ -7,13 +7,14 @@ each launcher prints the topology it resolved (launch/environments.py).
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import host_namespaces
 import pytest
 from safetensors.torch import load_file
+
+from .helpers import cli, ok
 
 REASON = host_namespaces.available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two hosts: {REASON}")
@@ -40,8 +41,7 @@ def pet_variables(node: int) -> list[str]:
 @pytest.fixture(scope="module")
 def one_host(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("one-host") / "run"
-    train = [sys.executable, "-m", "dataparallel.cli", "train", "--nproc", "2", *ARGS]
-    subprocess.run([*train, "--out", str(out)], check=True, capture_output=True)
+    ok(cli(["train", "--nproc", "2", *ARGS, "--out", str(out)]))
     return out
 
 

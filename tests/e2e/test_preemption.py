@@ -25,7 +25,7 @@ from dataparallel.checkpoint import verify
 from dataparallel.launch.preemption import PREEMPTED
 from dataparallel.train.preemption import ENV_SLOW_SAVE
 
-from .helpers import CORPUS, REFERENCE_ARGS
+from .helpers import CORPUS, REFERENCE_ARGS, cli
 
 
 # 2 workers, gpt-tiny, 12 steps, a checkpoint every 6; one command for every session.
@@ -35,9 +35,10 @@ def _command(out: Path, *extra: str) -> list[str]:
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        args, env=signalled_runs.environment(), capture_output=True, text=True, timeout=300
-    )
+    """A `python -m dataparallel.cli` command run to its end, forked from the warm server (the
+    signalled ones start fresh, in signalled_runs.py, which the trial scripts share)."""
+    assert args[:3] == [sys.executable, "-m", "dataparallel.cli"], args
+    return cli(args[3:], env=signalled_runs.environment())
 
 
 def _ok(result, code: int = 0):
