@@ -22,6 +22,7 @@ import time
 import uuid
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
+MADE: list[str] = []  # every namespace this process made, to tell its own from another's
 PORT = 29517  # node 0's rendezvous port (inside its own namespace, so always free)
 PYTHON = sys.executable
 
@@ -57,6 +58,7 @@ def linked_namespaces(rate: str | None = "100mbit"):
         for space in spaces:
             _ip("netns", "add", space)
             created.append(space)
+            MADE.append(space)
         _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
         for space, link, address in zip(spaces, links, ADDRESSES, strict=True):
             _ip("link", "set", link, "netns", space)
@@ -76,25 +78,45 @@ def linked_namespaces(rate: str | None = "100mbit"):
             _ip("netns", "del", space, check=False)
 
 
-def run_on_two_hosts(command, rate: str | None = "100mbit", timeout: float = 1800, during=None):
+def start_in(space: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """`argv` as a fresh process in the namespace `space` (`ip netns exec`), its output and
+    errors in one pipe: how the nodes start unless `run_on_two_hosts` is given another way."""
+    command = ["ip", "netns", "exec", space, *argv]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def leftover() -> set[str]:
+    """The namespaces this process made that still exist (another process's, such as a test
+    running beside this one in the suite, are not counted)."""
+    listed = _ip("netns", "list").stdout
+    return {line.split()[0] for line in listed.splitlines()} & set(MADE)
+
+
+def run_on_two_hosts(
+    command,
+    rate: str | None = "100mbit",
+    timeout: float = 1800,
+    during=None,
+    start=start_in,
+):
     """Run `command(node_rank, interface)` (an argv) in each namespace at once; return (exit
     status of node 0, of node 1, their output, seconds). Node 0 is at ADDRESSES[0].
     during: called with the two processes (node 0's, node 1's) on a thread of its own while
-    they run (a trial's fault, say)."""
+    they run (a trial's fault, say).
+    start: `start(namespace, argv, env)` starts a node's process, one with Popen's `pid`,
+    `poll`, `kill`, `wait` and `communicate` (`start_in` unless given; the suite forks its
+    launchers from its warm server, tests/e2e/helpers.py `start_warm`)."""
     with linked_namespaces(rate) as nodes:
         procs = []
         started = time.perf_counter()
         for node_rank, (space, link, _) in enumerate(nodes):
             env = dict(os.environ, GLOO_SOCKET_IFNAME=link, PYTHONUNBUFFERED="1")
-            cmd = ["ip", "netns", "exec", space, *command(node_rank, link)]
-            procs.append(
-                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            )
+            procs.append(start(space, command(node_rank, link), env))
         helper = threading.Thread(target=during, args=(procs,), daemon=True) if during else None
         try:
             if helper:
                 helper.start()
-            outputs = [p.communicate(timeout=timeout)[0].decode() for p in procs]
+            outputs = [_text(p.communicate(timeout=timeout)) for p in procs]
         finally:
             if helper:
                 helper.join(timeout=5)
@@ -106,15 +128,25 @@ def run_on_two_hosts(command, rate: str | None = "100mbit", timeout: float = 180
     return procs[0].returncode, procs[1].returncode, outputs[0] + outputs[1], seconds
 
 
+def _text(output: tuple) -> str:
+    """A node's output and errors (bytes from a pipe, or text) as one text."""
+    return "".join(o.decode() if isinstance(o, bytes) else o for o in output if o)
+
+
 def train_on_two_hosts(
-    args: list[str], out: str, rate: str | None = "100mbit", timeout=1800, during=None
+    args: list[str],
+    out: str,
+    rate: str | None = "100mbit",
+    timeout=1800,
+    during=None,
+    start=start_in,
 ):
     """`dataparallel train --nnodes 2 --nproc 1 ARGS --out OUT` with one node per namespace;
-    see `run_on_two_hosts` for what it returns and `during`."""
+    see `run_on_two_hosts` for what it returns, `during` and `start`."""
 
     def command(node_rank: int, link: str) -> list[str]:
         return [PYTHON, "-m", "dataparallel.cli", "train", "--nnodes", "2", "--nproc", "1",
                 "--node-rank", str(node_rank), "--rdzv-endpoint", f"{ADDRESSES[0]}:{PORT}",
                 "--out", out, *args]  # fmt: skip
 
-    return run_on_two_hosts(command, rate, timeout, during)
+    return run_on_two_hosts(command, rate, timeout, during, start)

@@ -19,6 +19,7 @@ else, so each process begins as a fresh one would.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -43,10 +44,18 @@ CONTEXT.set_forkserver_preload(
 
 
 def _cli_entry(
-    args: list[str], env: dict[str, str], cwd: str, out: str, err: str, session: bool = False
+    args: list[str],
+    env: dict[str, str],
+    cwd: str,
+    out: str,
+    err: str,
+    session: bool = False,
+    netns: str | None = None,
 ) -> None:
     if session:
         os.setsid()  # as Popen(start_new_session=True)
+    if netns is not None:
+        join_network_namespace(netns)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)  # what the workers inherit, as from subprocess.run(env=...)
@@ -84,6 +93,22 @@ def run_cli(
         )
 
 
+CLONE_NEWNET = 0x40000000
+
+
+def join_network_namespace(name: str) -> None:
+    """Move this process into the network namespace `name` (`ip netns add NAME`), as `ip netns
+    exec` does before it runs a command: setns(2) on /var/run/netns/NAME. Its sockets from then
+    on are the namespace's; it has started no thread (setns moves the calling thread only)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into the network namespace {name}")
+    finally:
+        os.close(fd)
+
+
 class WarmPopen:
     """`dataparallel ARGS` started as subprocess.Popen([python, -m, dataparallel.cli, *args],
     stdout=PIPE, stderr=PIPE, text=True, env=env, cwd=cwd) starts it, but forked from the warm
@@ -92,14 +117,23 @@ class WarmPopen:
     kill); its output goes to files, read by `communicate` once the launcher has ended (no
     pipe for a killed launcher's surviving workers to hold open)."""
 
-    def __init__(self, args: list[str], *, env=None, cwd=None, start_new_session: bool = False):
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        env=None,
+        cwd=None,
+        start_new_session: bool = False,
+        netns: str | None = None,
+    ):
         self.args = ["dataparallel", *args]
         self._folder = tempfile.TemporaryDirectory(prefix="dataparallel-cli-")
         self._out = Path(self._folder.name) / "stdout"
         self._err = Path(self._folder.name) / "stderr"
         env = dict(os.environ if env is None else env)
         entry = (list(args), env, str(cwd or os.getcwd()), str(self._out), str(self._err))
-        self._process = CONTEXT.Process(target=_cli_entry, args=(*entry, start_new_session))
+        entry += (start_new_session, netns)  # netns: started in that network namespace
+        self._process = CONTEXT.Process(target=_cli_entry, args=entry)
         self._process.start()
         self.pid = self._process.pid
         self.returncode: int | None = None

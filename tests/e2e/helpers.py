@@ -192,6 +192,20 @@ def ranks_per_step(run: Path) -> list[int]:
     return [len(r["rank_step_s"]) for r in read_metrics(run) if r["kind"] == "train"]
 
 
+def start_warm(space: str, argv: list[str], env: dict[str, str]) -> WarmPopen:
+    """host_namespaces' `start` for the suite: `argv`, a `python -m dataparallel.cli` command
+    (after `env NAME=VALUE ...`, as a scheduler's variables are given), forked from the warm
+    server into the network namespace `space` instead of started fresh by `ip netns exec`."""
+    env, argv = dict(env), list(argv)
+    if argv[0] == "env":
+        argv.pop(0)
+        while "=" in argv[0]:
+            name, value = argv.pop(0).split("=", 1)
+            env[name] = value
+    assert argv[:3] == [sys.executable, "-m", "dataparallel.cli"], argv
+    return WarmPopen(argv[3:], env=env, netns=space)
+
+
 @contextlib.contextmanager
 def told_on_failure(launcher: subprocess.Popen | WarmPopen):
     """The block drives the running `launcher`; when it fails (a wait in vain, an assertion, a

@@ -14,7 +14,7 @@ import host_namespaces
 import pytest
 from safetensors.torch import load_file
 
-from .helpers import cli, ok
+from .helpers import cli, ok, start_warm
 
 REASON = host_namespaces.available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two hosts: {REASON}")
@@ -64,7 +64,9 @@ def test_two_nodes_from_the_schedulers_variables_equal_one_host(
         return ["env", *variables(node_rank), sys.executable, "-m", "dataparallel.cli", "train",
                 "--nproc", "1", *ARGS, "--out", str(out)]  # fmt: skip
 
-    node0, node1, output, _ = host_namespaces.run_on_two_hosts(command, rate=None, timeout=600)
+    node0, node1, output, _ = host_namespaces.run_on_two_hosts(
+        command, rate=None, timeout=600, start=start_warm
+    )
     assert (node0, node1) == (0, 0), output
     for node in (0, 1):
         assert f"dataparallel train: {line.format(node=node)}" in output

@@ -39,6 +39,7 @@ from .helpers import (
     WARM_JOINER,
     numbers,
     ranks_per_step,
+    start_warm,
     train_steps,
     wait_for,
 )
@@ -54,13 +55,10 @@ ARGS = ["--model", "gpt-tiny", "--steps", "6", "--eval-every", "0", "--threads",
         "--checkpoint-every", "3"]  # fmt: skip
 
 
-def _namespaces() -> set[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in listed.splitlines() if line.startswith("dp")}
-
-
 def _train(out: Path, *extra: str) -> tuple[list[dict], list[dict]]:
-    node0, node1, output, _ = host_namespaces.train_on_two_hosts([*ARGS, *extra], str(out))
+    node0, node1, output, _ = host_namespaces.train_on_two_hosts(
+        [*ARGS, *extra], str(out), start=start_warm
+    )
     assert (node0, node1) == (0, 0), output
     return _records(out)
 
@@ -69,10 +67,10 @@ def _train(out: Path, *extra: str) -> tuple[list[dict], list[dict]]:
 def exact_run(tmp_path_factory) -> Path:
     """The exact run on the shaped link (also the killed run's reference: the shaping changes
     no number)."""
-    before = _namespaces()
     out = tmp_path_factory.mktemp("two-hosts") / "exact"
     _train(out)
-    assert _namespaces() == before  # everything created was removed
+    assert len(host_namespaces.MADE) >= 2  # two hosts were made here, and were removed:
+    assert host_namespaces.leftover() == set()
     return out
 
 
@@ -82,10 +80,9 @@ def _records(out: Path) -> tuple[list[dict], list[dict]]:
 
 
 def test_exact_and_int8_training_across_two_namespaces(exact_run, tmp_path):
-    before = _namespaces()
     exact, exact_val = _records(exact_run)
     int8, int8_val = _train(tmp_path / "int8", "--compress", "int8")
-    assert _namespaces() == before  # everything created was removed
+    assert host_namespaces.leftover() == set()  # everything created was removed
     exact_bytes = statistics.median(r["bytes_sent"] for r in exact)
     int8_bytes = statistics.median(r["bytes_sent"] for r in int8)
     assert exact_bytes > 4.2e6  # 1.06M fp32 gradients all-reduced
@@ -96,12 +93,11 @@ def test_exact_and_int8_training_across_two_namespaces(exact_run, tmp_path):
 
 
 def test_a_failed_run_leaves_no_namespace(tmp_path):
-    before = _namespaces()
     node0, node1, output, _ = host_namespaces.train_on_two_hosts(
-        [*ARGS, "--compress", "topk:ratio=2"], str(tmp_path / "bad")
+        [*ARGS, "--compress", "topk:ratio=2"], str(tmp_path / "bad"), start=start_warm
     )
     assert node0 == node1 == 2 and "ratio=2.0 must be in (0, 1]" in output
-    assert _namespaces() == before
+    assert host_namespaces.leftover() == set()
 
 
 def _kill_when(run: Path, step: int, caught: list):
@@ -132,7 +128,7 @@ def test_a_worker_killed_on_the_second_host_restarts_both_and_loses_nothing(exac
     checkpoint; the final weights equal the uninterrupted run's bit for bit."""
     killed, caught = tmp_path / "killed", []
     node0, node1, output, _ = host_namespaces.train_on_two_hosts(
-        ARGS, str(killed), rate=None, during=_kill_when(killed, 4, caught)
+        ARGS, str(killed), rate=None, during=_kill_when(killed, 4, caught), start=start_warm
     )
     assert (node0, node1) == (0, 0), output
     assert caught, "the worker on the second host was never found"
@@ -166,7 +162,7 @@ def test_live_across_two_hosts_a_replica_killed_on_the_second_is_joined_again(
             return subprocess.Popen(["ip", "netns", "exec", space, *argv], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
-        launcher = start(0, train)
+        launcher = start_warm(nodes[0][0], train, dict(os.environ, GLOO_SOCKET_IFNAME=nodes[0][1]))
         keeper = start(1, [sys.executable, "-c", WARM_KEEPER, str(go), str(out)])
         try:
             wait_for(lambda: any(s >= 3 for s in train_steps(out)), launcher, "step 3")
