@@ -113,8 +113,8 @@ class WarmPopen:
     """`dataparallel ARGS` started as subprocess.Popen([python, -m, dataparallel.cli, *args],
     stdout=PIPE, stderr=PIPE, text=True, env=env, cwd=cwd) starts it, but forked from the warm
     server, for the tests that signal or kill the launcher while it runs. It has the Popen
-    verbs they use (args, pid, returncode, poll, wait, communicate, send_signal, terminate,
-    kill); its output goes to files, read by `communicate` once the launcher has ended (no
+    verbs they use (args, pid, returncode, poll, wait, communicate, kill; a test signals its
+    `pid`); its output goes to files, read by `communicate` once the launcher has ended (no
     pipe for a killed launcher's surviving workers to hold open)."""
 
     def __init__(
@@ -154,12 +154,6 @@ class WarmPopen:
         text = lambda path: path.read_text() if path.exists() else ""  # noqa: E731
         return text(self._out), text(self._err)
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)

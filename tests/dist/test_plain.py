@@ -109,11 +109,11 @@ def test_a_crafted_pickle_is_never_unpickled(tmp_path):
 
 def plan_with_crafted(world, path: str) -> str:
     """DCP's planning exchanges pickles (torch's `*_object` collectives): rank 0 sends a crafted
-    one while a save or a load plans (`_plans_unpickled_safely`)."""
-    from dataparallel.checkpoint.dcp import _plans_unpickled_safely
+    one while a save or a load plans (`plans_unpickled_safely`)."""
+    from dataparallel.checkpoint.unpickling import plans_unpickled_safely
 
     out: list = [None] * world.world_size
-    with _plans_unpickled_safely():
+    with plans_unpickled_safely():
         try:
             dist.all_gather_object(out, WritesFile(path) if world.rank == 0 else world.rank)
         except pickle.UnpicklingError as error:

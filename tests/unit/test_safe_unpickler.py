@@ -1,5 +1,5 @@
 """DCP's metadata is read without running foreign code ([Note: no unpickling] in
-checkpoint/dcp.py): a pickle that reaches os.system through an allowed module is refused."""
+checkpoint/unpickling.py): a pickle that reaches os.system through an allowed module is refused."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from dataparallel.checkpoint.dcp import _MetadataUnpickler
+from dataparallel.checkpoint.unpickling import _MetadataUnpickler
 
 
 def _calls(module: str, name: str, argument: str) -> bytes:

@@ -14,7 +14,7 @@ dtype, shape and device kind), then each tensor's raw bytes. Decoding only parse
 copies bytes into tensors of the dtypes named in DTYPES: there is nothing in it to run.
 Everything a peer sends goes through here (the heal of a live run, the config exchange, the
 model check, the sharded optimizer's description, a checkpoint's check, inference's and the
-data loader's gathers); `checkpoint/dcp.py` reads DCP's own pickled metadata, and the plans
+data loader's gathers); `checkpoint/unpickling.py` reads DCP's own pickled metadata, and the plans
 DCP's ranks exchange through torch's `*_object` collectives, with an unpickler that builds
 DCP's classes only.
 """
