@@ -4,6 +4,7 @@ and two steps, and what the engine's own structures and the comm layer's tracer 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -43,7 +44,8 @@ class RoleRun:
     seconds: Python time per phase (parallelize, build_optimizer, first step, step).
     control: the engine's own agreements of the step (CONTROL), which the plan leaves out.
     peak: the most bytes of meta storages alive at once during the step ([Note: meta peak]);
-        with the step's time the measuring costs.
+        with the step's time the measuring costs. 0 (and no terms) where the run did not
+        measure it (`peak=False`: the mode is not entered, each operator costs what it costs).
     peak_terms: what was alive at that peak, by term ([Note: peak terms]); sums to `peak`.
     """
 
@@ -114,7 +116,7 @@ def run_role(
         net, vocab = build_meta(model, tp)
         for p in net.parameters():
             live.note(p)
-        with live:
+        with live if peak else contextlib.nullcontext():  # not measured: no mode to pay for
             group = data_group(role.rank, ranks, tp)
             data = ranks // tp
             mesh = init_mesh(shard_size, group) if 1 < shard_size < data else None
