@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from safetensors.torch import load_file
+from worker_pids import children, rank_of
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
-WORKER = "dataparallel.train.worker"
 
 
 def command(out: Path, steps: int, every: int, extra: list[str] = ()) -> list[str]:
@@ -37,19 +37,10 @@ def environment() -> dict:
 
 
 def workers_of(pid: int) -> list[int]:
-    """The worker processes the launcher `pid` has started (its children running WORKER)."""
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return []
-    out = []
-    for child in map(int, children):
-        try:
-            if WORKER in Path(f"/proc/{child}/cmdline").read_text():
-                out.append(child)
-        except OSError:
-            pass
-    return out
+    """The worker processes the launcher `pid` has started: its children that have a rank (a
+    forked worker is named "dp rank N", and its command line is the launcher's; a fresh one has
+    RANK in its environment: worker_pids.rank_of)."""
+    return [child for child in children(pid, deep=False) if rank_of(child) is not None]
 
 
 def alive(pid: int) -> bool:
@@ -58,6 +49,16 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def last_step(out: Path) -> int:
+    """The last training step in the run's metrics.jsonl (0 if none yet)."""
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [json.loads(line)["step"] for line in lines if '"kind": "train"' in line]
+    return max(steps, default=0)
 
 
 def same_weights(a: Path, b: Path) -> bool:
@@ -74,8 +75,12 @@ def trial(
     steps: int,
     every: int,
     timeout: float = 300,
+    when=None,
 ) -> dict:
-    """One run killed after `delay` seconds; what happened and whether the weights match."""
+    """One run killed after `delay` seconds; what happened and whether the weights match.
+    The delay counts from the workers' start, and, when `when` is given, from `when(out)`
+    holding too (a step recorded, say: a forked worker trains within a second of its start,
+    so a test's short run can be over before a delay counted from the start alone)."""
     launcher = subprocess.Popen(
         command(out, steps, every), env=environment(), stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -83,6 +88,8 @@ def trial(
     deadline = time.time() + 60
     while not workers_of(launcher.pid) and launcher.poll() is None and time.time() < deadline:
         time.sleep(0.05)  # the delay counts from the workers' start
+    while when is not None and not when(out) and launcher.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
     time.sleep(delay)
     victim, killed_workers = None, []
     if kind == "worker":

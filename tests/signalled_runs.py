@@ -6,7 +6,6 @@ and for benchmarks/preempt_trials.py, which runs many (its docstring says how a 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -16,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from killed_runs import environment, same_weights, workers_of
+from killed_runs import environment, last_step, same_weights, workers_of
 
 PREEMPTED = 75
 
@@ -46,16 +45,6 @@ def command(out: Path, steps: int, every: int, extra: list[str] = ()) -> list[st
         "auto",
         *extra,
     ]
-
-
-def last_step(out: Path) -> int:
-    """The last training step in the run's metrics.jsonl (0 if none yet)."""
-    try:
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    steps = [json.loads(line)["step"] for line in lines if '"kind": "train"' in line]
-    return max(steps, default=0)
 
 
 def latest_step(out: Path) -> int | None:

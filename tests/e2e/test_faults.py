@@ -67,22 +67,31 @@ def test_a_resume_on_one_rank_under_ddp_keeps_every_sample(whole, stopped, tmp_p
 
 
 def test_killing_a_worker_loses_nothing(whole, tmp_path):
-    """Worker 0 or 1, killed 3-6 s after the workers start: the launcher restarts them."""
+    """Worker 0 or 1, killed 0-0.5 s after step 2 is recorded (steps 2-7 of 12, the step-6
+    checkpoint among them): the launcher restarts them."""
     rng = random.Random(5)
     args = killed_runs.command(tmp_path / "run", 12, 6)
     args[args.index("--batch") + 1] = "4"
-    result = _trial_with(args, "worker", tmp_path / "run", whole, rng)
-    assert result["ok"], result
+    at_step_2 = lambda out: killed_runs.last_step(out) >= 2  # noqa: E731
+    result = _trial_with(args, "worker", tmp_path / "run", whole, rng, at_step_2)
+    assert result["ok"] and result["killed"] == "worker", result  # one was killed mid-run
 
 
 def test_killing_the_launcher_then_resuming_by_hand_loses_nothing(whole, tmp_path):
+    """The launcher killed 0-0.5 s after the step-6 checkpoint is committed and step 7 is
+    recorded; its workers die with it, and `--resume` by hand ends on the whole run."""
     rng = random.Random(6)
     args = killed_runs.command(tmp_path / "run", 12, 6)
-    result = _trial_with(args, "launcher", tmp_path / "run", whole, rng)
-    assert result["ok"], result
+
+    def after_the_checkpoint(out):
+        return (out / "checkpoint" / "latest").exists() and killed_runs.last_step(out) >= 7
+
+    result = _trial_with(args, "launcher", tmp_path / "run", whole, rng, after_the_checkpoint)
+    assert result["ok"] and result["killed"] == "launcher", result
+    assert result["resumed_by_hand"], result  # killed before the run's end, then resumed
 
 
-def _trial_with(args, kind, out, whole, rng):
+def _trial_with(args, kind, out, whole, rng, when):
     """killed_runs.trial with the reference run's flags (CORPUS, REFERENCE_ARGS)."""
     flags = [*REFERENCE_ARGS, "--data", str(CORPUS)]
 
@@ -92,8 +101,8 @@ def _trial_with(args, kind, out, whole, rng):
     original = killed_runs.command
     killed_runs.command = command
     try:
-        return killed_runs.trial(kind, out, whole / "model.safetensors", rng.uniform(3, 6), rng,
-                                 12, 6)  # fmt: skip
+        return killed_runs.trial(kind, out, whole / "model.safetensors", rng.uniform(0, 0.5), rng,
+                                 12, 6, when=when)  # fmt: skip
     finally:
         killed_runs.command = original
 
