@@ -49,11 +49,8 @@ def _cli_entry(
     cwd: str,
     out: str,
     err: str,
-    session: bool = False,
     netns: str | None = None,
 ) -> None:
-    if session:
-        os.setsid()  # as Popen(start_new_session=True)
     if netns is not None:
         join_network_namespace(netns)
     os.chdir(cwd)
@@ -67,30 +64,6 @@ def _cli_entry(
     from dataparallel.cli import main
 
     sys.exit(main())  # argv None: as the `dataparallel` command runs it
-
-
-def run_cli(
-    args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    """`dataparallel ARGS` in a process of its own (forked from the warm server), its output
-    captured: like subprocess.run([python, -m, dataparallel.cli, *args], capture_output=True,
-    text=True, timeout=timeout, env=env) without the interpreter's start."""
-    env = dict(os.environ if env is None else env)
-    with tempfile.TemporaryDirectory(prefix="dataparallel-cli-") as folder:
-        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-        process = CONTEXT.Process(
-            target=_cli_entry, args=(list(args), env, os.getcwd(), str(out), str(err))
-        )
-        process.start()
-        process.join(timeout)
-        if process.is_alive():  # its workers die with it (train/worker.py die_with_launcher)
-            process.kill()
-            process.join()
-            raise subprocess.TimeoutExpired(["dataparallel", *args], timeout)
-        text = lambda path: path.read_text() if path.exists() else ""  # noqa: E731
-        return subprocess.CompletedProcess(
-            ["dataparallel", *args], process.exitcode, text(out), text(err)
-        )
 
 
 CLONE_NEWNET = 0x40000000
@@ -123,7 +96,6 @@ class WarmPopen:
         *,
         env=None,
         cwd=None,
-        start_new_session: bool = False,
         netns: str | None = None,
     ):
         self.args = ["dataparallel", *args]
@@ -131,8 +103,7 @@ class WarmPopen:
         self._out = Path(self._folder.name) / "stdout"
         self._err = Path(self._folder.name) / "stderr"
         env = dict(os.environ if env is None else env)
-        entry = (list(args), env, str(cwd or os.getcwd()), str(self._out), str(self._err))
-        entry += (start_new_session, netns)  # netns: started in that network namespace
+        entry = (list(args), env, str(cwd or os.getcwd()), str(self._out), str(self._err), netns)
         self._process = CONTEXT.Process(target=_cli_entry, args=entry)
         self._process.start()
         self.pid = self._process.pid
@@ -157,3 +128,19 @@ class WarmPopen:
     def kill(self) -> None:
         if self.poll() is None:
             os.kill(self.pid, signal.SIGKILL)
+
+
+def run_cli(
+    args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`dataparallel ARGS` run to its end in a process of its own (forked from the warm
+    server), its output captured: like subprocess.run([python, -m, dataparallel.cli, *args],
+    capture_output=True, text=True, timeout=timeout, env=env) without the interpreter's start."""
+    process = WarmPopen(args, env=env)
+    try:
+        stdout, stderr = process.communicate(timeout)
+    except subprocess.TimeoutExpired:  # its workers die with it (train/worker.py die_with_launcher)
+        process.kill()
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
