@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import parallelize_module
 
 from .activation_checkpointing import checkpoint_activations
 from .api import build_optimizer, parallelize
@@ -172,6 +171,9 @@ def _split(model: nn.Module, recipe: Recipe, group, mesh: DeviceMesh | None):
         shape = (world // recipe.tp, recipe.tp)
         device = next(model.parameters()).device.type
         mesh = init_device_mesh(device, shape, mesh_dim_names=("dp", "tp"))
+    # [Note: imported when used] in strategies/parts/tensor_parallel.py
+    from torch.distributed.tensor.parallel import parallelize_module
+
     parallelize_module(model, mesh["tp"], model.tensor_parallel_plan(recipe.tp))
     return mesh, mesh["dp"]
 

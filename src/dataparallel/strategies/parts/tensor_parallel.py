@@ -30,18 +30,23 @@ What follows from the placements, computed here and nowhere else:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 from ...torch_internals import local_shape_and_offset, registered_parameter, set_parameter
 from .opaque import opaque
 
 _ATTR = "_dataparallel_tensor_parallel"
+_DTENSOR = "torch.distributed.tensor"
 Spread = tuple[dist.ProcessGroup, ...]  # groups over which a gradient's parts are disjoint
 
 
@@ -62,6 +67,8 @@ class TensorParallel:
 
     def view(self, local: torch.Tensor) -> DTensor:
         """The DTensor over `local` (a view: no copy, gradients flow back to `local`)."""
+        from torch.distributed.tensor import DTensor
+
         return DTensor.from_local(
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
@@ -69,6 +76,8 @@ class TensorParallel:
     def whole(self, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from this rank's local one (collective over the mesh), on the
         device of `local`."""
+        from torch.distributed.tensor import DTensor
+
         device = torch.device(self.mesh.device_type)
         view = DTensor.from_local(
             local.to(device),
@@ -96,6 +105,8 @@ class TensorParallel:
 
     def norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """The mesh dimensions' groups over which the local tensors are disjoint (Shard)."""
+        from torch.distributed.tensor import Shard
+
         return tuple(
             self.mesh.get_group(dim)
             for dim, placement in enumerate(self.placements)
@@ -135,6 +146,20 @@ def whole_shape(param: torch.Tensor) -> torch.Size:
     """The shape of the whole tensor `param` is part of (its own for a plain parameter)."""
     spec = tensor_parallel_of(param)
     return param.shape if spec is None else spec.shape
+
+
+# [Note: imported when used] torch.distributed.tensor takes 1.3-1.8 s of a core to import
+# (it imports sympy), most of `import dataparallel`'s own time (about 5.7 s with it, 3.8 s
+# without, torch's 3.5 s included), paid by every fresh process: a user's script under
+# `dataparallel launch`, each of its restarts, a Lightning run. DTensor is imported where a
+# DTensor is made or read, and a value is a DTensor only if that module was imported already
+# (`is_dtensor`). A forked worker inherits what its launcher imported (the checkpoint writer
+# imports it there).
+def is_dtensor(value) -> bool:
+    """Whether `value` is a DTensor, without importing DTensor's module ([Note: imported when
+    used])."""
+    module = sys.modules.get(_DTENSOR)
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def tensor_parallel_of(param: torch.Tensor) -> TensorParallel | None:
@@ -181,7 +206,7 @@ def localize_parameters(model: nn.Module) -> list[tuple[nn.Module, str]]:
     replaced = []
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
-            if not isinstance(param, DTensor):
+            if not is_dtensor(param):
                 continue
             if id(param) not in made:
                 with torch.no_grad():  # to_local() is differentiable: no graph, same memory
@@ -202,7 +227,7 @@ def check_apart(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     dp_ranks = set(dist.get_process_group_ranks(group or dist.group.WORLD))
     me = dist.get_rank()
     for name, param in model.named_parameters():
-        if not isinstance(param, DTensor):
+        if not is_dtensor(param):
             continue
         shared = sorted(set(param.device_mesh.mesh.flatten().tolist()) & dp_ranks - {me})
         if shared:
