@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -35,11 +36,15 @@ CONTEXT = mp.get_context("forkserver")
 # 0.4 s; the report's matplotlib, 1 s), imported here once, are not imported again by every run;
 # nor are transformers, its Llama and peft (3.3 s), which an hf:DIR run's launcher imports to
 # build the model on meta before it forks the workers. A module that is not installed is left
-# out (multiprocessing skips a preload that raises ImportError).
+# out (multiprocessing skips a preload that raises ImportError). A test world's ranks unpickle
+# their function, so they import its test module's imports: pytest (115 of the dist suite's
+# 231 ranks), ZeroRedundancyOptimizer's module (0.6 s), inductor's compiler (1.4 s a rank of
+# the compile tests), Lightning (0.4 s).
 CONTEXT.set_forkserver_preload(
     ["torch", "dataparallel", "dataparallel.cli", "torch._dynamo"]
     + ["torch.utils.tensorboard", "matplotlib.pyplot"]
     + ["transformers", "transformers.models.llama.modeling_llama", "peft"]
+    + ["pytest", "torch.distributed.optim", "torch._inductor.compile_fx", "lightning"]
 )
 
 
@@ -50,6 +55,7 @@ def _cli_entry(
     out: str,
     err: str,
     netns: str | None = None,
+    script: str | None = None,
 ) -> None:
     if netns is not None:
         join_network_namespace(netns)
@@ -60,6 +66,11 @@ def _cli_entry(
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(file, fd)
         os.close(file)
+    if script is not None:  # `python SCRIPT ARGS`: its folder first on the path, as python puts it
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+        sys.exit(0)
     sys.argv = ["dataparallel", *args]
     from dataparallel.cli import main
 
@@ -83,7 +94,8 @@ def join_network_namespace(name: str) -> None:
 
 
 class WarmPopen:
-    """`dataparallel ARGS` started as subprocess.Popen([python, -m, dataparallel.cli, *args],
+    """`dataparallel ARGS` (`python SCRIPT ARGS` with `script`) started as
+    subprocess.Popen([python, -m, dataparallel.cli, *args],
     stdout=PIPE, stderr=PIPE, text=True, env=env, cwd=cwd) starts it, but forked from the warm
     server, for the tests that signal or kill the launcher while it runs. It has the Popen
     verbs they use (args, pid, returncode, poll, wait, communicate, kill; a test signals its
@@ -97,13 +109,15 @@ class WarmPopen:
         env=None,
         cwd=None,
         netns: str | None = None,
+        script: str | None = None,
     ):
-        self.args = ["dataparallel", *args]
+        self.args = [script or "dataparallel", *args]
         self._folder = tempfile.TemporaryDirectory(prefix="dataparallel-cli-")
         self._out = Path(self._folder.name) / "stdout"
         self._err = Path(self._folder.name) / "stderr"
         env = dict(os.environ if env is None else env)
-        entry = (list(args), env, str(cwd or os.getcwd()), str(self._out), str(self._err), netns)
+        where = str(cwd or os.getcwd())
+        entry = (list(args), env, where, str(self._out), str(self._err), netns, script)
         self._process = CONTEXT.Process(target=_cli_entry, args=entry)
         self._process.start()
         self.pid = self._process.pid
@@ -131,12 +145,17 @@ class WarmPopen:
 
 
 def run_cli(
-    args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None
+    args: list[str],
+    *,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    script: str | None = None,
 ) -> subprocess.CompletedProcess:
     """`dataparallel ARGS` run to its end in a process of its own (forked from the warm
     server), its output captured: like subprocess.run([python, -m, dataparallel.cli, *args],
-    capture_output=True, text=True, timeout=timeout, env=env) without the interpreter's start."""
-    process = WarmPopen(args, env=env)
+    capture_output=True, text=True, timeout=timeout, env=env) without the interpreter's start.
+    With `script`: `python SCRIPT ARGS` instead."""
+    process = WarmPopen(args, env=env, script=script)
     try:
         stdout, stderr = process.communicate(timeout)
     except subprocess.TimeoutExpired:  # its workers die with it (train/worker.py die_with_launcher)

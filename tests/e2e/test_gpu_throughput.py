@@ -1,15 +1,16 @@
 """benchmarks/gpu_throughput.py at toy size on CPU (issue 40): every contender that runs on a
 CPU, the optimizer section and the LoRA case, so that the GPU run has been exercised before a
-device is lent. The script runs as a subprocess: benchmarks/ stays off the suite's sys.path."""
+device is lent. The script runs in a process of its own (forked warm): benchmarks/ stays off the
+suite's sys.path."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from warm_processes import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 THROUGHPUT = ["bound", "ours-ddp", "ours-zero3", "fsdp2", "torch-ddp", "hf-trainer", "job"]
@@ -23,8 +24,6 @@ TOY_FLOPS = 6 * 90_432 + 12 * 2 * 64 * 64
 def test_gpu_throughput_toy_runs_every_contender_on_cpu(tmp_path):
     table, rows_file = tmp_path / "table.md", tmp_path / "rows.json"
     command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "gpu_throughput.py"),
         "--device",
         "cpu",
         "--size",
@@ -43,7 +42,8 @@ def test_gpu_throughput_toy_runs_every_contender_on_cpu(tmp_path):
         str(rows_file),
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=170)
+    script = str(ROOT / "benchmarks" / "gpu_throughput.py")
+    done = run_cli(command, env=env, timeout=170, script=script)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = json.loads(rows_file.read_text())
     assert len(rows) == len(THROUGHPUT) + 2 * len(OPTIMIZER) + 1  # one LoRA row

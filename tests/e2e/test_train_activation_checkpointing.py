@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from hf_fixtures import make_tiny_llama
+from warm_processes import run_cli
 
 from .helpers import HERE, TWO_RANKS, corpus_copy, curve, ok, train
 
@@ -43,8 +42,7 @@ def close(ours: dict, theirs: dict, rel: float) -> bool:
 
 def peak(model: str, flag: str, data: Path) -> int:
     script = HERE / "scripts" / "activation_peak.py"
-    command = [sys.executable, str(script), model, str(data), flag]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = run_cli([model, str(data), flag], script=str(script))  # forked warm
     ok(result)
     return json.loads(result.stdout.strip().splitlines()[-1])["peak"]
 

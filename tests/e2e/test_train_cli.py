@@ -214,11 +214,9 @@ def test_resume_ends_where_the_uninterrupted_run_ends(reference_run, tmp_path):
 
 def test_sample_continues_the_prompt(reference_run):
     run_dir, _ = reference_run
-    command = [sys.executable, "-m", "dataparallel.cli", "sample", str(run_dir)]
-    command += ["--prompt", "def wrap(", "--tokens", "40", "--seed", "3"]
-    result = subprocess.run(command, capture_output=True, timeout=120)
+    result = cli(["sample", str(run_dir), "--prompt", "def wrap(", "--tokens", "40", "--seed", "3"])
     assert result.returncode == 0, result.stderr
-    text = result.stdout
+    text = result.stdout.encode()
     assert text.startswith(b"def wrap(")
     # 9 prompt bytes + 40 sampled bytes + newline (decoding may widen invalid bytes).
     assert len(text) >= 9 + 40 + 1
