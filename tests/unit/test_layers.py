@@ -152,7 +152,9 @@ def test_no_test_module_imports_another_or_the_benchmarks():
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names if a.name.split(".")[-1].startswith("test_")]
                 broken += [f"{path.relative_to(tests)} imports {n}" for n in names]
-        text = path.read_text()
-        if ("sys.path.insert" in text or "sys.path.append" in text) and "benchmarks" in text:
-            broken.append(f"{path.relative_to(tests)} puts benchmarks/ on sys.path")
+        # a line that adds benchmarks/ (a forked script's own folder, put first in that child
+        # as python puts it, warm_processes.py, is not the suite's path)
+        for line in path.read_text().splitlines():
+            if ("sys.path.insert" in line or "sys.path.append" in line) and "bench" in line:
+                broken.append(f"{path.relative_to(tests)} puts benchmarks/ on sys.path")
     assert broken == []
