@@ -30,8 +30,10 @@ What follows from the placements, computed here and nowhere else:
 
 from __future__ import annotations
 
+import importlib
 import sys
 from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,19 +69,15 @@ class TensorParallel:
 
     def view(self, local: torch.Tensor) -> DTensor:
         """The DTensor over `local` (a view: no copy, gradients flow back to `local`)."""
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(
+        return _dtensor().DTensor.from_local(
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
 
     def whole(self, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from this rank's local one (collective over the mesh), on the
         device of `local`."""
-        from torch.distributed.tensor import DTensor
-
         device = torch.device(self.mesh.device_type)
-        view = DTensor.from_local(
+        view = _dtensor().DTensor.from_local(
             local.to(device),
             self.mesh,
             self.placements,
@@ -105,12 +103,11 @@ class TensorParallel:
 
     def norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """The mesh dimensions' groups over which the local tensors are disjoint (Shard)."""
-        from torch.distributed.tensor import Shard
-
+        shard = _dtensor().Shard
         return tuple(
             self.mesh.get_group(dim)
             for dim, placement in enumerate(self.placements)
-            if isinstance(placement, Shard)
+            if isinstance(placement, shard)
         )
 
 
@@ -155,6 +152,13 @@ def whole_shape(param: torch.Tensor) -> torch.Size:
 # DTensor is made or read, and a value is a DTensor only if that module was imported already
 # (`is_dtensor`). A forked worker inherits what its launcher imported (the checkpoint writer
 # imports it there).
+@cache
+def _dtensor():
+    """DTensor's module, imported on first use and looked up once (`view` runs at every forward
+    of every split module)."""
+    return importlib.import_module(_DTENSOR)
+
+
 def is_dtensor(value) -> bool:
     """Whether `value` is a DTensor, without importing DTensor's module ([Note: imported when
     used])."""
