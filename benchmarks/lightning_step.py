@@ -17,13 +17,20 @@ lightning / api. Beside it, the CPU time rank 0's process spent in the same inte
 processes on the machine do not move the way they move wall time (on 2 cores, two ranks'
 scheduling alone spreads wall-time medians by about 5%). Prints the table and writes it as JSON
 (--out).
+
+With many rounds, `paired` comes with a 95% interval: the geometric mean of the rounds' paired
+ratios (lightning's median over api's in the same round) and the 2.5th and 97.5th percentiles
+of that mean over 2,000 resamples of the rounds (a bootstrap, seeded); a bound such as "within
+3%" is shown when the whole interval is inside it. `--kinds api,lightning` skips api-between.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import statistics
 import time
 
@@ -132,15 +139,16 @@ def worker(rank: int, port: int, args, queue) -> None:
 
     dp.init()
     found: dict[str, dict[str, list]] = {}
-    kinds = ("api", "api-between", "lightning")
+    kinds = tuple(args.kinds.split(","))
     size = SIZES[args.model]
     for r in range(args.rounds):
         for name in args.strategies.split(","):
             row = found.setdefault(
-                name, {k: [] for k in (*kinds, *(f"{k} cpu" for k in kinds), "paired")}
+                name,
+                {k: [] for k in (*kinds, *(f"{k} cpu" for k in kinds), "paired", "paired cpu")},
             )
             times = {}
-            for kind in kinds[r % 3 :] + kinds[: r % 3]:  # who runs first rotates
+            for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:  # who runs first rotates
                 if kind == "lightning":
                     times[kind], cpu = intervals(run_lightning(name, args.steps, size))
                 else:
@@ -151,9 +159,26 @@ def worker(rank: int, port: int, args, queue) -> None:
             row["paired"].append(
                 statistics.median(times["lightning"]) / statistics.median(times["api"])
             )
+            row["paired cpu"].append(
+                statistics.median(row["lightning cpu"][-len(times["lightning"]) :])
+                / statistics.median(row["api cpu"][-len(times["api"]) :])
+            )
     if rank == 0:
         queue.put(found)
     dp.destroy()
+
+
+def interval(ratios: list[float], resamples: int = 2000) -> tuple[float, float, float]:
+    """The geometric mean of `ratios` and its 95% bootstrap interval over resampled rounds."""
+    logs = [math.log(r) for r in ratios]
+    pick = random.Random(0)
+    means = sorted(statistics.fmean(pick.choices(logs, k=len(logs))) for _ in range(resamples))
+    low, high = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    return math.exp(statistics.fmean(logs)), math.exp(low), math.exp(high)
+
+
+def show(found: tuple[float, float, float]) -> str:
+    return f"{found[0]:.3f} [{found[1]:.3f}, {found[2]:.3f}]"
 
 
 def main() -> None:
@@ -162,6 +187,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--model", choices=sorted(SIZES), default="4x128")
+    parser.add_argument("--kinds", default="api,api-between,lightning")
     parser.add_argument("--out", default="lightning_step.json")
     args = parser.parse_args()
     import dataparallel as dp
@@ -178,14 +204,15 @@ def main() -> None:
     table = {}
     print(
         f"{'strategy':10} {'api ms':>8} {'between ms':>11} {'lightning ms':>13} {'ratio':>7} "
-        f"{'paired':>7} {'api cpu ms':>11} {'lightning cpu ms':>17} {'cpu ratio':>10}"
+        f"{'paired (95%)':>22} {'api cpu ms':>11} {'lightning cpu ms':>17} {'cpu paired (95%)':>22}"
     )
     for name, row in found.items():
         api, between, lit = (
-            statistics.median(row[k]) * 1e3 for k in ("api", "api-between", "lightning")
+            statistics.median(row[k]) * 1e3 if row.get(k) else math.nan
+            for k in ("api", "api-between", "lightning")
         )
-        paired = statistics.median(row["paired"])
         api_cpu, lit_cpu = (statistics.median(row[f"{k} cpu"]) * 1e3 for k in ("api", "lightning"))
+        paired, cpu = interval(row["paired"]), interval(row["paired cpu"])
         table[name] = {
             "api_ms": api,
             "api_between_ms": between,
@@ -194,12 +221,13 @@ def main() -> None:
             "paired": paired,
             "api_cpu_ms": api_cpu,
             "lightning_cpu_ms": lit_cpu,
-            "cpu_ratio": lit_cpu / api_cpu,
+            "cpu_paired": cpu,
+            "rounds": len(row["paired"]),
             "steps_per_contender": len(row["api"]),
         }
         print(
-            f"{name:10} {api:8.1f} {between:11.1f} {lit:13.1f} {lit / api:7.3f} {paired:7.3f} "
-            f"{api_cpu:11.1f} {lit_cpu:17.1f} {lit_cpu / api_cpu:10.3f}"
+            f"{name:10} {api:8.1f} {between:11.1f} {lit:13.1f} {lit / api:7.3f} {show(paired):>22} "
+            f"{api_cpu:11.1f} {lit_cpu:17.1f} {show(cpu):>22}"
         )
     with open(args.out, "w") as handle:
         json.dump(table, handle, indent=1)
