@@ -15,7 +15,12 @@ first 3 of each run dropped: warm-up); the table gives medians over every round 
 lightning / api. Beside it, the CPU time rank 0's process spent in the same interval
 (`time.process_time`, every thread): the work each contender does a step, which the other
 processes on the machine do not move the way they move wall time (on 2 cores, two ranks'
-scheduling alone spreads wall-time medians by about 5%). Prints the table and writes it as JSON
+scheduling alone spreads wall-time medians by about 5%), and the minor page faults rank 0 took
+in it (`faults/step`, medians, api / lightning): on CPU, glibc hands large freed blocks (ZeRO-3's
+gathered parameters, ZeRO-2's gradients) back to the kernel and faults them in again when they
+are next allocated, and how often it does so depends on what else the loop allocates. Run with
+`MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=268435456` in the environment to keep
+them in the process (faults/step then near 0 for both). Prints the table and writes it as JSON
 (--out).
 
 With many rounds, `paired` comes with a 95% interval: the geometric mean of the rounds' paired
@@ -31,6 +36,7 @@ import json
 import math
 import os
 import random
+import resource
 import statistics
 import time
 
@@ -62,7 +68,7 @@ def module_class(size: tuple[int, int]):
             return F.cross_entropy(self.model(x).reshape(-1, VOCAB), y.reshape(-1))
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
-            self.times.append((time.perf_counter(), time.process_time()))
+            self.times.append(stamp())
 
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1)
@@ -100,7 +106,7 @@ def run_api(name: str, steps: int, size, between: bool = False) -> list[float]:
         warm.step()
         if not between:
             optimizer.zero_grad(set_to_none=True)
-        times.append((time.perf_counter(), time.process_time()))
+        times.append(stamp())
     return times
 
 
@@ -125,10 +131,19 @@ def run_lightning(name: str, steps: int, size) -> list[float]:
     return module.times
 
 
-def intervals(times: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
-    """Each step's wall time and rank 0's CPU time, the warm-up's dropped."""
+def stamp() -> tuple[float, float, int]:
+    """The wall clock, this process's CPU time and its minor page faults so far."""
+    return (
+        time.perf_counter(),
+        time.process_time(),
+        resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+    )
+
+
+def intervals(times: list[tuple]) -> tuple[list[float], list[float], list[int]]:
+    """Each step's wall time, rank 0's CPU time and page faults, the warm-up's dropped."""
     pairs = list(zip(times[WARM:-1], times[WARM + 1 :], strict=True))
-    return [b[0] - a[0] for a, b in pairs], [b[1] - a[1] for a, b in pairs]
+    return tuple([b[i] - a[i] for a, b in pairs] for i in range(3))
 
 
 def worker(rank: int, port: int, args, queue) -> None:
@@ -145,17 +160,22 @@ def worker(rank: int, port: int, args, queue) -> None:
         for name in args.strategies.split(","):
             row = found.setdefault(
                 name,
-                {k: [] for k in (*kinds, *(f"{k} cpu" for k in kinds), "paired", "paired cpu")},
+                {
+                    k: []
+                    for k in (*kinds, *(f"{k} {m}" for k in kinds for m in ("cpu", "faults")))
+                    + ("paired", "paired cpu")
+                },
             )
             times = {}
             for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:  # who runs first rotates
                 if kind == "lightning":
-                    times[kind], cpu = intervals(run_lightning(name, args.steps, size))
+                    times[kind], cpu, faults = intervals(run_lightning(name, args.steps, size))
                 else:
                     between = kind == "api-between"
-                    times[kind], cpu = intervals(run_api(name, args.steps, size, between))
+                    times[kind], cpu, faults = intervals(run_api(name, args.steps, size, between))
                 row[kind] += times[kind]
                 row[f"{kind} cpu"] += cpu
+                row[f"{kind} faults"] += faults
             row["paired"].append(
                 statistics.median(times["lightning"]) / statistics.median(times["api"])
             )
@@ -204,7 +224,7 @@ def main() -> None:
     table = {}
     print(
         f"{'strategy':10} {'api ms':>8} {'between ms':>11} {'lightning ms':>13} {'ratio':>7} "
-        f"{'paired (95%)':>22} {'api cpu ms':>11} {'lightning cpu ms':>17} {'cpu paired (95%)':>22}"
+        f"{'paired (95%)':>22} {'api cpu ms':>11} {'lightning cpu ms':>17} {'cpu paired (95%)':>22} {'faults/step':>12}"
     )
     for name, row in found.items():
         api, between, lit = (
@@ -213,6 +233,7 @@ def main() -> None:
         )
         api_cpu, lit_cpu = (statistics.median(row[f"{k} cpu"]) * 1e3 for k in ("api", "lightning"))
         paired, cpu = interval(row["paired"]), interval(row["paired cpu"])
+        faults = [statistics.median(row[f"{k} faults"]) for k in ("api", "lightning")]
         table[name] = {
             "api_ms": api,
             "api_between_ms": between,
@@ -222,12 +243,13 @@ def main() -> None:
             "api_cpu_ms": api_cpu,
             "lightning_cpu_ms": lit_cpu,
             "cpu_paired": cpu,
+            "faults_per_step": faults,
             "rounds": len(row["paired"]),
             "steps_per_contender": len(row["api"]),
         }
         print(
             f"{name:10} {api:8.1f} {between:11.1f} {lit:13.1f} {lit / api:7.3f} {show(paired):>22} "
-            f"{api_cpu:11.1f} {lit_cpu:17.1f} {show(cpu):>22}"
+            f"{api_cpu:11.1f} {lit_cpu:17.1f} {show(cpu):>22} {faults[0]:>5.0f} / {faults[1]:<5.0f}"
         )
     with open(args.out, "w") as handle:
         json.dump(table, handle, indent=1)
