@@ -11,13 +11,15 @@ The ranks are forked from a server process that has imported torch and dataparal
 the e2e tests' commands: tests/warm_processes.py): a world of fresh interpreters ("spawn") took
 about 2 s to start, a forked one 0.1 s. The server has started no threads and run no
 collective, so each rank begins as a fresh one would; it keeps the environment of the suite at
-its start (a test that needs other variables in its ranks sets them in `fn`).
+its start (a test that needs other variables in its ranks sets them in `fn`). Rank 0 hosts the
+store, so it leaves last: it waits until every rank has ended `fn` (`_leave_together`).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 
 from warm_processes import CONTEXT
@@ -49,7 +51,32 @@ def _entry(rank, world_size, port, fn, args, queue):
     except BaseException:  # report everything, including our own clear errors
         queue.put((rank, "error", traceback.format_exc()))
     finally:
+        _leave_together(rank, world_size)
         dp.destroy()
+
+
+def _leave_together(rank: int, world_size: int, wait: float = 60.0) -> None:
+    """Rank 0 hosts the store (no torchrun agent here): it waits, at most `wait` seconds, until
+    every rank has marked the end of `fn`, so a rank still making a group or reading the store
+    (a mesh's groups after the others' last collective) does not find it closed under it."""
+    import torch.distributed as dist
+
+    from dataparallel.torch_internals import default_store
+
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    if dist.get_world_size() != world_size:  # fn made another world of its own
+        return
+    try:
+        store = default_store()
+        store.add("harness/left", 1)
+        deadline = time.monotonic() + wait
+        while rank == 0 and store.add("harness/left", 0) < world_size:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+    except Exception:  # a store already gone: the rank's own report says why
+        return
 
 
 def run_world(world_size: int, fn, *args, timeout: float = 180.0) -> list:
