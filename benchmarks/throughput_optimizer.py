@@ -1,7 +1,8 @@
 """gpu_throughput.py's optimizer section (issue 40, item 4): AdamW's step alone, our flat step
 ([Note: flat step] in strategies/parts/flat_step.py, under `dp.DDP`) against PyTorch's own
 implementations of the same update: the for-loop, `foreach=True` (its default on CUDA) and
-`fused=True`. fp32 parameters and state; the gradients of one small backward, kept; each step
+`fused=True`, and the flat step with torch's default kernel and with `fused=True`. fp32
+parameters and state; the gradients of one small backward, kept; each step
 timed from a synchronised start to a synchronised end, the median of the timed steps."""
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ IMPLEMENTATIONS = {
     "torch-forloop": {"foreach": False},
     "torch-foreach": {"foreach": True},
     "torch-fused": {"fused": True},
-    "ours-flat": None,  # dp.build_optimizer under dp.DDP: the flat step over each bucket
+    # dp.build_optimizer under dp.DDP: the flat step over each bucket, with torch's default
+    # kernel, then fused ([Note: the fused flat step] in strategies/parts/flat_step.py)
+    "ours-flat": None,
+    "ours-flat-fused": "fused",
 }
 
 
@@ -47,9 +51,10 @@ def step_ms(ctx: Context, name: str, make, vocab: int, hf: bool) -> tuple[float,
     torch.manual_seed(0)
     model = make()
     options = IMPLEMENTATIONS[name]
-    if options is None:
+    if not isinstance(options, dict):
         model = dp.parallelize(model, dp.DDP(), group=ctx.world.group)
-        optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=LR)
+        fused = {"fused": True} if options == "fused" else {}
+        optimizer = dp.build_optimizer(model, torch.optim.AdamW, lr=LR, **fused)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, **options)
     gradients(model, vocab, hf, ctx.device)

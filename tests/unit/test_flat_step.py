@@ -136,7 +136,7 @@ def test_a_replaced_gradient_steps_that_step_per_parameter():
     assert mine._dataparallel_flat_step.flat_steps == 7
 
 
-def test_off_with_a_closure_or_a_later_pre_hook_or_fused():
+def test_off_with_a_closure_or_a_later_pre_hook_or_capturable():
     ours, views = laid()
     optimizer = install_flat_step(torch.optim.SGD(ours, lr=0.1))
     for p, v in zip(ours, views, strict=True):
@@ -150,8 +150,8 @@ def test_off_with_a_closure_or_a_later_pre_hook_or_fused():
     optimizer.register_step_pre_hook(lambda o, a, k: seen.append(len(o.param_groups[0]["params"])))
     optimizer.step()
     assert optimizer._dataparallel_flat_step.flat_steps == 1 and seen == [len(SHAPES)]
-    fused = install_flat_step(torch.optim.Adam(laid()[0], lr=0.1, fused=True))
-    assert fused._dataparallel_flat_step._applies((fused,), {}) is False
+    captured = install_flat_step(torch.optim.Adam(laid()[0], lr=0.1, capturable=True))
+    assert captured._dataparallel_flat_step._applies((captured,), {}) is False
 
 
 def test_runs_are_found_in_memory_order_and_break_at_gaps():
@@ -236,3 +236,61 @@ def test_optimizer_state_dict_gives_each_parameter_its_own_scalars():
         p.grad = torch.ones_like(p)
     plain_opt.step()
     assert [float(plain_opt.state[p]["step"]) for p in theirs] == [4.0] * len(SHAPES)
+
+
+# [Note: the fused flat step]: an optimizer built fused=True steps each run through one call of
+# torch's fused kernel, GradScaler's unscaling and overflow skip included.
+FUSED = [c for c in CLASSES if c[0] in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+                                        torch.optim.Adagrad)]  # fmt: skip
+
+
+def test_a_fused_optimizer_steps_each_run_in_one_fused_call(monkeypatch):
+    calls = []
+    real = torch._fused_adamw_
+
+    def counted(params, *args, **kwargs):
+        calls.append(len(params))
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", counted)
+    ours, theirs, mine = train(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, steps=4)
+    assert calls[::2] == [1, 1, 1, 1]  # ours: the run's one flat tensor per step
+    assert calls[1::2] == [len(SHAPES)] * 4  # the plain fused optimizer: every parameter
+    assert mine._dataparallel_flat_step.flat_steps == 4 and max_diff(ours, theirs) <= 1e-6
+
+
+def test_every_fused_class_steps_flat_as_its_plain_fused_self():
+    assert len(FUSED) == 5  # SGD twice, Adam, AdamW, Adagrad
+    for cls, options in FUSED:
+        ours, theirs, mine = train(cls, {**options, "fused": True})
+        assert mine._dataparallel_flat_step.flat_steps == 8, cls.__name__
+        assert max_diff(ours, theirs) <= 1e-6, cls.__name__
+
+
+def test_a_fused_flat_step_under_grad_scaler_unscales_and_skips_an_overflow():
+    """GradScaler hands a fused class its scale and found-inf for the step (no unscale_ of its
+    own): the flat run must get them too, or it would step on scaled gradients."""
+    ours, views = laid()
+    theirs = plain()
+    mine = install_flat_step(torch.optim.AdamW(ours, lr=1e-2, fused=True))
+    ref = torch.optim.AdamW(theirs, lr=1e-2, fused=True)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
+    for scaler in scalers:
+        scaler.scale(torch.ones(()))  # the scale is made at the first scale(loss)
+    generator = torch.Generator().manual_seed(4)
+    for step in range(4):
+        for p, q, view in zip(ours, theirs, views, strict=True):
+            view.copy_(torch.randn(view.shape, generator=generator) * 1024.0)
+            if step == 2:
+                view[..., 0] = float("inf")  # an overflow: this step is skipped on both
+            p.grad, q.grad = view, view.clone()
+        before = [p.detach().clone() for p in ours]
+        for scaler, optimizer in zip(scalers, (mine, ref), strict=True):
+            scaler.step(optimizer)
+            scaler.update()
+        moved = max_diff(ours, before)
+        assert (moved == 0.0) == (step == 2), (step, moved)
+        assert max_diff(ours, theirs) <= 1e-6, step
+    assert mine._dataparallel_flat_step.flat_steps == 4
+    assert [float(mine.state[p]["step"]) for p in ours] == [3.0] * len(SHAPES)
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 512.0

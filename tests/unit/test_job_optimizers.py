@@ -69,7 +69,11 @@ def test_each_choice_hands_compose_its_groups_and_arguments():
     assert adamw.cls is torch.optim.AdamW
     assert [len(g["params"]) for g in adamw.groups] == [26, 42]
     assert [g["weight_decay"] for g in adamw.groups] == [0.1, 0.0]
-    assert adamw.kwargs == {"lr": 1e-3, "betas": (0.9, 0.95)}
+    # [Note: the job's AdamW kernel]: fused on the CPU, torch's own default elsewhere
+    assert adamw.kwargs == {"lr": 1e-3, "betas": (0.9, 0.95), "fused": True}
+    meta = choose_optimizer(OptimConfig(), model.to("meta"), 1e-3)
+    assert meta.kwargs == {"lr": 1e-3, "betas": (0.9, 0.95)}
+    model = build_model("gpt-tiny")
     factor = choose_optimizer(OptimConfig(optimizer="adafactor"), model, 1e-3)
     assert factor.cls is torch.optim.Adafactor and factor.kwargs == {"lr": 1e-3}
     assert [len(g["params"]) for g in factor.groups] == [26, 42]
@@ -81,6 +85,7 @@ def test_each_choice_hands_compose_its_groups_and_arguments():
     assert [g.get("optimizer") for g in muon.groups] == [None, torch.optim.AdamW, torch.optim.AdamW]
     assert [g.get("weight_decay") for g in muon.groups] == [None, 0.05, 0.0]
     assert muon.groups[1]["betas"] == (0.9, 0.95)
+    assert [g.get("fused") for g in muon.groups] == [None, True, True]
 
 
 def test_muon_without_a_hidden_matrix_is_one_line_naming_the_flag():

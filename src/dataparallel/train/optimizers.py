@@ -22,6 +22,15 @@
   Under --lora the same rule runs over the trainable parameters, the adapters: their A and B
   matrices are 2-D and neither embedding nor head, so they go to Muon (an adapted embedding's
   or head's adapters stay on AdamW); biases trained alongside go to AdamW.
+
+[Note: the job's AdamW kernel] AdamW (alone, or in Muon's groups) is built `fused=True` on the
+devices of `FUSED_DEVICES`, where torch's fused kernel is the measured fastest: over the flat
+runs ([Note: the fused flat step] in strategies/parts/flat_step.py) gpt-deep-narrow's AdamW
+step under DDP takes 1.5 ms, against 8.7 ms with torch's default kernel and 3.1 ms for torch's
+own fused one over its 388 tensors (benchmarks/gpu_throughput.py's optimizer rows on CPU,
+BENCHMARKS.md). Elsewhere (CUDA, until the GPU measurement of issue 40 decides it) torch's own
+default stays. A script calling `dp.compose` or `dp.build_optimizer` gets the kernel it asks
+for; the fused kernel differs from the for-loop in the last bit of some elements.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 from torch import nn
 
 OPTIMIZERS = ("adamw", "muon", "adafactor")
+FUSED_DEVICES = ("cpu",)  # [Note: the job's AdamW kernel]
 
 
 @dataclass(frozen=True)
@@ -99,10 +109,10 @@ def choose_optimizer(optim, model: nn.Module, lr: float) -> OptimizerChoice:
     """[optim]'s optimizer over `model`'s trainable parameters at peak learning rate `lr`."""
     params = [p for p in model.parameters() if p.requires_grad]
     betas = (optim.beta1, optim.beta2)
+    kernel = adamw_kernel(params)
     if optim.optimizer == "adamw":
-        return OptimizerChoice(
-            torch.optim.AdamW, decay_groups(params, optim.weight_decay), {"lr": lr, "betas": betas}
-        )
+        kwargs = {"lr": lr, "betas": betas, **kernel}
+        return OptimizerChoice(torch.optim.AdamW, decay_groups(params, optim.weight_decay), kwargs)
     if optim.optimizer == "adafactor":
         return OptimizerChoice(
             torch.optim.Adafactor, decay_groups(params, optim.weight_decay), {"lr": lr}
@@ -118,7 +128,13 @@ def choose_optimizer(optim, model: nn.Module, lr: float) -> OptimizerChoice:
             "parameter other than the embeddings and the head) in this model; use adamw"
         )
     groups = [{"params": [p for p in params if id(p) in hidden]}]
-    adamw = {"optimizer": torch.optim.AdamW, "lr": lr, "betas": betas}
+    adamw = {"optimizer": torch.optim.AdamW, "lr": lr, "betas": betas, **kernel}
     groups += decay_groups(rest, optim.weight_decay, **adamw)
     kwargs = {"lr": lr, "weight_decay": optim.weight_decay, "adjust_lr_fn": "match_rms_adamw"}
     return OptimizerChoice(torch.optim.Muon, groups, kwargs)
+
+
+def adamw_kernel(params: list[nn.Parameter]) -> dict:
+    """AdamW's kernel option for parameters on their device ([Note: the job's AdamW kernel])."""
+    device = params[0].device.type if params else "cpu"
+    return {"fused": True} if device in FUSED_DEVICES else {}
