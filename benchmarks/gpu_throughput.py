@@ -46,7 +46,7 @@ CONTENDERS = {
     "hf-trainer": (tc.hf_trainer, ("ddp", "bf16"), False, ""),
     "job": (tc.job, (tc.JOB_STRATEGY, tc.JOB_PRECISION), False, ""),
 }
-LORA = {"ours-ddp-lora": (tc.ours("ddp"), None, False, "")}
+LORA = {"ours-ddp-lora": (tc.ours("ddp"), ("ddp", "bf16-params"), False, "")}
 SECTIONS = ("throughput", "optimizer", "lora")
 
 
@@ -88,7 +88,7 @@ def measure(name: str, entry, ctx: tc.Context, peak: float | None) -> dict:
         "mfu": mfu(tokens_per_s, flops, peak) if peak else None,
         "peak_bytes": got.peak_bytes,
         "plan_bytes": plan_bytes or None,
-        "plan_row": "/".join(plan_as) if plan_as else "n/a: the planner has no frozen base",
+        "plan_row": "/".join(plan_as) if plan_as else "n/a",
         "losses": got.losses,
         "note": got.note,
     }

@@ -16,12 +16,15 @@ from pathlib import Path
 import torch
 
 from dataparallel import Recipe
+from dataparallel.models.lora import LoraSpec
 from dataparallel.plan.flops import module_flops_per_token
 from dataparallel.plan.inputs import PlanInputs
 from dataparallel.plan.llama import LLAMA_CONFIGS, LlamaConfig
 from dataparallel.plan.model import llama_shape
 from dataparallel.plan.planner import make_plan
 from dataparallel.plan.profiles import get_profile
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the LoRA sizes' adapted layers
 
 TOY = LlamaConfig(
     dim=64, n_layer=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, seq_len=64
@@ -96,7 +99,7 @@ def build(size: Size, device: torch.device, dtype: torch.dtype = torch.float32):
     if size.lora:
         from peft import LoraConfig, get_peft_model
 
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        targets = list(LORA_TARGETS)
         adapters = LoraConfig(r=size.lora, lora_alpha=2 * size.lora, target_modules=targets)
         model = get_peft_model(model, adapters)
     return model
@@ -122,15 +125,14 @@ def flops_per_token(size: Size) -> float:
 
 def planned_peak(size: Size, strategy: str, precision: str, hardware: str = "h200") -> float:
     """The planner's peak bytes (`dataparallel plan`'s peak column) for one rank of `strategy`
-    in `precision` on the size's model, micro-batch and sequence; 0 for a LoRA fine-tune,
-    which the planner cannot plan (it counts trainable parameters only: no frozen base)."""
-    if size.lora:
-        return 0.0
+    in `precision` on the size's model, micro-batch and sequence; a LoRA size with its
+    adapters as `build` puts them ([Note: planner LoRA] in plan/lora.py)."""
+    lora = LoraSpec(r=size.lora, alpha=2 * size.lora, targets=LORA_TARGETS) if size.lora else None
     recipe = Recipe(precision=precision)
     inputs = PlanInputs(ranks=1, recipe=recipe, micro_batch=size.batch, strategies=(strategy,))
     compute = torch.bfloat16 if inputs.param_bytes == 2 else torch.float32
     autocast = torch.bfloat16 if inputs.autocast else None
-    shape = llama_shape(size.name, size.config, size.config.seq_len, compute, autocast)
+    shape = llama_shape(size.name, size.config, size.config.seq_len, compute, autocast, 1, lora)
     return make_plan(shape, get_profile(hardware), inputs).rows[0].peak_bytes
 
 

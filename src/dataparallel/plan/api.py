@@ -20,6 +20,7 @@ from .inputs import (
     parse_compress,
     plan_recipe,
 )
+from .lora import parse_lora
 from .model import ModelShape, bare_shape, builtin_shape, saved_bytes, shape_of_module
 from .planner import Plan, make_plan
 from .profiles import get_profile
@@ -56,6 +57,7 @@ def plan(
     bucket_mb: float | None = None,
     tp: int = 1,
     recipe: Recipe | None = None,
+    lora: str = "",
 ) -> Plan:
     """Predict memory per rank, bytes sent and step time of every strategy, and pick one.
 
@@ -69,6 +71,9 @@ def plan(
     optimizer: adam, adamw, sgd, bytes of state per parameter, or muon / adafactor: the job's
         recipes, whole parameters owned per shard group (whole_parameters.py: the busiest
         owner's memory, Muon's compute; `Plan.whole`).
+    lora: a LoRA fine-tune of a built-in model, `dataparallel train --lora`'s spec
+        ("r=16,targets=q_proj,v_proj"): the base frozen, the adapters trained ([Note: planner
+        LoRA] in lora.py). An nn.Module with its adapters applied is planned as it is.
     recipe: a `dp.Recipe` instead of precision, tp, activation_checkpointing, compress and
         DiLoCo's diloco_steps (its `diloco`), fragments, overlap and outer_compress: what the
         job or a script would compose.
@@ -104,7 +109,13 @@ def plan(
         bucket_mb=bucket_mb,
         inner="muon" if optimizer == "muon" else "adamw",
     )
-    shape = model_shape(model, params, layers, width, seq_len, vocab, loss_fn, inputs)
+    spec = parse_lora(lora)
+    if spec is not None and not isinstance(model, str):
+        raise PlanError("--lora", "adapters are put on a built-in model only",
+                        "give --model NAME, or an nn.Module with its adapters applied")  # fmt: skip
+    if spec is not None and inputs.tp > 1:
+        raise PlanError("--lora", "LoRA under tensor parallelism is not planned", "drop --tp")
+    shape = model_shape(model, params, layers, width, seq_len, vocab, loss_fn, inputs, spec)
     return _whole_plan(str(optimizer), shape, hw, inputs) if whole else make_plan(shape, hw, inputs)
 
 
@@ -143,13 +154,13 @@ def _whole_plan(optimizer: str, shape, hw: HardwareProfile, inputs: PlanInputs) 
     return replace(make_plan(shape, hw, inputs), whole=parts)
 
 
-def model_shape(model, params, layers, width, seq_len, vocab, loss_fn, x: PlanInputs):
+def model_shape(model, params, layers, width, seq_len, vocab, loss_fn, x: PlanInputs, lora=None):
     compute = torch.float32 if x.param_bytes == 4 else torch.bfloat16
     if x.precision == "fp16":
         compute = torch.float16
     autocast = torch.bfloat16 if x.autocast else None
     if isinstance(model, str):
-        return builtin_shape(model, seq_len, compute, autocast, x.tp)
+        return builtin_shape(model, seq_len, compute, autocast, x.tp, lora)
     if x.tp > 1:
         raise PlanError("--tp", "the tensor-parallel split is known for built-in models only",
                         "give --model gpt-small, llama-8b, ..., or drop --tp")  # fmt: skip

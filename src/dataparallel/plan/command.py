@@ -47,6 +47,11 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--layout", default="dataparallel", help="dataparallel or zero-paper")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1: none)")
+    p.add_argument(
+        "--lora",
+        default="",
+        help="a LoRA fine-tune, train's spec (r=16,targets=q_proj,v_proj): the base frozen",
+    )
     p.add_argument("--json", action="store_true", help="print rows as JSON")
     p.add_argument(
         "--dry-run",
@@ -83,7 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 SAME_NAMES = (
     *("params", "layers", "width", "seq_len", "vocab"),
     *("ranks", "nodes", "ranks_per_node", "hardware"),
-    *("optimizer", "micro_batch", "accumulation", "layout"),
+    *("optimizer", "micro_batch", "accumulation", "layout", "lora"),
 )
 
 

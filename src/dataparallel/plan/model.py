@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from ..strategies import ParamShapes, param_shapes
 from ..torch_internals import flash_attention_cpu, storage_id
 from .errors import PlanError
+from .lora import LoraSpec, adapt
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,8 @@ class ModelShape:
         backward, parameters and gradients excepted ([Note: transient peak]): the activations
         still kept and backward's temporaries at that moment; 0 when not traced (the planner
         then counts activation_bytes + largest_activation).
+    frozen_units: per ZeRO-3 unit (`units`' order, the root first), the elements of its
+        parameters that take no gradient: held, never trained ([Note: planner LoRA]).
     """
 
     name: str
@@ -71,6 +74,12 @@ class ModelShape:
     activation_bytes: float
     largest_activation: float
     transient_bytes: float = 0.0
+    frozen_units: tuple[int, ...] = ()
+
+    @property
+    def frozen(self) -> int:
+        """Frozen parameters' elements (a LoRA base, [Note: planner LoRA] in lora.py)."""
+        return sum(self.frozen_units)
 
     @property
     def param_shapes(self) -> ParamShapes:
@@ -155,10 +164,15 @@ def lm_run(tokens: int, batch: int, vocab: int, autocast: torch.dtype | None):
     return run
 
 
-def linear_weights(model: nn.Module) -> int:
-    """Elements of the weights of every nn.Linear, shared ones once per use (a tied head
-    costs its matrix product even though its parameter is the embedding's)."""
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+def linear_flops(model: nn.Module) -> int:
+    """Forward and backward FLOPs per token of every nn.Linear, shared weights once per use (a
+    tied head costs its matrix product even though its parameter is the embedding's): 6 per
+    weight trained, 4 per weight frozen (no weight gradient, [Note: planner LoRA])."""
+    return sum(
+        (6 if m.weight.requires_grad else 4) * m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Linear)
+    )
 
 
 def shape_of_module(
@@ -173,19 +187,21 @@ def shape_of_module(
     largest_activation: float = 0.0,
 ) -> ModelShape:
     params = [p for p in model.parameters() if p.requires_grad]
+    shapes = param_shapes(model)
     return ModelShape(
         name=name,
         params=sum(p.numel() for p in params),
         tensor_numels=tuple(p.numel() for p in params),
         matrices=tuple(tuple(p.shape) for p in params if p.dim() == 2),
-        units=param_shapes(model).units,
+        units=shapes.units,
         layers=layers,
         width=width,
         seq_len=seq_len,
         vocab=vocab,
-        flops_per_token=6 * linear_weights(model) + 12 * layers * width * seq_len,
+        flops_per_token=linear_flops(model) + 12 * layers * width * seq_len,
         activation_bytes=activation_bytes,
         largest_activation=largest_activation,
+        frozen_units=shapes.frozen_units,
     )
 
 
@@ -201,17 +217,18 @@ def builtin_shape(
     compute: torch.dtype,
     autocast: torch.dtype | None,
     tp: int = 1,
+    lora: LoraSpec | None = None,
 ) -> ModelShape:
     """A model of dataparallel.models (or a Llama of llama.py), built and traced on meta; with
-    `tp` > 1 the part one rank holds ([Note: planner tensor parallelism]). Kept per argument
-    (a frozen ModelShape): a dry run plans once per role, and the trace of llama-8b takes
-    seconds."""
+    `tp` > 1 the part one rank holds ([Note: planner tensor parallelism]); with `lora` its base
+    frozen and adapters on the targets ([Note: planner LoRA]). Kept per argument (a frozen
+    ModelShape): a dry run plans once per role, and the trace of llama-8b takes seconds."""
     from ..models import MODEL_CONFIGS, build_model
     from .llama import LLAMA_CONFIGS
     from .tensor_parallel import narrow
 
     if name in LLAMA_CONFIGS:
-        return llama_shape(name, LLAMA_CONFIGS[name], seq_len, compute, autocast, tp)
+        return llama_shape(name, LLAMA_CONFIGS[name], seq_len, compute, autocast, tp, lora)
     if name not in MODEL_CONFIGS or not hasattr(MODEL_CONFIGS[name], "n_layer"):
         gpts = [n for n, c in MODEL_CONFIGS.items() if hasattr(c, "n_layer")]
         known = ", ".join(sorted([*gpts, *LLAMA_CONFIGS]))
@@ -226,6 +243,8 @@ def builtin_shape(
         )
     with torch.device("meta"):
         model = narrow(build_model(name).to(compute), tp, config.n_head)
+        if lora is not None:
+            adapt(model, lora, name)
     kept = saved_bytes(model, lm_run(seq_len, 1, config.vocab_size, autocast))
     itemsize = (autocast or compute).itemsize
     shape = shape_of_module(
@@ -250,14 +269,17 @@ def llama_shape(
     compute: torch.dtype,
     autocast: torch.dtype | None,
     tp: int = 1,
+    lora: LoraSpec | None = None,
 ) -> ModelShape:
     """A Llama of llama.py with `config` (a `LlamaConfig`, a built-in one or any other),
-    built and traced on meta; with `tp` > 1 the part one rank holds."""
+    built and traced on meta; with `tp` > 1 the part one rank holds; with `lora` adapted."""
     from .llama import Llama
     from .tensor_parallel import narrow
 
     with torch.device("meta"):
         model = narrow(Llama(config).to(compute), tp, config.n_heads, config.n_kv_heads)
+        if lora is not None:
+            adapt(model, lora, name)
     shape = shape_of_module(
         model,
         name=name,

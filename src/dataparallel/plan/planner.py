@@ -192,8 +192,9 @@ def plan_row(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) ->
     )
 
 
-def recommend(rows: list[Row], hw: HardwareProfile) -> tuple[Row | None, str]:
-    """The fastest row that fits, with its reason in one line; or what is short by how much."""
+def recommend(rows: list[Row], hw: HardwareProfile, lora: bool = False) -> tuple[Row | None, str]:
+    """The fastest row that fits, with its reason in one line; or what is short by how much
+    and what would shrink it (a LoRA fine-tune, when the plan is of a full one)."""
     fitting = [r for r in rows if r.fits]
     if not rows:
         return None, "no strategy to plan: DiLoCo needs at least two replicas"
@@ -204,8 +205,13 @@ def recommend(rows: list[Row], hw: HardwareProfile) -> tuple[Row | None, str]:
             f"no strategy fits in {hw.memory_bytes / 1e9:.3g} GB per rank: the smallest, "
             f"{least.candidate.label}, needs {least.peak_bytes / 1e9:.3g} GB, "
             f"{short / 1e9:.3g} GB short (activations {least.activations / 1e9:.3g} GB, model "
-            f"states {least.memory.model_state / 1e9:.3g} GB); add ranks, lower --micro-batch "
-            "or use --activation-checkpointing"
+            f"states {least.memory.model_state / 1e9:.3g} GB); add ranks, lower --micro-batch"
+            + (
+                " or use --activation-checkpointing"
+                if lora
+                else ", use --activation-checkpointing or plan a LoRA fine-tune (--lora "
+                "r=16,targets=q_proj,v_proj: the base frozen)"
+            )
         )
     best = min(fitting, key=lambda r: r.step_s)
     others = sorted((r for r in fitting if r is not best), key=lambda r: r.step_s)
@@ -223,5 +229,5 @@ def recommend(rows: list[Row], hw: HardwareProfile) -> tuple[Row | None, str]:
 
 def make_plan(model: ModelShape, hw: HardwareProfile, x: PlanInputs) -> Plan:
     rows = [plan_row(c, model, x, hw) for c in candidates(x, hw)]
-    best, reason = recommend(rows, hw)
+    best, reason = recommend(rows, hw, lora=bool(model.frozen))
     return Plan(model, hw, x, rows, best, reason)

@@ -15,6 +15,7 @@ def plan_fields(p: Plan) -> dict:
     return {
         "model": p.model.name,
         "params": p.model.params,
+        **({"frozen_params": p.model.frozen} if p.model.frozen else {}),
         "ranks": p.inputs.ranks,
         "tp": p.inputs.tp,
         "hardware": p.hardware.name,
@@ -77,7 +78,7 @@ def as_table(p: Plan) -> str:
     """Memory in GB (1e9 bytes), traffic in GB per rank per step, times in ms."""
     head = (
         f"{p.model.name}: {p.model.params:,} parameters{' per rank' if p.inputs.tp > 1 else ''}"
-        f", {_world(p)}, "
+        f"{f' trained, {p.model.frozen:,} frozen (LoRA)' if p.model.frozen else ''}, {_world(p)}, "
         f"{p.inputs.precision}, micro-batch {p.inputs.micro_batch} x {p.inputs.accumulation}, "
         f"{p.hardware.name}"
     )

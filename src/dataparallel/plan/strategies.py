@@ -32,7 +32,7 @@ for stage 3, with K = 12 for mixed-precision Adam (fp32 masters, momentum and va
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..strategies import DDP, POLICIES, PRECISIONS
 from ..strategies import Footprint as RankFootprint
@@ -76,23 +76,28 @@ class Footprint:
         buffers, in flight once backward has freed most activations).
     residuals: error-feedback residuals. outer: DiLoCo's fp32 snapshot and momentum.
     collectives: what one step sends.
+    frozen: bytes of frozen parameters held between steps (a LoRA base, [Note: planner
+        LoRA] in lora.py), in `params`; frozen_gathered: ZeRO-3's frozen units gathered at
+        the peak, in `gathered` and `buckets`.
     """
 
     rank: RankFootprint
     residuals: float = 0.0
     outer: float = 0.0
     collectives: list[Collective] = field(default_factory=list)
+    frozen: float = 0.0
+    frozen_gathered: float = 0.0
 
-    params = property(lambda self: self.rank.params)
+    params = property(lambda self: self.rank.params + self.frozen)
     grads = property(lambda self: self.rank.grads)
     optimizer = property(lambda self: self.rank.optimizer)
     masters = property(lambda self: self.rank.masters)
-    buckets = property(lambda self: self.rank.in_flight)
-    gathered = property(lambda self: self.rank.gathered)
+    buckets = property(lambda self: self.rank.in_flight + self.frozen_gathered)
+    gathered = property(lambda self: self.rank.gathered + self.frozen_gathered)
 
     @property
     def model_state(self) -> float:
-        return self.rank.model_state
+        return self.rank.model_state + self.frozen
 
 
 def policy_of(c: Candidate, x: PlanInputs):
@@ -164,7 +169,23 @@ def footprint(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) -
         )
     )
     psi, k = float(m.params), x.optimizer_bytes
-    return _paper(f, c.strategy, psi, n, k) if x.layout == "zero-paper" else f
+    if x.layout == "zero-paper":
+        return _paper(f, c.strategy, psi, n, k)
+    return _frozen(f, policy, m, x, s) if m.frozen_units else f
+
+
+def _frozen(f: Footprint, policy, m: ModelShape, x: PlanInputs, s: int) -> Footprint:
+    """[Note: planner LoRA] The frozen base in the compute dtype: whole under DDP and ZeRO-1/2;
+    under ZeRO-3 a shard of each unit's frozen part, and at the peak the root's and the
+    gathered units' frozen parts (`gathered_units` as the policy's footprint counts them)."""
+    itemsize = x.param_bytes
+    if not isinstance(policy, POLICIES["zero3"]):
+        return replace(f, frozen=m.frozen * itemsize)
+    units = m.frozen_units
+    held = sum(-(-u // s) for u in units) * itemsize
+    count = 1 + int(policy.prefetch) if policy.reshard_after_forward else len(units)
+    gathered = (units[0] + sum(sorted(units[1:], reverse=True)[:count])) * itemsize
+    return replace(f, frozen=held, frozen_gathered=gathered)
 
 
 def _sharded_reduce(grad_bytes, shard, replicas, calls) -> list[Collective]:

@@ -3,7 +3,8 @@
 [Note: resolution] The choice between strategies is made here and nowhere else, above every
 strategy module (no strategy imports another):
 - a name ("ddp", "zero1", ...) means its policy with the defaults (`POLICIES`);
-- DDP with a `param_dtype` narrower than the model's keeps fp32 masters and their optimizer
+- DDP with a `param_dtype` narrower than the trained parameters (the first that takes a
+  gradient: a frozen LoRA base does not decide) keeps fp32 masters and their optimizer
   state beside the low precision parameters: that is ZeRO-1 on shard groups of one rank (a
   2-D mesh with S = 1, [Note: mesh] in parts/mesh.py), all-reducing whole buckets across the
   replicas, so it is built as exactly that layout, and the layout names it "ddp"
@@ -51,7 +52,10 @@ def apply_policy(policy, model: nn.Module, groups: Groups) -> Strategy:
 
 
 def _needs_masters(policy: DDP, model: nn.Module) -> bool:
-    first = next(model.parameters(), None)
+    """Whether the trained parameters are wider than `param_dtype`: read from the first one
+    that takes a gradient (a LoRA base loaded in bf16 comes first and is frozen; its fp32
+    adapters are what the policy's masters are for)."""
+    first = next((p for p in model.parameters() if p.requires_grad), None)
     return first is not None and policy.precision.masters(first.dtype) is not None
 
 

@@ -12,7 +12,8 @@ rank (docs/ddp.md) and is counted as that. The planner (plan/strategies.py) asks
 copies none of it; tests/dist/test_footprint.py holds the held terms against
 `dp.memory_report` on every strategy and mesh, to the byte.
 
-What is not counted: frozen parameters (the shapes are the trainable ones), normalisation
+What is not counted: frozen parameters (the shapes are the trainable ones; the planner adds
+them, [Note: planner LoRA] in plan/lora.py), normalisation
 layers held in fp32 under a low `param_dtype` (their own buckets and units), optimizer state
 that is not per element (Adam's 4-byte `step` per tensor), and compression state (the hook's).
 """
@@ -36,10 +37,14 @@ class ParamShapes:
         planned over them in reverse, [Note: bucket order] in buckets.py).
     units: ZeRO-3's units, the root first (`plan_units` in zero3/plan.py): the numels of the
         parameters each unit owns, in its flat order. Empty: one root unit owning everything.
+    frozen_units: per unit of `units`, the elements of its parameters that take no gradient
+        (a LoRA base): not in `numels` or `units`; the planner adds them ([Note: planner
+        LoRA] in plan/lora.py). Empty when none is frozen.
     """
 
     numels: tuple[int, ...]
     units: tuple[tuple[int, ...], ...] = ()
+    frozen_units: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -263,4 +263,5 @@ def param_shapes(
     plans = plan_units(model, wrap, min_unit_params)
     units = tuple(tuple(p.numel() for p in unit.params if p.requires_grad) for unit in plans)
     numels = tuple(p.numel() for p in model.parameters() if p.requires_grad)
-    return ParamShapes(numels, units)
+    frozen = tuple(sum(p.numel() for p in u.params if not p.requires_grad) for u in plans)
+    return ParamShapes(numels, units, frozen if any(frozen) else ())

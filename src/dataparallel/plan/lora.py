@@ -1,0 +1,94 @@
+"""LoRA in the planner: a built-in model with its base frozen and low-rank adapters on the
+named layers, as `dataparallel train --lora` trains an `hf:` model ([Note: planner LoRA]).
+
+[Note: planner LoRA] `--lora r=16,targets=q_proj,v_proj` (the job's spec, models/lora.py)
+freezes every parameter of the meta model and puts beside each targeted nn.Linear the two
+adapters peft puts there: A (r x in) and B (out x r), the update (alpha / r) B A x, dropout
+none. Targets are matched on a layer's last name, as peft matches them; the planner's Llama
+(llama.py) answers to Hugging Face's names as well (q_proj is wq, gate_proj w1, ...). Then:
+- the trainable parameters (gradients, optimizer state, masters, buckets, units' gradients)
+  are the adapters alone;
+- the frozen base is held in the compute dtype (a base is loaded in it: an 8B in bf16 is
+  16 GB, never 32): whole on every rank under DDP and ZeRO-1/2, in shards under ZeRO-3, its
+  units gathered with their module's ([Note: frozen parameters] in strategies/zero3/plan.py);
+- activations are traced with the base frozen, so a frozen layer keeps what its input
+  gradient needs and no more;
+- FLOPs per token: 6 per weight of a trained linear layer, 4 per weight of a frozen one
+  (forward and the input's gradient, no weight gradient).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..models.lora import LoraSpec
+from .errors import PlanError
+
+# Hugging Face's Llama layer names -> the planner's Llama (llama.py)
+LLAMA_NAMES = {
+    "q_proj": "wq",
+    "k_proj": "wk",
+    "v_proj": "wv",
+    "o_proj": "wo",
+    "gate_proj": "w1",
+    "up_proj": "w3",
+    "down_proj": "w2",
+    "lm_head": "output",
+}
+
+
+class Adapted(nn.Module):
+    """A frozen linear layer and its adapters: base(x) + scale x B(A(x))."""
+
+    def __init__(self, base: nn.Linear, r: int, scale: float):
+        super().__init__()
+        like = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.base = base
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, **like)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, **like)
+        self.scale = scale
+
+    def forward(self, x):
+        out = self.base(x)  # the adapters in their own dtype, as peft runs them
+        update = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scale
+        return out + update.to(out.dtype)
+
+
+def parse_lora(text: str) -> LoraSpec | None:
+    """`--lora`'s spec, None for ""; a `PlanError` naming the flag otherwise."""
+    if not text:
+        return None
+    try:
+        return LoraSpec.parse(text)
+    except ValueError as error:
+        raise PlanError("--lora", str(error), "write e.g. r=16,targets=q_proj,v_proj") from None
+
+
+def adapt(model: nn.Module, spec: LoraSpec, name: str) -> nn.Module:
+    """Freeze `model` and put adapters beside every linear layer `spec` targets; a
+    `PlanError` when a target names none."""
+    layers = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    wanted = {LLAMA_NAMES.get(t, t): t for t in spec.targets}
+    found = dict.fromkeys(spec.targets, 0)
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child_name in wanted:
+                setattr(module, child_name, Adapted(child, spec.r, spec.scale))
+                found[wanted[child_name]] += 1
+    missing = [t for t, n in found.items() if n == 0]
+    if missing:
+        raise PlanError(
+            "--lora",
+            f"targets {', '.join(missing)} name no linear layer of {name}",
+            f"name its layers: {', '.join(layers)}{_aliases(layers)}",
+        )
+    return model
+
+
+def _aliases(layers: list[str]) -> str:
+    names = [hf for hf, ours in LLAMA_NAMES.items() if ours in layers]
+    return f" (or Hugging Face's {', '.join(names)})" if names else ""
