@@ -84,3 +84,39 @@ def test_the_planned_lora_bytes_are_what_the_strategy_holds(strategy):
     for rank, key, row in cases:
         assert row["frozen"] > 0 and row["trained"] == 2 * 2 * 4 * (32 + 32), (rank, key, row)
         assert row["planned"] == row["held"], (rank, key, row)
+
+
+# `dataparallel plan --dry-run --lora`: the real engine on the fake process group, in this
+# process, over a LoRA model built as the plan builds it ([Note: dry run of a plan]).
+
+
+@pytest.fixture
+def no_world_left():
+    dp.destroy()  # as tests/dist/test_dryrun_edges.py: a world left by another module goes first
+    yield
+    dp.destroy()
+
+
+def test_a_lora_dry_run_holds_what_the_plan_holds_at_1024_ranks(no_world_left):
+    from dataparallel.plan.dry_render import render
+    from dataparallel.plan.dry_run import dry_run
+
+    runs = {}
+    for strategy in ("ddp", "zero1", "zero2"):
+        result = dry_run("gpt-small", ranks=1024, strategy=strategy, precision="bf16-params",
+                         seq_len=64, lora="r=4,targets=q,v")  # fmt: skip
+        assert result.differences() == [], render(result)
+        assert result.plan.model.frozen > 0 and result.row.memory.frozen > 0
+        runs[strategy] = result
+        for run in result.runs:  # the frozen base, whole on every rank, is in the parameters
+            assert run.held["params"] >= result.row.memory.frozen
+            assert run.peak and abs(run.peak / result.row.peak_bytes - 1) < 0.02
+    assert len(runs) == 3 and sum(len(r.runs) for r in runs.values()) >= 3
+
+
+def test_a_lora_dry_run_of_zero3_is_refused_in_one_line(no_world_left):
+    from dataparallel.plan.dry_run import dry_run
+    from dataparallel.plan.errors import PlanError
+
+    with pytest.raises(PlanError, match=r"^--lora: ZeRO-3's frozen units .* have no dry run yet"):
+        dry_run("gpt-small", ranks=8, strategy="zero3", lora="r=4,targets=q,v")

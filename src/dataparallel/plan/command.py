@@ -154,6 +154,7 @@ def _dry_run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         micro_batch=args.micro_batch,
         seq_len=args.seq_len,
+        lora=args.lora,
     )
     print(as_json(result) if args.json else render(result))
     differences = result.differences() + result.peak_differences()

@@ -77,18 +77,27 @@ class RoleRun:
         return out
 
 
-def build_meta(model: str, tp: int):
-    """The built-in model on the meta device, fp32, narrowed to a rank's part under `tp`."""
+def build_meta(model: str, tp: int, lora=None, base_dtype=torch.float32):
+    """The built-in model on the meta device, fp32, narrowed to a rank's part under `tp`;
+    with `lora`, its base frozen in `base_dtype` and fp32 adapters ([Note: planner LoRA])."""
     from ..models import MODEL_CONFIGS, build_model
     from .llama import LLAMA_CONFIGS, Llama
+    from .lora import adapt
     from .tensor_parallel import narrow
 
     with torch.device("meta"):
         if model in LLAMA_CONFIGS:
             c = LLAMA_CONFIGS[model]
-            return narrow(Llama(c), tp, c.n_heads, c.n_kv_heads), c.vocab_size
-        c = MODEL_CONFIGS[model]
-        return narrow(build_model(model), tp, c.n_head), c.vocab_size
+            net, vocab = narrow(Llama(c), tp, c.n_heads, c.n_kv_heads), c.vocab_size
+        else:
+            c = MODEL_CONFIGS[model]
+            net, vocab = narrow(build_model(model), tp, c.n_head), c.vocab_size
+        if lora is not None:
+            adapt(net.to(base_dtype), lora, model)
+            for p in net.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()  # peft keeps the adapters in fp32
+    return net, vocab
 
 
 def data_group(rank: int, ranks: int, tp: int):
@@ -101,7 +110,19 @@ def data_group(rank: int, ranks: int, tp: int):
 
 
 def run_role(
-    model, role: Role, *, ranks, tp, shard_size, policy, optimizer, micro_batch, seq_len, peak=True
+    model,
+    role: Role,
+    *,
+    ranks,
+    tp,
+    shard_size,
+    policy,
+    optimizer,
+    micro_batch,
+    seq_len,
+    peak=True,
+    lora=None,
+    base_dtype=torch.float32,
 ) -> RoleRun:
     """One role's dry run on the fake process group ([Note: dry run of a plan])."""
     from ..api import build_optimizer, memory_report, parallelize
@@ -113,7 +134,7 @@ def run_role(
     init_fake(ranks, role.rank)
     live = LiveBytes()  # [Note: meta peak] in live_bytes.py
     try:
-        net, vocab = build_meta(model, tp)
+        net, vocab = build_meta(model, tp, lora, base_dtype)
         for p in net.parameters():
             live.note(p)
         with live if peak else contextlib.nullcontext():  # not measured: no mode to pay for

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .dry_engine import (
     DRY_OPTIMIZERS,
     DRY_STRATEGIES,
@@ -42,6 +44,7 @@ from .dry_engine import (
 from .dry_roles import chosen_roles, role_ranks
 from .errors import PlanError
 from .inputs import plan_layout
+from .lora import parse_lora
 from .strategies import policy_of
 
 # the peak is compared where the plan models what is in flight at it ([Note: peak terms]):
@@ -94,12 +97,15 @@ def dry_run(
     seq_len: int | None = None,
     roles: list[int] | None = None,
     peak: bool = True,
+    lora: str = "",
 ) -> DryRun:
     """The plan of `strategy` on shard groups of `shard_size` (default: every data rank) for
     built-in `model` over `ranks` ranks, and the engine's dry run of each role ([Note: dry run
     of a plan]); `roles`: shard-group ranks to run instead of the ones that differ; `peak`:
     measure the step's peak of meta storages ([Note: meta peak], a pass over the live storages
-    per operator: off, the step runs faster and `RoleRun.peak` is 0)."""
+    per operator: off, the step runs faster and `RoleRun.peak` is 0); `lora`: a LoRA fine-tune
+    ([Note: planner LoRA]): the base built frozen in the compute dtype, its adapters fp32 as
+    peft leaves them, the frozen bytes counted in the planned parameters (DDP, ZeRO-1/2)."""
     from .api import plan
 
     if not isinstance(model, str):
@@ -114,6 +120,12 @@ def dry_run(
         raise PlanError(
             "--optimizer", f"{optimizer!r}: {why}", f"give one of {', '.join(DRY_OPTIMIZERS)}"
         )
+    if lora and strategy == "zero3":
+        raise PlanError(
+            "--lora",
+            "ZeRO-3's frozen units (split from each unit's trained part) have no dry run yet",
+            "give --strategy ddp, zero1 or zero2 with --dry-run --lora",
+        )
     s = plan_layout(ranks, tp, 0 if strategy == "ddp" else shard_size or 0, strategy).shard
     result = plan(
         model,
@@ -126,6 +138,7 @@ def dry_run(
         micro_batch=micro_batch,
         seq_len=seq_len,
         hardware="h100-node",
+        lora=lora,
     )
     row = next(r for r in result.rows if r.candidate.shard_size == s or strategy == "ddp")
     out = DryRun(row.candidate.label + (f" tp={tp}" if tp > 1 else ""), ranks, row, result)
@@ -137,6 +150,7 @@ def dry_run(
         rank = global_rank(shard_rank, s, tp)
         role = Role(rank, shard_rank, why)
         planned = footprint_of(policy, shapes, s, x.optimizer_bytes, shard_rank)
+        planned["params"] += int(row.memory.frozen)  # [Note: planner LoRA]: whole, not zero3
         run = run_role(
             model,
             role,
@@ -148,6 +162,8 @@ def dry_run(
             micro_batch=micro_batch,
             seq_len=result.model.seq_len,
             peak=peak,
+            lora=parse_lora(lora),
+            base_dtype=torch.bfloat16 if x.param_bytes == 2 else torch.float32,
         )
         run.planned = planned
         run.planned_collectives = planned_collectives(row)
