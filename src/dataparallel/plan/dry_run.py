@@ -105,7 +105,8 @@ def dry_run(
     measure the step's peak of meta storages ([Note: meta peak], a pass over the live storages
     per operator: off, the step runs faster and `RoleRun.peak` is 0); `lora`: a LoRA fine-tune
     ([Note: planner LoRA]): the base built frozen in the compute dtype, its adapters fp32 as
-    peft leaves them, the frozen bytes counted in the planned parameters (DDP, ZeRO-1/2)."""
+    peft leaves them, the frozen bytes counted in the planned parameters, and under ZeRO-3
+    the frozen units' gathers in the planned collectives and the largest gathered unit)."""
     from .api import plan
 
     if not isinstance(model, str):
@@ -119,12 +120,6 @@ def dry_run(
         why = "bytes per parameter name no optimizer to run" if bare else "has no dry run"
         raise PlanError(
             "--optimizer", f"{optimizer!r}: {why}", f"give one of {', '.join(DRY_OPTIMIZERS)}"
-        )
-    if lora and strategy == "zero3":
-        raise PlanError(
-            "--lora",
-            "ZeRO-3's frozen units (split from each unit's trained part) have no dry run yet",
-            "give --strategy ddp, zero1 or zero2 with --dry-run --lora",
         )
     s = plan_layout(ranks, tp, 0 if strategy == "ddp" else shard_size or 0, strategy).shard
     result = plan(
@@ -150,7 +145,10 @@ def dry_run(
         rank = global_rank(shard_rank, s, tp)
         role = Role(rank, shard_rank, why)
         planned = footprint_of(policy, shapes, s, x.optimizer_bytes, shard_rank)
-        planned["params"] += int(row.memory.frozen)  # [Note: planner LoRA]: whole, not zero3
+        planned["params"] += int(row.memory.frozen)  # [Note: planner LoRA]
+        if GATHERED in planned and result.model.frozen_units:  # a frozen unit may be larger
+            widest = max(-(-u // s) * s for u in result.model.frozen_units) * x.param_bytes
+            planned[GATHERED] = max(planned[GATHERED], widest)
         run = run_role(
             model,
             role,

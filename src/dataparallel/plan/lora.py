@@ -10,7 +10,8 @@ none. Targets are matched on a layer's last name, as peft matches them; the plan
   are the adapters alone;
 - the frozen base is held in the compute dtype (a base is loaded in it: an 8B in bf16 is
   16 GB, never 32): whole on every rank under DDP and ZeRO-1/2, in shards under ZeRO-3, its
-  units gathered with their module's ([Note: frozen parameters] in strategies/zero3/plan.py);
+  units gathered with their module's ([Note: frozen parameters] in strategies/zero3/plan.py)
+  and all-gathered in forward and again in backward, as the trained units are;
 - activations are traced with the base frozen, so a frozen layer keeps what its input
   gradient needs and no more;
 - FLOPs per token: 6 per weight of a trained linear layer, 4 per weight of a frozen one

@@ -171,21 +171,37 @@ def footprint(c: Candidate, m: ModelShape, x: PlanInputs, hw: HardwareProfile) -
     psi, k = float(m.params), x.optimizer_bytes
     if x.layout == "zero-paper":
         return _paper(f, c.strategy, psi, n, k)
-    return _frozen(f, policy, m, x, s) if m.frozen_units else f
+    return _frozen(f, policy, m, x, shard) if m.frozen_units else f
 
 
-def _frozen(f: Footprint, policy, m: ModelShape, x: PlanInputs, s: int) -> Footprint:
+def _frozen(f: Footprint, policy, m: ModelShape, x: PlanInputs, shard) -> Footprint:
     """[Note: planner LoRA] The frozen base in the compute dtype: whole under DDP and ZeRO-1/2;
-    under ZeRO-3 a shard of each unit's frozen part, and at the peak the root's and the
-    gathered units' frozen parts (`gathered_units` as the policy's footprint counts them)."""
+    under ZeRO-3 a shard of each unit's frozen part (a unit of its own, split from the trained
+    part), at the peak the root's and the gathered units' frozen parts (`gathered_units` as the
+    policy's footprint counts them), and their all-gathers: each frozen part in forward and
+    again in backward, but the root's (it stays gathered)."""
     itemsize = x.param_bytes
     if not isinstance(policy, POLICIES["zero3"]):
         return replace(f, frozen=m.frozen * itemsize)
-    units = m.frozen_units
-    held = sum(-(-u // s) for u in units) * itemsize
+    s = shard.size
+    units = [-(-u // s) * s for u in m.frozen_units]  # padded to split over the shard group
     count = 1 + int(policy.prefetch) if policy.reshard_after_forward else len(units)
     gathered = (units[0] + sum(sorted(units[1:], reverse=True)[:count])) * itemsize
-    return replace(f, frozen=held, frozen_gathered=gathered)
+    collectives = list(f.collectives)
+    if s > 1:
+        forward, calls = sum(units) * itemsize, sum(1 for u in units if u)
+        again = forward - units[0] * itemsize
+        micro = x.accumulation
+        collectives += [
+            Collective(what="frozen parameters (forward)", kind="all_gather",
+                       buffer_bytes=forward * micro, group=shard, calls=calls * micro,
+                       window="forward"),
+            Collective(what="frozen parameters (backward)", kind="all_gather",
+                       buffer_bytes=again * micro, group=shard,
+                       calls=(calls - bool(units[0])) * micro),
+        ]  # fmt: skip
+    held = sum(units) // s * itemsize
+    return replace(f, frozen=held, frozen_gathered=gathered, collectives=collectives)
 
 
 def _sharded_reduce(grad_bytes, shard, replicas, calls) -> list[Collective]:
