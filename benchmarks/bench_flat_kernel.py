@@ -1,12 +1,13 @@
-"""torch's three kernels for one optimizer update over one flat tensor ([Note: the flat step's
-kernel] in src/dataparallel/strategies/parts/flat_kernel.py): the for-loop, `foreach` and
+"""torch's three kernels for one optimizer update over one flat tensor ([Note: the fused flat
+step] in src/dataparallel/strategies/parts/flat_step.py): the for-loop, `foreach` and
 `fused`, as the flat step would run them over a run of parameters.
 
     python benchmarks/bench_flat_kernel.py --sizes 1.2e6,2e7 --rounds 15
 
 One fp32 parameter of each size with a fixed gradient, one optimizer per kernel, stepped in
-interleaved rounds (each round steps every kernel once, in a rotating order); medians in ms and
-the ratio to the for-loop, then how far apart the kernels' parameters are after those steps.
+interleaved rounds (each round steps every kernel once, in a rotating order; 3 untimed rounds
+first); medians in ms and the ratio to the for-loop, then how far apart the fused kernel's
+parameter is from the for-loop's after all those steps.
 """
 
 from __future__ import annotations

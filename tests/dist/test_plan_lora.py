@@ -117,3 +117,4 @@ def test_a_lora_dry_run_holds_and_sends_what_the_plan_says_at_1024_ranks(no_worl
     frozen_gathers = [c for c in runs["zero3"].row.memory.collectives if "frozen" in c.what]
     assert len(frozen_gathers) == 2 and all(c.buffer_bytes > 0 for c in frozen_gathers)
     assert len(runs) == 4 and sum(len(r.runs) for r in runs.values()) >= 4
+

@@ -153,6 +153,7 @@ def test_an_overflowing_fp16_step_is_skipped_without_moving_anything(world):
     assert record.loss_scale == 2.0**39
     # No step was taken: the fused AdamW ([Note: the job's AdamW kernel]) is stepped with the
     # scaler's found-inf and makes its state, but counts no step and moves no moment.
+    assert state.optimizer.state  # the fused kernel made it (not vacuous below)
     moments = [v for s in state.optimizer.state.values() for k, v in s.items() if k != "step"]
     assert all(float(s["step"]) == 0.0 for s in state.optimizer.state.values())
     assert all(not v.any() for v in moments) and len(moments) == 2 * len(state.optimizer.state)

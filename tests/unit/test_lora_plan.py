@@ -77,3 +77,21 @@ def test_bad_lora_specs_are_one_line_naming_the_flag():
     with pytest.raises(PlanError, match="^--lora: LoRA under tensor parallelism"):
         dp.plan("llama-8b", ranks=2, tp=2, lora="r=4")
     assert len(cases) == 3
+
+
+def test_what_is_not_planned_is_refused_in_one_line():
+    refused = {
+        ("gpt-small", "r=4,targets=q,v,head", None): "a target lies in ZeRO-3's root unit",
+        ("gpt-small", "r=4,targets=q,dropout=0.1", None): "dropout=0.1 is not planned",
+        ("llama-8b", "r=4", "zero-paper"): "the ZeRO paper's layout has no frozen parameters",
+    }
+    for (model, spec, layout), said in refused.items():
+        with pytest.raises(PlanError, match=f"^--lora: {said}"):
+            dp.plan(model, ranks=2, lora=spec, layout=layout or "dataparallel")
+    assert len(refused) == 3
+    # the head's adapters are planned where no candidate runs ZeRO-3
+    head = dp.plan("gpt-small", ranks=2, lora="r=4,targets=q,v,head", strategies=["ddp", "zero2"])
+    assert {r.candidate.strategy for r in head.rows} == {"ddp", "zero2"} and head.best is not None
+    # an alias and its name adapt one layer once
+    both = dp.plan("llama-8b", ranks=1, hardware="h200", lora="r=4,targets=gate_proj,w1")
+    assert both.model.params == 4 * (4096 + 14336) * 32

@@ -20,7 +20,7 @@ from .inputs import (
     parse_compress,
     plan_recipe,
 )
-from .lora import parse_lora
+from .lora import check_root_unit, parse_lora
 from .model import ModelShape, bare_shape, builtin_shape, saved_bytes, shape_of_module
 from .planner import Plan, make_plan
 from .profiles import get_profile
@@ -115,7 +115,12 @@ def plan(
                         "give --model NAME, or an nn.Module with its adapters applied")  # fmt: skip
     if spec is not None and inputs.tp > 1:
         raise PlanError("--lora", "LoRA under tensor parallelism is not planned", "drop --tp")
+    if spec is not None and inputs.layout == "zero-paper":
+        raise PlanError("--lora", "the ZeRO paper's layout has no frozen parameters",
+                        "drop --layout zero-paper")  # fmt: skip
     shape = model_shape(model, params, layers, width, seq_len, vocab, loss_fn, inputs, spec)
+    if spec is not None:
+        check_root_unit(shape, inputs.strategies)
     return _whole_plan(str(optimizer), shape, hw, inputs) if whole else make_plan(shape, hw, inputs)
 
 

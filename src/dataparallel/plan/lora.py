@@ -60,9 +60,28 @@ def parse_lora(text: str) -> LoraSpec | None:
     if not text:
         return None
     try:
-        return LoraSpec.parse(text)
+        spec = LoraSpec.parse(text)
     except ValueError as error:
         raise PlanError("--lora", str(error), "write e.g. r=16,targets=q_proj,v_proj") from None
+    if spec.dropout:
+        raise PlanError("--lora", f"dropout={spec.dropout} is not planned (its masks are "
+                        "activations the trace does not keep)", "drop dropout=")  # fmt: skip
+    return spec
+
+
+def check_root_unit(shape, strategies) -> None:
+    """A target in ZeRO-3's root unit (the head, a tied embedding) leaves the root mixed: the
+    root is never split ([Note: frozen parameters] in strategies/zero3/plan.py), so it keeps a
+    gradient store for its frozen part too, and refuses mixed dtypes. Not planned: refused in
+    one line where a candidate runs ZeRO-3 (zero3, DiLoCo's inner steps)."""
+    mixed = shape.frozen_units and shape.frozen_units[0] and shape.units and shape.units[0]
+    if mixed and any(s in ("zero3", "diloco") for s in strategies):
+        raise PlanError(
+            "--lora",
+            "a target lies in ZeRO-3's root unit (the head or an embedding), which stays one "
+            "unit with the frozen base around it",
+            "drop that target, or plan --strategy ddp, zero1 or zero2",
+        )
 
 
 def adapt(model: nn.Module, spec: LoraSpec, name: str) -> nn.Module:
@@ -73,14 +92,13 @@ def adapt(model: nn.Module, spec: LoraSpec, name: str) -> nn.Module:
     )
     for p in model.parameters():
         p.requires_grad_(False)
-    wanted = {LLAMA_NAMES.get(t, t): t for t in spec.targets}
-    found = dict.fromkeys(spec.targets, 0)
+    found = dict.fromkeys((LLAMA_NAMES.get(t, t) for t in spec.targets), 0)  # aliases once
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child_name in wanted:
+            if isinstance(child, nn.Linear) and child_name in found:
                 setattr(module, child_name, Adapted(child, spec.r, spec.scale))
-                found[wanted[child_name]] += 1
-    missing = [t for t, n in found.items() if n == 0]
+                found[child_name] += 1
+    missing = [t for t in spec.targets if found[LLAMA_NAMES.get(t, t)] == 0]
     if missing:
         raise PlanError(
             "--lora",

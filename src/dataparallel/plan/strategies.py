@@ -234,6 +234,8 @@ def _zero3(held: RankFootprint, shard, replicas, micro: int) -> list[Collective]
     """Each unit gathered in forward, and again in backward but the root and the unit that
     ran last in forward (both stay gathered, docs/zero3.md); reduced once per step."""
     out = []
+    # a unit with nothing trained (a LoRA base's frozen part) has no gather or reduction here
+    gathers, reductions = sum(1 for g in held.gathers if g), sum(1 for r in held.reductions if r)
     if shard.size > 1:
         forward = sum(held.gathers)
         again = forward - held.gathers[0] - (held.gathers[-1] if len(held.gathers) > 1 else 0)
@@ -243,7 +245,7 @@ def _zero3(held: RankFootprint, shard, replicas, micro: int) -> list[Collective]
                 kind="all_gather",
                 buffer_bytes=forward * micro,
                 group=shard,
-                calls=len(held.gathers) * micro,
+                calls=gathers * micro,
                 window="forward",
             ),
             Collective(
@@ -251,10 +253,10 @@ def _zero3(held: RankFootprint, shard, replicas, micro: int) -> list[Collective]
                 kind="all_gather",
                 buffer_bytes=again * micro,
                 group=shard,
-                calls=len(held.gathers) * micro,
+                calls=gathers * micro,
             ),
         ]
-    return out + _sharded_reduce(sum(held.reductions), shard, replicas, len(held.reductions))
+    return out + _sharded_reduce(sum(held.reductions), shard, replicas, reductions)
 
 
 def _diloco(f: Footprint, c, psi, s, x: PlanInputs, replicas) -> Footprint:

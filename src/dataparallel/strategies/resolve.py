@@ -52,9 +52,9 @@ def apply_policy(policy, model: nn.Module, groups: Groups) -> Strategy:
 
 
 def _needs_masters(policy: DDP, model: nn.Module) -> bool:
-    """Whether the trained parameters are wider than `param_dtype`: read from the first one
-    that takes a gradient (a LoRA base loaded in bf16 comes first and is frozen; its fp32
-    adapters are what the policy's masters are for)."""
+    """Whether the trained parameters are wider than `param_dtype`, read from the first one
+    that takes a gradient (a frozen one does not decide: a LoRA base loaded in bf16 comes first
+    and is frozen; its fp32 adapters are what the policy's masters are for)."""
     first = next((p for p in model.parameters() if p.requires_grad), None)
     return first is not None and policy.precision.masters(first.dtype) is not None
 

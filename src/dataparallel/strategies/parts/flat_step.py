@@ -52,7 +52,7 @@ takes 5.9 ms for-loop, 4.4 foreach, 1.0 fused at 1.2M elements (`python
 benchmarks/bench_flat_kernel.py`). The kernel stays the one the user built: torch's default
 (the for-loop on CPU, foreach on CUDA) is what a plain loop in one process runs, and the fused
 kernel differs from it in the last bit of some elements, which Muon's orthogonalisation grows
-to 1e-3 in four steps. `dataparallel train` builds AdamW fused where that was measured fastest
+to 1e-3 in four steps (tests/dist/test_user_lines.py's Muon + AdamW). `dataparallel train` builds AdamW fused where that was measured fastest
 ([Note: the job's AdamW kernel] in train/optimizers.py). GradScaler sets `grad_scale` and
 `found_inf` on a fused optimizer for its step; the shadow is handed both, so the fused kernel
 unscales the flat runs and skips them on an overflow as it does the others.
