@@ -109,15 +109,7 @@ def plan(
         bucket_mb=bucket_mb,
         inner="muon" if optimizer == "muon" else "adamw",
     )
-    spec = parse_lora(lora)
-    if spec is not None and not isinstance(model, str):
-        raise PlanError("--lora", "adapters are put on a built-in model only",
-                        "give --model NAME, or an nn.Module with its adapters applied")  # fmt: skip
-    if spec is not None and inputs.tp > 1:
-        raise PlanError("--lora", "LoRA under tensor parallelism is not planned", "drop --tp")
-    if spec is not None and inputs.layout == "zero-paper":
-        raise PlanError("--lora", "the ZeRO paper's layout has no frozen parameters",
-                        "drop --layout zero-paper")  # fmt: skip
+    spec = parse_lora(lora, built_in=isinstance(model, str), tp=inputs.tp, layout=inputs.layout)
     shape = model_shape(model, params, layers, width, seq_len, vocab, loss_fn, inputs, spec)
     if spec is not None:
         check_root_unit(shape, inputs.strategies)

@@ -55,17 +55,38 @@ class Adapted(nn.Module):
         return out + update.to(out.dtype)
 
 
-def parse_lora(text: str) -> LoraSpec | None:
-    """`--lora`'s spec, None for ""; a `PlanError` naming the flag otherwise."""
+def parse_lora(
+    text: str, built_in: bool = True, tp: int = 1, layout: str = "dataparallel"
+) -> LoraSpec | None:
+    """`--lora`'s spec for a plan of a built-in model (`built_in`) over `tp` ranks in `layout`;
+    None for ""; a `PlanError` naming the flag for what is not planned."""
     if not text:
         return None
     try:
         spec = LoraSpec.parse(text)
     except ValueError as error:
         raise PlanError("--lora", str(error), "write e.g. r=16,targets=q_proj,v_proj") from None
-    if spec.dropout:
-        raise PlanError("--lora", f"dropout={spec.dropout} is not planned (its masks are "
-                        "activations the trace does not keep)", "drop dropout=")  # fmt: skip
+    refusals = (
+        (
+            spec.dropout,
+            f"dropout={spec.dropout} is not planned (its masks are not traced)",
+            "drop dropout=",
+        ),
+        (
+            not built_in,
+            "adapters are put on a built-in model only",
+            "give --model NAME, or an nn.Module with its adapters applied",
+        ),
+        (tp > 1, "LoRA under tensor parallelism is not planned", "drop --tp"),
+        (
+            layout == "zero-paper",
+            "the ZeRO paper's layout has no frozen parameters",
+            "drop --layout zero-paper",
+        ),
+    )
+    for refused, problem, fix in refusals:
+        if refused:
+            raise PlanError("--lora", problem, fix)
     return spec
 
 

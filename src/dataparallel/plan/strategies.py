@@ -192,14 +192,22 @@ def _frozen(f: Footprint, policy, m: ModelShape, x: PlanInputs, shard) -> Footpr
         forward, calls = sum(units) * itemsize, sum(1 for u in units if u)
         again = forward - units[0] * itemsize
         micro = x.accumulation
+        gather = {"kind": "all_gather", "group": shard}
         collectives += [
-            Collective(what="frozen parameters (forward)", kind="all_gather",
-                       buffer_bytes=forward * micro, group=shard, calls=calls * micro,
-                       window="forward"),
-            Collective(what="frozen parameters (backward)", kind="all_gather",
-                       buffer_bytes=again * micro, group=shard,
-                       calls=(calls - bool(units[0])) * micro),
-        ]  # fmt: skip
+            Collective(
+                what="frozen parameters (forward)",
+                buffer_bytes=forward * micro,
+                calls=calls * micro,
+                window="forward",
+                **gather,
+            ),
+            Collective(
+                what="frozen parameters (backward)",
+                buffer_bytes=again * micro,
+                calls=(calls - bool(units[0])) * micro,
+                **gather,
+            ),
+        ]
     held = sum(units) // s * itemsize
     return replace(f, frozen=held, frozen_gathered=gathered, collectives=collectives)
 
