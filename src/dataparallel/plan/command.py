@@ -47,11 +47,7 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--layout", default="dataparallel", help="dataparallel or zero-paper")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1: none)")
-    p.add_argument(
-        "--lora",
-        default="",
-        help="a LoRA fine-tune, train's spec (r=16,targets=q_proj,v_proj): the base frozen",
-    )
+    p.add_argument("--lora", default="", help="a LoRA fine-tune: train's --lora spec, base frozen")
     p.add_argument("--json", action="store_true", help="print rows as JSON")
     p.add_argument(
         "--dry-run",

@@ -228,7 +228,7 @@ def builtin_shape(
     from .tensor_parallel import narrow
 
     if name in LLAMA_CONFIGS:
-        return llama_shape(name, LLAMA_CONFIGS[name], seq_len, compute, autocast, tp, lora)
+        return llama_shape(name, LLAMA_CONFIGS[name], seq_len, compute, autocast, tp, lora=lora)
     if name not in MODEL_CONFIGS or not hasattr(MODEL_CONFIGS[name], "n_layer"):
         gpts = [n for n, c in MODEL_CONFIGS.items() if hasattr(c, "n_layer")]
         known = ", ".join(sorted([*gpts, *LLAMA_CONFIGS]))
@@ -269,6 +269,7 @@ def llama_shape(
     compute: torch.dtype,
     autocast: torch.dtype | None,
     tp: int = 1,
+    *,
     lora: LoraSpec | None = None,
 ) -> ModelShape:
     """A Llama of llama.py with `config` (a `LlamaConfig`, a built-in one or any other),
