@@ -130,7 +130,7 @@ def planned_peak(size: Size, strategy: str, precision: str, hardware: str = "h20
     lora = LoraSpec(r=size.lora, alpha=2 * size.lora, targets=LORA_TARGETS) if size.lora else None
     recipe = Recipe(precision=precision)
     inputs = PlanInputs(ranks=1, recipe=recipe, micro_batch=size.batch, strategies=(strategy,))
-    compute = torch.bfloat16 if inputs.param_bytes == 2 else torch.float32
+    compute = inputs.compute
     autocast = torch.bfloat16 if inputs.autocast else None
     shape = llama_shape(size.name, size.config, size.config.seq_len, compute, autocast, lora=lora)
     return make_plan(shape, get_profile(hardware), inputs).rows[0].peak_bytes

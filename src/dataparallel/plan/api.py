@@ -152,9 +152,7 @@ def _whole_plan(optimizer: str, shape, hw: HardwareProfile, inputs: PlanInputs) 
 
 
 def model_shape(model, params, layers, width, seq_len, vocab, loss_fn, x: PlanInputs, lora=None):
-    compute = torch.float32 if x.param_bytes == 4 else torch.bfloat16
-    if x.precision == "fp16":
-        compute = torch.float16
+    compute = x.compute
     autocast = torch.bfloat16 if x.autocast else None
     if isinstance(model, str):
         return builtin_shape(model, seq_len, compute, autocast, x.tp, lora)

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from .dry_engine import (
     DRY_OPTIMIZERS,
     DRY_STRATEGIES,
@@ -45,7 +43,7 @@ from .dry_roles import chosen_roles, role_ranks
 from .errors import PlanError
 from .inputs import plan_layout
 from .lora import parse_lora
-from .strategies import policy_of
+from .strategies import padded_frozen, policy_of
 
 # the peak is compared where the plan models what is in flight at it ([Note: peak terms]):
 # ZeRO-2's buckets and ZeRO-3's full gradients at backward's peak are not modelled yet
@@ -147,7 +145,7 @@ def dry_run(
         planned = footprint_of(policy, shapes, s, x.optimizer_bytes, shard_rank)
         planned["params"] += int(row.memory.frozen)  # [Note: planner LoRA]
         if GATHERED in planned and result.model.frozen_units:  # a frozen unit may be larger
-            widest = max(-(-u // s) * s for u in result.model.frozen_units) * x.param_bytes
+            widest = max(padded_frozen(result.model, s)) * x.param_bytes
             planned[GATHERED] = max(planned[GATHERED], widest)
         run = run_role(
             model,
@@ -161,7 +159,7 @@ def dry_run(
             seq_len=result.model.seq_len,
             peak=peak,
             lora=parse_lora(lora),
-            base_dtype=torch.bfloat16 if x.param_bytes == 2 else torch.float32,
+            base_dtype=x.compute,
         )
         run.planned = planned
         run.planned_collectives = planned_collectives(row)

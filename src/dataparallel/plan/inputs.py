@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from ..averaging import OuterSettings
 from ..compression import COMPRESSORS as ENGINE_COMPRESSORS
 from ..recipe import Recipe, RecipeError
@@ -147,6 +149,13 @@ class PlanInputs:
     grad_bytes = property(lambda self: self.numbers.grad_bytes)
     masters = property(lambda self: self.numbers.masters)
     autocast = property(lambda self: self.numbers.autocast is not None)
+
+    @property
+    def compute(self) -> torch.dtype:
+        """The dtype parameters are held in for compute (fp32 under fp32 and bf16 autocast)."""
+        if self.precision == "fp16":
+            return torch.float16
+        return torch.float32 if self.param_bytes == 4 else torch.bfloat16
 
 
 def _choose(flag: str, given, known) -> None:

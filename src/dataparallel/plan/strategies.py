@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..strategies import DDP, POLICIES, PRECISIONS
+from ..strategies import DDP, POLICIES, PRECISIONS, padded_numel
 from ..strategies import Footprint as RankFootprint
 from .collectives import Collective, compressed_bytes, span
 from .hardware import HardwareProfile
@@ -184,7 +184,7 @@ def _frozen(f: Footprint, policy, m: ModelShape, x: PlanInputs, shard) -> Footpr
     if not isinstance(policy, POLICIES["zero3"]):
         return replace(f, frozen=m.frozen * itemsize)
     s = shard.size
-    units = [-(-u // s) * s for u in m.frozen_units]  # padded to split over the shard group
+    units = padded_frozen(m, s)
     count = 1 + int(policy.prefetch) if policy.reshard_after_forward else len(units)
     gathered = (units[0] + sum(sorted(units[1:], reverse=True)[:count])) * itemsize
     collectives = list(f.collectives)
@@ -210,6 +210,11 @@ def _frozen(f: Footprint, policy, m: ModelShape, x: PlanInputs, shard) -> Footpr
         ]
     held = sum(units) // s * itemsize
     return replace(f, frozen=held, frozen_gathered=gathered, collectives=collectives)
+
+
+def padded_frozen(m: ModelShape, shard_size: int) -> list[int]:
+    """Each ZeRO-3 unit's frozen elements, padded to split over the shard group."""
+    return [padded_numel(u, shard_size) for u in m.frozen_units]
 
 
 def _sharded_reduce(grad_bytes, shard, replicas, calls) -> list[Collective]:

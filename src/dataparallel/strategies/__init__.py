@@ -16,7 +16,7 @@ from .parts.footprint import Footprint, ParamShapes, bucket_layouts, dtypes
 from .parts.geometry import SCALAR_STATE_KEYS, Geometry, HeldPiece, elementwise
 from .parts.geometry import full_state_dict as geometry_full_state_dict
 from .parts.grouped import GROUP_CLASS_KEY, Grouped, split_classes
-from .parts.layout import ShardLayout
+from .parts.layout import ShardLayout, padded_numel
 from .parts.mesh import Groups, Mesh, as_layout, init_mesh
 from .parts.optimizer_layout import (
     ELEMENTWISE,
@@ -55,6 +55,7 @@ __all__ = [
     "ParamShapes",
     "PlainCopy",
     "ShardLayout",
+    "padded_numel",
     "ShardedGrad",
     "Wrap",
     "bucket_layouts",
